@@ -1,0 +1,623 @@
+"""Run configuration: one YAML file → typed, frozen dataclasses, validated as a whole.
+
+A run is described by the sections ``run``, ``model``, ``moe``, ``parallel``, ``data``,
+``train``, ``checkpoint`` and ``launch``. ``load_config(path, overrides)`` reads the YAML,
+applies ``section.key=value`` overrides (values parsed as YAML scalars), checks every key and
+type, and runs every cross-field rule (world size, divisibility, batch arithmetic) before any
+process starts. Every failure raises :class:`ConfigError` whose message names the field, the
+value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "ParallelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "LaunchConfig",
+    "Config",
+    "load_config",
+    "config_from_dict",
+    "apply_overrides",
+    "save_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config field has a wrong name, type or value; the message says which and how to fix it."""
+
+
+def _err(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
+    return ConfigError(f"{field_name} = {value!r}: {problem}. Fix: {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections. Every field has a default unless a run cannot exist without it; docstrings give units.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """``name``: run name (used in job names). ``dir``: run directory (config, metrics, logs,
+    checkpoints); relative paths are relative to the current directory. ``seed``: seeds the
+    parameter initialisation and the data order."""
+
+    name: str = "moetrain"
+    dir: str = "runs/moetrain"
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder shape. ``hidden``: model width d. ``ffn_hidden``: SwiGLU inner width of the dense
+    MLP. ``vocab_size``: ``null`` takes the tokenizer's vocabulary from the data manifest,
+    padded up to a multiple of ``vocab_multiple`` (Megatron pads so that the vocabulary splits
+    evenly over tp). ``seq_len``: tokens per sample. ``rope_theta``: RoPE base (Su et al. 2021).
+    ``init_std``: std of the normal initialisation; output projections are scaled by
+    1/sqrt(2·layers) (GPT-2 §2.3)."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    kv_heads: int = 4
+    ffn_hidden: int = 688
+    vocab_size: int | None = None
+    vocab_multiple: int = 128
+    seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_backend: Literal["sdpa", "flash"] = "sdpa"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts layers. ``num_experts``: 0 makes a dense model. ``every``: an MoE layer
+    replaces the MLP in blocks i with i % every == every - 1 ... unless ``first_dense`` says how
+    many leading blocks stay dense (DeepSeek keeps the first ones dense). ``top_k``: experts per
+    token. ``ffn_hidden``: each expert's SwiGLU inner width. ``shared_experts``: always-active
+    experts added to the routed output (DeepSeekMoE, Dai et al. 2024). ``aux_loss_coef``:
+    weight of the Switch load-balancing loss (Fedus et al. 2021, eq. 4), computed per sequence
+    (GShard's groups = sequences, as DeepSeek-V3's sequence-wise balance loss) so it does not
+    depend on how a batch is split over ranks. ``z_loss_coef``: router z-loss (Zoph et al. 2022,
+    ST-MoE eq. 5). ``norm_topk_prob``: renormalise the top-k probabilities to sum to 1 (Mixtral).
+    ``capacity_factor``: ``null`` is dropless; a number caps each expert at
+    capacity_factor·tokens·top_k/experts tokens and drops the rest (a deviation from dropless,
+    the dropped fraction is logged). ``expert_backend``: ``grouped`` is the pure-PyTorch path,
+    ``megablocks`` uses megablocks on CUDA when installed."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    every: int = 1
+    first_dense: int = 0
+    ffn_hidden: int = 512
+    shared_experts: int = 0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    capacity_factor: float | None = None
+    norm_topk_prob: bool = True
+    expert_backend: Literal["grouped", "megablocks"] = "grouped"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when block ``layer`` (0-based) carries an MoE layer instead of a dense MLP."""
+        if self.num_experts == 0 or layer < self.first_dense:
+            return False
+        return (layer - self.first_dense) % self.every == self.every - 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel sizes. World = pp × dp × cp × tp. Experts are split over ``ep`` ranks carved out
+    of the dp × cp ranks of one pipeline stage ("parallel folding", Megatron-Core); the remaining
+    dp·cp/ep ranks (times tp) hold expert replicas (the expert-data-parallel axis).
+    ``zero_stage``: 0 plain data parallel, 1 sharded optimizer states, 2 + sharded gradients,
+    3 + sharded parameters. ``backend``: ``auto`` is nccl on CUDA, gloo on CPU."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    virtual_stages: int = 1
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    collective_timeout_s: float = 600.0
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size inside one (pp, tp) slice: replicas of each expert shard."""
+        return self.dp * self.cp // self.ep
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``path``: directory holding ``manifest.json`` and token shards (written by
+    ``tools/tokenize_corpus.py``). ``verify``: ``sha256`` checks every shard's checksum before
+    training, ``size`` only its length. ``val_batches``: validation micro-batches per
+    evaluation."""
+
+    path: str = "data/demo/shards"
+    verify: Literal["sha256", "size"] = "sha256"
+    val_batches: int = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``steps``: optimizer steps. ``micro_batch_size``: sequences per rank per forward.
+    ``global_batch_size``: sequences per optimizer step over all data-parallel ranks
+    (= micro_batch_size × accumulation × dp). ``lr``: peak learning rate after linear warm-up of
+    ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps`` (Loshchilov & Hutter 2017).
+    ``grad_clip``: max global L2 norm (0 disables). ``log_every`` / ``val_every`` in steps
+    (``val_every: 0`` disables validation)."""
+
+    steps: int = 100
+    micro_batch_size: int = 2
+    global_batch_size: int = 16
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    log_every: int = 1
+    val_every: int = 25
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``dir``: ``null`` puts checkpoints in ``<run.dir>/checkpoints``. ``every``: steps between
+    checkpoints (0: only at the end and on a requeue signal). ``keep``: complete checkpoints kept
+    (older ones are deleted). ``resume``: resume from the latest complete checkpoint when
+    present."""
+
+    dir: str | None = None
+    every: int = 50
+    keep: int = 2
+    resume: bool = True
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Where and how the processes run. ``cluster``: ``local`` (submitit's local executor, one
+    process per rank on this machine) or ``slurm``. ``tasks_per_node``: ``null`` follows from
+    the parallel sizes (world size / nodes). ``gpus_per_node``: 0 on CPU. ``time_min``: SLURM
+    time limit in minutes. ``signal_delay_s``: seconds before the time limit at which SLURM sends
+    the pre-timeout signal. ``max_restarts``: requeues (time-outs, preemptions, failures) before
+    the run gives up. ``profile``: cluster profile name or path (see slurm/)."""
+
+    cluster: Literal["local", "slurm"] = "local"
+    nodes: int = 1
+    tasks_per_node: int | None = None
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_gb: float | None = None
+    time_min: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    signal_delay_s: int = 120
+    max_restarts: int = 3
+    profile: str | None = None
+    heartbeat_timeout_factor: float = 10.0
+    heartbeat_min_timeout_s: float = 120.0
+
+    def resolved_tasks_per_node(self, world_size: int) -> int:
+        return self.tasks_per_node if self.tasks_per_node is not None else world_size // self.nodes
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    # Derived quantities used across the code base.
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+    def replace(self, **sections: Any) -> "Config":
+        """Copy with whole sections or ``section={"key": value}`` dicts replaced, re-validated."""
+        data = to_dict(self)
+        for name, value in sections.items():
+            if isinstance(value, dict):
+                data[name].update(value)
+            else:
+                data[name] = to_dict(value)
+        return config_from_dict(data)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}  # type: ignore[misc]
+_SECTION_TYPES = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "launch": LaunchConfig,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing: keys and types
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(name, value, a)
+            except ConfigError:
+                continue
+        raise _err(name, value, f"expected {_type_name(tp)}", f"give a value of type {_type_name(tp)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        raise _err(name, value, f"not one of {', '.join(repr(c) for c in choices)}",
+                   f"choose one of {', '.join(repr(c) for c in choices)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _err(name, value, "expected true or false", "write true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _err(name, value, "expected an integer", "write a whole number such as 4")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _err(name, value, "expected a number", "write a number such as 1e-3")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _err(name, value, "expected a string", "quote the value")
+    raise TypeError(f"unsupported annotation {tp!r} for {name}")
+
+
+def _build_section(section: str, raw: Any) -> Any:
+    cls = _SECTION_TYPES[section]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise _err(section, raw, "a section must be a mapping of keys to values",
+                   f"write `{section}:` followed by indented `key: value` lines")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in known:
+            close = _closest(key, known)
+            hint = f"did you mean {section}.{close}?" if close else f"valid keys: {', '.join(sorted(known))}"
+            raise _err(f"{section}.{key}", value, "unknown key", hint)
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _closest(key: str, known: set[str]) -> str | None:
+    import difflib
+
+    m = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return m[0] if m else None
+
+
+def config_from_dict(data: dict[str, Any], *, validate_config: bool = True) -> Config:
+    """Build and validate a :class:`Config` from nested dicts (as read from YAML).
+
+    Raises:
+        ConfigError: unknown section or key, wrong type, or a violated cross-field rule.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config = {data!r}: the top level must be a mapping of sections. "
+                          f"Fix: start the file with sections such as `run:` and `model:`")
+    for section in data:
+        if section not in _SECTION_TYPES:
+            close = _closest(section, set(_SECTION_TYPES))
+            raise _err(section, data[section], "unknown section",
+                       f"did you mean `{close}`?" if close else f"sections are {', '.join(_SECTION_TYPES)}")
+    cfg = Config(**{name: _build_section(name, data.get(name)) for name in _SECTION_TYPES})
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` → (section, key, value parsed as a YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value. Fix: e.g. --set train.steps=20")
+    path, raw = text.split("=", 1)
+    parts = path.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: the key must be section.key. Fix: e.g. --set parallel.dp=2")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({e}). Fix: quote it") from e
+    return parts[0], parts[1], value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings to a nested dict (returns a new dict)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in _SECTION_TYPES:
+            close = _closest(section, set(_SECTION_TYPES))
+            raise _err(section, value, "unknown section in --set",
+                       f"did you mean `{close}`?" if close else f"sections are {', '.join(_SECTION_TYPES)}")
+        sec = out.setdefault(section, {}) or {}
+        if not isinstance(sec, dict):
+            raise _err(section, sec, "a section must be a mapping", "fix the YAML file")
+        sec[key] = value
+        out[section] = sec
+    return out
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply ``--set`` overrides and validate.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, or any field is wrong (see module doc).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {str(path)!r}: no such file. Fix: pass a YAML file such as configs/demo-moe.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {str(path)!r}: not valid YAML: {e}") from e
+    return config_from_dict(apply_overrides(data or {}, overrides or []))
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    return obj
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (atomically: temp file + rename)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, p)
+
+
+def config_to_json(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-field rules
+# ---------------------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(n: int, allowed: list[int]) -> str:
+    if not allowed:
+        return "none"
+    best = sorted(allowed, key=lambda a: (abs(a - n), a))[:3]
+    return ", ".join(str(b) for b in sorted(best))
+
+
+def validate(cfg: Config) -> None:
+    """Check every cross-field rule; raises :class:`ConfigError` on the first violation."""
+    m, moe, par, tr, ln = cfg.model, cfg.moe, cfg.parallel, cfg.train, cfg.launch
+
+    def positive(name: str, value: int | float) -> None:
+        if value <= 0:
+            raise _err(name, value, "must be positive", "use a value greater than 0")
+
+    for name, value in [
+        ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
+        ("model.kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn_hidden), ("model.seq_len", m.seq_len),
+        ("model.vocab_multiple", m.vocab_multiple),
+        ("parallel.dp", par.dp), ("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.cp", par.cp),
+        ("parallel.ep", par.ep), ("parallel.virtual_stages", par.virtual_stages),
+        ("train.steps", tr.steps), ("train.micro_batch_size", tr.micro_batch_size),
+        ("train.global_batch_size", tr.global_batch_size), ("train.lr", tr.lr),
+        ("launch.nodes", ln.nodes), ("launch.cpus_per_task", ln.cpus_per_task), ("launch.time_min", ln.time_min),
+        ("checkpoint.keep", cfg.checkpoint.keep), ("train.log_every", tr.log_every),
+    ]:
+        positive(name, value)
+    for name, value in [("train.warmup_steps", tr.warmup_steps), ("train.val_every", tr.val_every),
+                        ("train.grad_clip", tr.grad_clip), ("checkpoint.every", cfg.checkpoint.every),
+                        ("moe.num_experts", moe.num_experts), ("moe.shared_experts", moe.shared_experts),
+                        ("launch.max_restarts", ln.max_restarts), ("launch.gpus_per_node", ln.gpus_per_node),
+                        ("moe.first_dense", moe.first_dense), ("train.min_lr", tr.min_lr),
+                        ("data.val_batches", cfg.data.val_batches)]:
+        if value < 0:
+            raise _err(name, value, "must not be negative", "use 0 or a positive value")
+    if m.vocab_size is not None:
+        positive("model.vocab_size", m.vocab_size)
+
+    # Model shape.
+    if m.hidden % m.heads:
+        raise _err("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
+                   f"choose heads among {_nearest(m.heads, _divisors(m.hidden))} or change hidden")
+    if (m.hidden // m.heads) % 2:
+        raise _err("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
+                   "choose heads so that hidden / heads is even")
+    if m.heads % m.kv_heads:
+        raise _err("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
+                   f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
+
+    # MoE.
+    if moe.num_experts:
+        positive("moe.top_k", moe.top_k)
+        positive("moe.every", moe.every)
+        positive("moe.ffn_hidden", moe.ffn_hidden)
+        if moe.top_k > moe.num_experts:
+            raise _err("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
+                       f"use top_k <= {moe.num_experts}")
+        if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+            raise _err("moe.capacity_factor", moe.capacity_factor, "must be positive",
+                       "use null for dropless or a value such as 1.25")
+        if moe.num_experts % par.ep:
+            raise _err("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
+                       f"choose ep among {_nearest(par.ep, _divisors(moe.num_experts))}")
+    elif par.ep != 1:
+        raise _err("parallel.ep", par.ep, "expert parallelism needs experts but moe.num_experts = 0",
+                   "set parallel.ep=1 or give moe.num_experts")
+    if (par.dp * par.cp) % par.ep:
+        raise _err("parallel.ep", par.ep,
+                   f"ep is carved out of dp × cp = {par.dp} × {par.cp} = {par.dp * par.cp} ranks and must divide it",
+                   f"choose ep among {_nearest(par.ep, _divisors(par.dp * par.cp))} or raise dp/cp")
+
+    # Parallel layout.
+    if par.zero_stage not in (0, 1, 2, 3):
+        raise _err("parallel.zero_stage", par.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3")
+    if m.heads % par.tp:
+        raise _err("parallel.tp", par.tp, f"model.heads={m.heads} is not divisible by it",
+                   f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
+    if m.kv_heads % par.tp:
+        raise _err("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
+                   f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
+    stages = par.pp * par.virtual_stages
+    if m.layers % stages:
+        raise _err("parallel.pp", par.pp,
+                   f"model.layers={m.layers} is not divisible by pp × virtual_stages = {stages}",
+                   f"choose pp × virtual_stages among {_nearest(stages, _divisors(m.layers))}")
+    if par.virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
+        raise _err("parallel.virtual_stages", par.virtual_stages,
+                   f"pp_schedule={par.pp_schedule!r} runs one stage per rank",
+                   "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
+    seq_div = 2 * par.cp if par.cp > 1 else 1
+    if par.sequence_parallel:
+        seq_div *= par.tp
+    if m.seq_len % seq_div:
+        what = f"2 × cp ({2 * par.cp})" if par.cp > 1 else ""
+        if par.sequence_parallel:
+            what = (what + " × " if what else "") + f"tp ({par.tp}) with sequence parallelism"
+        raise _err("model.seq_len", m.seq_len, f"not divisible by {what}",
+                   f"use a seq_len that is a multiple of {seq_div}, e.g. {max(seq_div, m.seq_len // seq_div * seq_div)}")
+    if par.sequence_parallel and par.tp == 1:
+        raise _err("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
+                   "set parallel.sequence_parallel=false or tp >= 2")
+    if m.vocab_size is not None and m.vocab_size % par.tp:
+        raise _err("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel embedding)",
+                   "pad the vocabulary to a multiple of tp or set vocab_size: null")
+
+    # Batch arithmetic.
+    if tr.global_batch_size % (tr.micro_batch_size * par.dp):
+        q = tr.micro_batch_size * par.dp
+        raise _err("train.global_batch_size", tr.global_batch_size,
+                   f"not divisible by micro_batch_size × dp = {tr.micro_batch_size} × {par.dp} = {q}",
+                   f"use a multiple of {q}, e.g. {max(q, tr.global_batch_size // q * q)}")
+    if par.pp > 1 and cfg.grad_accum_steps < par.pp and par.pp_schedule != "gpipe":
+        raise _err("train.global_batch_size", tr.global_batch_size,
+                   f"gives {cfg.grad_accum_steps} micro-batches per step but pp_schedule={par.pp_schedule!r} "
+                   f"needs at least pp = {par.pp}",
+                   f"use global_batch_size >= {par.pp * tr.micro_batch_size * par.dp}")
+    if tr.min_lr > tr.lr:
+        raise _err("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
+    if tr.warmup_steps > tr.steps:
+        raise _err("train.warmup_steps", tr.warmup_steps, f"longer than train.steps={tr.steps}",
+                   f"use warmup_steps <= {tr.steps}")
+
+    # Launch.
+    world = par.world_size
+    tpn = ln.resolved_tasks_per_node(world)
+    if ln.tasks_per_node is None and world % ln.nodes:
+        raise _err("launch.nodes", ln.nodes,
+                   f"world size pp·dp·cp·tp = {world} does not split evenly over the nodes",
+                   f"choose nodes among {_nearest(ln.nodes, _divisors(world))} or set launch.tasks_per_node")
+    if ln.nodes * tpn != world:
+        raise _err("launch.tasks_per_node", ln.tasks_per_node,
+                   f"nodes × tasks_per_node = {ln.nodes} × {tpn} = {ln.nodes * tpn} processes, but the world size "
+                   f"pp × dp × cp × tp = {par.pp} × {par.dp} × {par.cp} × {par.tp} = {world}",
+                   f"set launch.tasks_per_node={world // ln.nodes if world % ln.nodes == 0 else 'null'} "
+                   f"or change the parallel sizes so their product is {ln.nodes * tpn}")
+    if ln.cluster == "local" and ln.nodes != 1:
+        raise _err("launch.nodes", ln.nodes, "the local executor runs on this one machine",
+                   "use launch.nodes=1 or launch.cluster=slurm")
+    if ln.gpus_per_node and ln.gpus_per_node < tpn and ln.cluster == "slurm":
+        raise _err("launch.gpus_per_node", ln.gpus_per_node,
+                   f"fewer GPUs than tasks per node ({tpn}); one task drives one GPU",
+                   f"set launch.gpus_per_node={tpn} or 0 for CPU runs")
+    if ln.heartbeat_timeout_factor <= 1:
+        raise _err("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
+                   "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")
+
+
+def padded_vocab(vocab: int, multiple: int, tp: int) -> int:
+    """Vocabulary padded up to a multiple of ``multiple × tp`` (Megatron's padding rule)."""
+    q = multiple * tp
+    return int(math.ceil(vocab / q) * q)

@@ -1,0 +1,96 @@
+"""Deterministic, resumable batches for every data-parallel rank.
+
+Samples are fixed windows of ``seq_len + 1`` tokens of the token shards (input = first S,
+target = last S). Each epoch visits them in a permutation drawn from ``seed + epoch``. The
+global batch of optimizer step ``s`` is the ``global_batch`` samples at positions
+``[consumed, consumed + global_batch)`` of that endless sequence; dp rank d takes the d-th
+contiguous slice of it and cuts it into micro-batches. The whole position is therefore one
+number, ``consumed_samples`` (Megatron's name), saved with every checkpoint.
+
+Because the global batch does not depend on dp, any layout sees the same samples in the same
+optimizer step as one process does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moetrain.data.shards import TokenShards
+
+
+@dataclass
+class MicroBatch:
+    """inputs, targets: [micro_batch, seq_len] int64 token ids."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+class BatchLoader:
+    """Micro-batches of one dp rank.
+
+    Args:
+        shards: the memory-mapped split. seq_len: S. global_batch: samples per optimizer step
+        over all dp ranks. micro_batch: samples per forward. dp_rank, dp_size: this rank's slice.
+        seed: permutation seed.
+
+    Raises:
+        ValueError: the split holds fewer samples than one global batch, or the batch arithmetic
+            does not divide.
+    """
+
+    def __init__(self, shards: TokenShards, seq_len: int, global_batch: int, micro_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(f"global batch {global_batch} not divisible by micro_batch × dp = {micro_batch * dp_size}")
+        self.shards, self.seq_len = shards, seq_len
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.num_samples = shards.num_samples(seq_len)
+        if self.num_samples < global_batch:
+            raise ValueError(f"{shards.split} split has {self.num_samples} samples of {seq_len + 1} tokens, "
+                             f"fewer than one global batch ({global_batch}); use more data or a smaller batch")
+        self.consumed_samples = 0
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _sample_id(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_samples)
+        if not self.shuffle:
+            return offset
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+    def next_batch(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the next optimizer step; advances the position."""
+        per_rank = self.global_batch // self.dp_size
+        start = self.consumed_samples + self.dp_rank * per_rank
+        rows = [self.shards.sample(self._sample_id(start + i), self.seq_len) for i in range(per_rank)]
+        self.consumed_samples += self.global_batch
+        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return [MicroBatch(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous())
+                for chunk in tokens.split(self.micro_batch)]
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def validation_batches(shards: TokenShards, seq_len: int, micro_batch: int, batches: int,
+                       dp_rank: int, dp_size: int) -> list[MicroBatch]:
+    """The first ``batches × micro_batch × dp_size`` validation samples (capped by the split's
+    size), in order, split over dp ranks: a fixed set, so every evaluation is comparable."""
+    total = min(shards.num_samples(seq_len), batches * micro_batch * dp_size)
+    per_rank = total // dp_size // micro_batch * micro_batch
+    if per_rank == 0:
+        return []
+    rows = [shards.sample(dp_rank * per_rank + i, seq_len) for i in range(per_rank)]
+    tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
+    return [MicroBatch(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in tokens.split(micro_batch)]

@@ -1,0 +1,72 @@
+"""Layout-independent parameter initialisation.
+
+Each parameter (and each expert of a stacked expert tensor) draws from its own generator seeded
+by ``(seed, name)``, so a rank that holds only some experts, or a pipeline stage that holds only
+some blocks, gets exactly the values the single-process model has. Norm weights start at 1.
+Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from moetrain.model.moe import GroupedExperts
+from moetrain.model.layers import RMSNorm
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
+    return g
+
+
+def _normal(shape: torch.Size, std: float, seed: int, name: str) -> torch.Tensor:
+    return torch.randn(shape, generator=_generator(seed, name)) * std
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: str = "") -> None:
+    """Initialise every parameter of ``model`` in place (after ``to_empty``).
+
+    Names are the parameters' names in the *full* single-process model; ``prefix`` is prepended
+    when ``model`` is a sub-module. Parameters that are DTensors are initialised from the full
+    tensor and then sliced, so tensor/FSDP sharding does not change the values.
+    """
+    out_std = std / math.sqrt(2 * layers)
+    for mod_name, module in model.named_modules():
+        full = f"{prefix}{mod_name}"
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, GroupedExperts):
+            for pname in ("w1", "w3", "w2"):
+                p = getattr(module, pname)
+                s = out_std if pname == "w2" else std
+                local = _local(p)
+                for e in range(local.shape[0]):
+                    g = module.expert_offset + e
+                    local[e].copy_(_normal(local[e].shape, s, seed, f"{full}.{pname}.{g}").to(local.dtype))
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            leaf = mod_name.rsplit(".", 1)[-1]
+            s = out_std if leaf in ("wo", "w2") else std
+            _fill_normal(module.weight, s, seed, f"{full}.weight")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        full = _normal(p.shape, std, seed, name).to(p.dtype)
+        shard = distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+        p.to_local().copy_(shard.to_local())
+    else:
+        p.copy_(_normal(p.shape, std, seed, name).to(p.dtype))

@@ -1,0 +1,101 @@
+"""Dense building blocks of the decoder: RMSNorm, rotary embedding, grouped-query attention, SwiGLU.
+
+Shape legend: B batch, S sequence (local to this rank under context/sequence parallelism),
+D hidden, H query heads, G kv heads, Dh head dim, F ffn width.
+
+Every module is single-device and can be built on the meta device; ``reset_parameters`` is
+not used. Initialisation is done by :func:`moetrain.model.init.init_weights` so that it does
+not depend on how parameters are later split over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019). x: [..., D] → [..., D]; computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding tables (Su et al. 2021, RoFormer eq. 34).
+
+    positions: [S] integer positions (global positions under context parallelism).
+    Returns cos, sin: [S, Dh/2] in fp32.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) by the position angle. x: [B, S, heads, Dh]; cos/sin: [S, Dh/2]."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+# An attention kernel: (q [B,H,S,Dh], k [B,G,S,Dh], v [B,G,S,Dh]) -> [B,H,S,Dh], causal.
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention through ``F.scaled_dot_product_attention`` with GQA (kv heads broadcast)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with RoPE.
+
+    ``n_heads``/``n_kv_heads`` are the heads held by this module (divided by tp after tensor
+    parallelism). ``kernel`` computes the core attention; it is SDPA by default and is replaced
+    by ring attention under context parallelism.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.kernel: AttentionKernel = sdpa_causal
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        # -1 heads: under tensor parallelism the projections hold a slice of the heads.
+        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
+        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, Dh]
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x). x: [..., D] → [..., D]."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

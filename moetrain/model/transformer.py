@@ -1,0 +1,97 @@
+"""The decoder-only transformer (Llama / Mixtral / DeepSeek style).
+
+Shape legend: B batch, S sequence, D hidden, V vocabulary.
+
+The model is single-device and meta-constructible::
+
+    with torch.device("meta"):
+        model = Transformer.from_config(cfg)
+    parallelize(model, ...)            # moetrain.parallel.apply: splits, shards, wraps
+    model.to_empty(device=...)
+    init_weights(model, seed)          # moetrain.model.init: same values under every layout
+
+Blocks live in a ``ModuleDict`` keyed by their global index, so that a pipeline stage that
+keeps only some blocks keeps their names (and checkpoints stay layout-independent).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetrain.config import Config
+from moetrain.model.layers import Attention, FeedForward, RMSNorm, rope_cos_sin
+from moetrain.model.moe import MoE
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE."""
+
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        m, moe = cfg.model, cfg.moe
+        head_dim = m.hidden // m.heads
+        self.layer = layer
+        self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
+        self.attention = Attention(m.hidden, m.heads, m.kv_heads, head_dim)
+        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
+        self.moe: MoE | None = None
+        self.feed_forward: FeedForward | None = None
+        if moe.is_moe_layer(layer):
+            self.moe = MoE(m.hidden, moe.ffn_hidden, moe.num_experts, moe.top_k, moe.shared_experts,
+                           moe.aux_loss_coef, moe.z_loss_coef, moe.capacity_factor, moe.norm_topk_prob)
+        else:
+            self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+        mlp = self.moe if self.moe is not None else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids [B, S] → logits [B, S, V] (fp32).
+
+    ``positions`` ([S], optional) gives each local token's global position for RoPE; it is
+    needed when a rank holds a non-contiguous part of the sequence (context parallelism).
+    ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` in a pipeline stage that does not
+    own them.
+    """
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        m = cfg.model
+        if m.vocab_size is None:
+            raise ValueError("model.vocab_size is unresolved; resolve it from the data manifest first "
+                             "(moetrain.train.setup.resolve_config)")
+        self.cfg = cfg
+        self.head_dim = m.hidden // m.heads
+        self.rope_theta = m.rope_theta
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab_size, m.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
+        self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab_size, bias=False)
+        if m.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Transformer":
+        return cls(cfg)
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """The MoE modules held by this (possibly partial) model, keyed by block index."""
+        return {name: blk.moe for name, blk in self.layers.items() if blk.moe is not None}
+
+    def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
+        S = h.shape[1]
+        if positions is None:
+            positions = torch.arange(S, device=h.device)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h).float()
+        return h

@@ -1,0 +1,99 @@
+"""Expert parallelism: experts split over the ``ep`` axis, tokens moved by all-to-all.
+
+Shape legend: T local tokens, K top-k, D hidden, E global experts, El = E / ep experts per
+rank, P = ep ranks, N rows (assignments) on one side of the exchange.
+
+Dispatch, in phases (the combine runs them backwards):
+
+1. permute — sort this rank's T·K assignments by global expert id (optionally dropping beyond
+   a capacity); expert e lives on ep rank e // El, so the sorted rows are already grouped by
+   destination rank;
+2. exchange counts — all-to-all of the per-expert row counts, so each rank knows how many rows
+   it receives from every source for each of its local experts;
+3. all-to-all the rows with uneven split sizes (``all_to_all_single`` with autograd: the
+   backward is the reverse all-to-all);
+4. regroup — received rows arrive ordered (source, local expert); reorder them to
+   (local expert, source) so each local expert's rows are contiguous for the grouped GEMM.
+
+Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from moetrain.model.moe import DispatchHandle, GroupedExperts, MoE, permute_by_expert, unpermute
+from moetrain.parallel.state import EP, ParallelState
+
+
+@dataclass
+class AllToAllHandle:
+    local: DispatchHandle  # undoes phase 1
+    input_splits: list[int]  # rows sent to each ep rank
+    output_splits: list[int]  # rows received from each ep rank
+    regroup: torch.Tensor  # [N_recv] phase-4 permutation
+
+    @property
+    def kept(self) -> torch.Tensor | None:
+        return self.local.kept
+
+
+class AllToAllDispatcher:
+    """Dropless token dispatch over the ep group (see the module docstring for the phases)."""
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.ep
+
+    def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+        P, El = self.ep, self.num_local
+        # 1. permute by global expert id; rows for ep rank r are contiguous.
+        x_sorted, counts_E, local = permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
+        # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e.
+        send_counts = counts_E.to(x_TD.device)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        recv_counts = recv_counts.view(P, El).cpu()
+        input_splits = counts_E.view(P, El).sum(1).tolist()
+        output_splits = recv_counts.sum(1).tolist()
+        # 3. rows to the ranks holding their experts.
+        x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
+        # 4. (source, local expert) order → (local expert, source) order.
+        seg = torch.arange(P * El).repeat_interleave(recv_counts.flatten())
+        src, e = seg // El, seg % El
+        regroup = torch.argsort(e * P + src, stable=True).to(x_TD.device)
+        x_grouped = x_recv[regroup]
+        return x_grouped, recv_counts.sum(0), AllToAllHandle(local, input_splits, output_splits, regroup)
+
+    def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        # 4'. back to (source, local expert) order.
+        y_recv = torch.empty_like(y_ND).index_copy(0, handle.regroup, y_ND)
+        # 3'. rows back to the ranks that sent them.
+        y_sorted = all_to_all_single_autograd(y_recv, handle.input_splits, handle.output_splits, self.group)
+        # 1'. unpermute to assignment order.
+        return unpermute(y_sorted, handle.local)
+
+
+def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
+    """Keep only this rank's El = E / ep experts in every MoE layer and dispatch by all-to-all.
+
+    Call on the meta-device model, before materialisation: the expert weights are re-created
+    with the local shape [El, ...] and ``expert_offset = ep_rank · El`` so initialisation and
+    checkpoints address them by global expert index.
+    """
+    ep, ep_rank, group = ps.size(EP), ps.coord(EP), ps.group(EP)
+    for moe in moe_layers.values():
+        old = moe.experts
+        E = old.num_experts
+        n_local = E // ep
+        dim, hidden = old.w1.shape[1], old.w1.shape[2]
+        with torch.device(old.w1.device):
+            moe.experts = GroupedExperts(dim, hidden, n_local, expert_offset=ep_rank * n_local, num_experts=E)
+        moe.dispatcher = AllToAllDispatcher(E, group)

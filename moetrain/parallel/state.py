@@ -1,0 +1,134 @@
+"""The parallel state: process group initialisation and the device meshes with named axes.
+
+One :class:`ParallelState` object is built per process and passed explicitly to whoever needs
+a group; nothing here is a module global.
+
+Axes (``moetrain.parallel.axes``):
+
+* dense mesh ``(pp, dp, cp, tp)`` — world = pp × dp × cp × tp;
+* expert mesh ``(pp, edp, ep, tp)`` — inside one pipeline stage, the dp × cp ranks (flattened
+  dp-major) are split into ``edp`` × ``ep`` with ``ep`` innermost ("parallel folding",
+  Megatron-Core; torchtitan does the same). Experts are split over ``ep``; the ranks with the
+  same ``(pp, ep)`` coordinate — ``edp`` × ``tp`` of them — hold replicas of the same experts
+  and average their gradients.
+
+Both meshes are built from the same rank tensor ``[pp, dp, cp, tp]`` given by the topology
+mapper, so the placement shown by ``python -m moetrain.ranks`` is the one used.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from moetrain.config import ParallelConfig
+
+PP, DP, CP, TP = "pp", "dp", "cp", "tp"
+EDP, EP = "edp", "ep"
+DENSE_AXES = (PP, DP, CP, TP)
+EXPERT_AXES = (PP, EDP, EP, TP)
+# Flattened axes: the dense gradient group and the expert-replica gradient group.
+DP_CP = "dp_cp"
+EDP_TP = "edp_tp"
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
+    """Initialise the default process group from the environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK) unless already done; returns this rank's device.
+
+    ``backend="auto"`` picks nccl when CUDA is available and gloo otherwise. ``timeout_s`` bounds
+    every collective, so a dead peer is noticed instead of hanging forever.
+    """
+    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
+        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+@dataclass
+class ParallelState:
+    """This process's coordinates and groups on the dense and expert meshes.
+
+    Build with :meth:`build`. ``group(axis)`` returns the process group of an axis name
+    (``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, ``dp_cp``, ``edp_tp``); ``size`` and
+    ``coord`` likewise. A size-1 axis still has a (trivial) group.
+    """
+
+    parallel: ParallelConfig
+    mesh: DeviceMesh
+    expert_mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    world_size: int
+
+    @classmethod
+    def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None
+              ) -> "ParallelState":
+        """Create both meshes. ``mesh_ranks``: global ranks laid out ``[pp, dp, cp, tp]`` (from
+        :func:`moetrain.topology.build_rank_map`); ``None`` is the identity order.
+
+        Raises:
+            ValueError: the process group's world size differs from pp × dp × cp × tp, or
+                ``mesh_ranks`` is not a permutation of the ranks with that shape.
+        """
+        world = dist.get_world_size()
+        p = parallel
+        if world != p.world_size:
+            raise ValueError(f"world size {world} != pp × dp × cp × tp = {p.pp} × {p.dp} × {p.cp} × {p.tp} "
+                             f"= {p.world_size}; launch one process per rank")
+        shape = (p.pp, p.dp, p.cp, p.tp)
+        ranks = torch.arange(world).reshape(shape) if mesh_ranks is None else torch.as_tensor(mesh_ranks)
+        if tuple(ranks.shape) != shape or sorted(ranks.flatten().tolist()) != list(range(world)):
+            raise ValueError(f"mesh_ranks must be a permutation of 0..{world - 1} shaped {shape}, "
+                             f"got shape {tuple(ranks.shape)}")
+        dev_type = device.type
+        mesh = DeviceMesh(dev_type, ranks, mesh_dim_names=DENSE_AXES)
+        mesh[(DP, CP)]._flatten(DP_CP)
+        expert_ranks = ranks.reshape(p.pp, p.dp * p.cp, p.tp).reshape(p.pp, p.edp, p.ep, p.tp)
+        expert_mesh = DeviceMesh(dev_type, expert_ranks, mesh_dim_names=EXPERT_AXES)
+        expert_mesh[(EDP, TP)]._flatten(EDP_TP)
+        return cls(parallel=p, mesh=mesh, expert_mesh=expert_mesh, device=device,
+                   rank=dist.get_rank(), world_size=world)
+
+    def _mesh_for(self, axis: str) -> DeviceMesh:
+        if axis in (EDP, EP, EDP_TP):
+            return self.expert_mesh[axis]
+        return self.mesh[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self._mesh_for(axis).get_group()
+
+    def size(self, axis: str) -> int:
+        return self._mesh_for(axis).size()
+
+    def coord(self, axis: str) -> int:
+        return self._mesh_for(axis).get_local_rank()
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this process's group on ``axis``, in axis order."""
+        return dist.get_process_group_ranks(self.group(axis))
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Rank 0 writes metrics and logs for the whole run."""
+        return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord(PP) == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord(PP) == self.size(PP) - 1

@@ -1,0 +1,39 @@
+"""AdamW and the warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moetrain.config import TrainConfig
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warm-up over
+    ``warmup_steps`` to ``lr``, then cosine decay to ``min_lr`` at ``steps``
+    (SGDR, Loshchilov & Hutter 2017, without restarts)."""
+    if tc.warmup_steps and step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    span = max(1, tc.steps - tc.warmup_steps)
+    progress = min(1.0, (step - tc.warmup_steps) / span)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW (Loshchilov & Hutter 2019) with weight decay on matrices only (norm weights and
+    other 1-D parameters are not decayed, as in GPT-3 / Megatron)."""
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, foreach=True)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,250 @@
+"""The training loop of one rank.
+
+``Trainer(cfg)`` initialises torch.distributed, builds the mesh, the model (meta device →
+parallelize → materialise → initialise), the optimizer, the data loader and the checkpointer,
+and resumes from the latest complete checkpoint. ``Trainer.run()`` trains to ``train.steps``
+or until a stop is requested (the pre-timeout / preemption signal sets a flag; the loop
+finishes the step, checkpoints and returns).
+
+Loss bookkeeping: the objective of a step is the mean over all micro-batches of the global batch
+of ``lm + aux_coef·aux + z_coef·z``. Each rank back-propagates ``lm / accum`` per micro-batch;
+the MoE losses receive the same 1/accum through ``MoE.aux_loss_scale``; gradients are averaged
+over data-parallel ranks after the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moetrain.config import Config, to_dict
+from moetrain.data.loader import BatchLoader, validation_batches
+from moetrain.data.shards import TokenShards
+from moetrain.parallel.apply import build_parallel_model
+from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
+from moetrain.parallel.state import DP, DP_CP, ParallelState, init_distributed
+from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.flops import flops_per_token
+from moetrain.train.optim import build_optimizer, lr_at, set_lr
+
+log = logging.getLogger("moetrain")
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    aux_loss: float
+    z_loss: float
+    grad_norm: float
+    lr: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StopFlag:
+    """Set from a signal handler; read by the loop at step boundaries (never acts by itself)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.requested = True
+        self.reason = reason
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, attempt: int = 0, stop_flag: StopFlag | None = None,
+                 mesh_ranks: Any = None, write_files: bool = True):
+        self.cfg = cfg
+        self.attempt = attempt
+        self.stop_flag = stop_flag or StopFlag()
+        self.write_files = write_files
+        self.device = init_distributed(cfg.parallel.backend, cfg.parallel.collective_timeout_s)
+        self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks)
+        torch.manual_seed(cfg.run.seed)
+
+        self.model = build_parallel_model(cfg, self.ps)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.moe_layers = self.model.moe_layers()
+
+        train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
+        self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
+                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed)
+        self.val_batches = []
+        if cfg.train.val_every:
+            val_shards = TokenShards(cfg.data.path, "val", verify=cfg.data.verify)
+            self.val_batches = validation_batches(val_shards, cfg.model.seq_len, cfg.train.micro_batch_size,
+                                                  cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP))
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, attempt)
+        self.step = 0
+        self.flops_per_token = flops_per_token(cfg)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        if cfg.checkpoint.resume:
+            self._resume()
+
+    # -- resume / checkpoint ------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        found = self.checkpointer.latest_valid()
+        if found is None:
+            return
+        _, path = found
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state)
+        if self.ps.is_logging_rank:
+            log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
+                     self.loader.consumed_samples)
+
+    def save_checkpoint(self) -> Path:
+        p = self.cfg.parallel
+        layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "zero_stage": p.zero_stage}
+        train_state = {"step": self.step, **self.loader.state_dict()}
+        return self.checkpointer.save(self.step, self.model, self.optimizer, train_state, layout)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs.to(self.device))
+        return F.cross_entropy(logits.flatten(0, 1), targets.to(self.device).flatten())
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over this rank's share of the next global batch."""
+        t0 = time.perf_counter()
+        self.model.train()
+        micro_batches = self.loader.next_batch()
+        accum = len(micro_batches)
+        lr = lr_at(self.step, self.cfg.train)
+        set_lr(self.optimizer, lr)
+        for moe in self.moe_layers.values():
+            moe.aux_loss_scale = 1.0 / accum
+
+        lm_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = torch.zeros((), dtype=torch.float64)
+        z_sum = torch.zeros((), dtype=torch.float64)
+        dropped = torch.zeros((), dtype=torch.float64)
+        loads = {name: torch.zeros(moe.num_experts, dtype=torch.float64) for name, moe in self.moe_layers.items()}
+        for mb in micro_batches:
+            loss = self._forward_loss(mb.inputs, mb.targets)
+            (loss / accum).backward()
+            lm_sum += loss.detach().double().cpu()
+            for name, moe in self.moe_layers.items():
+                aux_sum += moe.stats["aux_loss"].double().cpu()
+                z_sum += moe.stats["z_loss"].double().cpu()
+                dropped += moe.stats["dropped_fraction"].double()
+                loads[name] += moe.stats["tokens_per_expert"].double()
+
+        reduce_gradients(self.model, self.ps)
+        grad_norm = global_grad_norm(self.model, self.ps)
+        clip_gradients(self.model, self.cfg.train.grad_clip, grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+        # Metrics: means over micro-batches and data-parallel ranks; expert loads summed.
+        n_moe = max(1, len(self.moe_layers))
+        scalars = torch.stack([lm_sum, aux_sum / n_moe, z_sum / n_moe, dropped / n_moe]) / accum
+        dp_group = self.ps.group(DP_CP)
+        if self.ps.size(DP_CP) > 1:
+            dist.all_reduce(scalars, group=dp_group)
+            scalars /= self.ps.size(DP_CP)
+        load_t = torch.stack(list(loads.values())) if loads else torch.zeros(0)
+        if loads and self.ps.size(DP_CP) > 1:
+            dist.all_reduce(load_t, group=dp_group)
+        dt = time.perf_counter() - t0
+        extra: dict[str, Any] = {
+            "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt,
+            "tflops_per_device": self.flops_per_token * self.tokens_per_step / dt / self.ps.world_size / 1e12,
+            "dropped_fraction": float(scalars[3]),
+            "expert_load": {name: {"tokens": [int(x) for x in row.tolist()],
+                                   "max_over_mean": float(row.max() / row.mean()) if row.sum() > 0 else 0.0}
+                            for name, row in zip(loads.keys(), load_t)},
+        }
+        return StepResult(self.step, float(scalars[0]), float(scalars[1]), float(scalars[2]), float(grad_norm), lr, extra)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean LM loss over the fixed validation batches (all dp ranks)."""
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in self.val_batches:
+            total += self._forward_loss(mb.inputs, mb.targets).double().cpu()
+        total /= len(self.val_batches)
+        if self.ps.size(DP_CP) > 1:
+            dist.all_reduce(total, group=self.ps.group(DP_CP))
+            total /= self.ps.size(DP_CP)
+        self.model.train()
+        return float(total)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _stop_agreed(self) -> bool:
+        """All ranks stop at the same step: any rank's flag stops everyone."""
+        flag = torch.tensor([1.0 if self.stop_flag.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _log(self, res: StepResult, val_loss: float | None) -> None:
+        if not (self.ps.is_logging_rank and self.write_files):
+            return
+        rec = {"step": res.step, "loss": res.loss, "aux_loss": res.aux_loss, "z_loss": res.z_loss, "lr": res.lr,
+               "grad_norm": res.grad_norm, **res.extra, "attempt": self.attempt, "time": time.time()}
+        mem = _memory_gib(self.device)
+        rec["mem_gib"] = mem
+        if val_loss is not None:
+            rec["val_loss"] = val_loss
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if res.step % self.cfg.train.log_every == 0 or val_loss is not None:
+            loads = " ".join(f"L{n}:{v['max_over_mean']:.2f}" for n, v in res.extra["expert_load"].items())
+            log.info("step %d/%d | loss %.4f | aux %.4f | lr %.2e | grad %.3f | %.0f tok/s | %.3f TFLOP/s/dev | "
+                     "mem %.2f GiB | load max/mean %s%s", res.step, self.cfg.train.steps, res.loss, res.aux_loss,
+                     res.lr, res.grad_norm, res.extra["tokens_per_s"], res.extra["tflops_per_device"], mem, loads,
+                     f" | val {val_loss:.4f}" if val_loss is not None else "")
+
+    def run(self) -> str:
+        """Train until ``train.steps``; returns ``"done"`` or ``"stopped"`` (checkpoint saved)."""
+        cfg = self.cfg
+        if self.ps.is_logging_rank:
+            log.info("training %s: world %d (pp %d dp %d cp %d tp %d ep %d), %d micro-batches/step, from step %d",
+                     cfg.run.name, self.ps.world_size, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp,
+                     cfg.parallel.tp, cfg.parallel.ep, cfg.grad_accum_steps, self.step)
+        while self.step < cfg.train.steps:
+            res = self.train_step()
+            if not math.isfinite(res.loss):
+                raise FloatingPointError(f"loss is {res.loss} at step {res.step}; lower train.lr or check the data")
+            val = None
+            if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or self.step == cfg.train.steps):
+                val = self.evaluate()
+            self._log(res, val)
+            if self._stop_agreed():
+                self.save_checkpoint()
+                return "stopped"
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
+                self.save_checkpoint()
+        if cfg.checkpoint.every or cfg.checkpoint.resume:
+            self.save_checkpoint()
+        return "done"
+
+
+def _memory_gib(device: torch.device) -> float:
+    """Peak memory: CUDA allocator peak on GPU, process peak RSS on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny token-shard set and a tiny MoE config for fast multi-process tests."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetrain.config import Config, config_from_dict
+from moetrain.data.shards import write_shards
+
+
+class ByteTokenizer:
+    """Bytes as tokens (ids 0-255) plus EOS 256: a real, lossless tokenizer with no files."""
+
+    vocab_size = 257
+    eos_id = 256
+    identity = {"name": "bytes", "vocab_size": 257, "sha256": hashlib.sha256(b"bytes-v1").hexdigest()}
+
+    def encode_batch(self, texts):
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def _documents(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ("the king queen lord of and to my in that is not with you it for this be his your "
+             "but have he as thou so will what her all no by shall do if are our").split()
+    return [" ".join(rng.choice(words, size=int(rng.integers(40, 200)))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory) -> Path:
+    """About 100k byte tokens of pseudo-English in train/val shards (several shards)."""
+    out = tmp_path_factory.mktemp("shards")
+    write_shards(_documents(200), ByteTokenizer(), out, shard_tokens=30_000, val_docs=10, progress=False)
+    return out
+
+
+def tiny_config(data_path: str | Path, run_dir: str | Path, **sections) -> Config:
+    """A 2-layer MoE small enough to train a step in a few ms per rank."""
+    base = {
+        "run": {"name": "tiny", "dir": str(run_dir), "seed": 7},
+        "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "ffn_hidden": 64, "vocab_size": 257,
+                  "seq_len": 16},
+        "moe": {"num_experts": 4, "top_k": 2, "every": 1, "ffn_hidden": 48, "shared_experts": 1,
+                "aux_loss_coef": 0.01, "z_loss_coef": 0.001},
+        "data": {"path": str(data_path), "val_batches": 2},
+        "train": {"steps": 5, "micro_batch_size": 2, "global_batch_size": 8, "lr": 3e-3, "min_lr": 3e-4,
+                  "warmup_steps": 1, "grad_clip": 0.0, "val_every": 0},
+        "checkpoint": {"every": 0, "keep": 2, "resume": False},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return config_from_dict(base)

@@ -1,0 +1,87 @@
+"""Run a function in N gloo processes on CPU and collect each rank's return value.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises
+torch.distributed (gloo, a fresh TCP port), calls ``fn(rank, world_size, *args)`` in each, and
+returns the list of results ordered by rank (torch tensors inside are fine: results travel as
+``torch.save`` files). ``fn`` must be importable (a module-level function).
+
+Workers end with ``destroy_process_group()`` then ``os._exit(0)``: about 5 % of gloo workers
+otherwise abort at interpreter exit after finishing their work (../shared/FACTS.md), which
+would make the tests flaky.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")
+        code = 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; results by rank.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message) or died.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args), daemon=False)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results, errors = [], []
+        for r in range(world_size):
+            f = Path(out_dir) / f"rank{r}.pt"
+            if not f.exists():
+                errors.append(f"rank {r}: died without a result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            rec = torch.load(f, weights_only=False)
+            if not rec["ok"]:
+                errors.append(f"rank {r}:\n{rec['error']}")
+                results.append(None)
+            else:
+                results.append(rec["result"])
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results
