@@ -532,7 +532,7 @@ def validate(cfg: Config) -> None:
                        "use null for dropless or a value such as 1.25")
         if moe.num_experts % par.ep:
             raise _err("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
-                       f"choose ep among {_nearest(par.ep, _divisors(moe.num_experts))}")
+                       f"choose ep among {_nearest(par.ep, [d for d in _divisors(moe.num_experts) if (par.dp * par.cp) % d == 0])}")
     elif par.ep != 1:
         raise _err("parallel.ep", par.ep, "expert parallelism needs experts but moe.num_experts = 0",
                    "set parallel.ep=1 or give moe.num_experts")
@@ -588,9 +588,6 @@ def validate(cfg: Config) -> None:
                    f"use global_batch_size >= {par.pp * tr.micro_batch_size * par.dp}")
     if tr.min_lr > tr.lr:
         raise _err("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
-    if tr.warmup_steps > tr.steps:
-        raise _err("train.warmup_steps", tr.warmup_steps, f"longer than train.steps={tr.steps}",
-                   f"use warmup_steps <= {tr.steps}")
 
     # Launch.
     world = par.world_size

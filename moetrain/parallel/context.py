@@ -217,7 +217,8 @@ def _math_bwd(dout, q, k, v, out, lse, causal, scale):
 def _flash_attn_fwd(q, k, v, causal, scale):
     """CUDA only, when the optional ``flash-attn`` package is importable: its public
     ``flash_attn_func`` returns the log-sum-exp with ``return_attn_probs=True``; layout
-    [B, S, H, D], GQA native. Not covered by the CPU test suite."""
+    [B, S, H, D], GQA native. Not covered by the CPU test suite. Its causal mask is
+    bottom-right aligned when Sq != Sk; the ring only asks for causal blocks with Sq == Sk."""
     from flash_attn import flash_attn_func
 
     out, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -449,10 +450,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     Returns:
         out [B, Hq, Sl, D] in q's dtype, the same layout; differentiable w.r.t. q, k, v.
 
-    Communication per call, ``cp − 1`` hops each way of ``2·B·Hkv·Sl·D`` elements (K and V) in
-    forward; backward repeats those and adds ``cp`` hops of the dK/dV accumulators in fp32.
-    Memory: two K/V blocks in flight, fp32 accumulators for out/lse (forward), dq and dK/dV
-    (backward).
+    Communication (every rank sends to rank + 1 and receives from rank − 1 at each hop): forward,
+    ``cp − 1`` hops of one K/V block, ``2·B·Hkv·Sl·D`` elements in the input dtype; backward,
+    the same ``cp − 1`` K/V hops plus ``cp`` hops of the dK/dV accumulator (same element count,
+    fp32). Memory: two K/V blocks in flight; fp32 accumulators for out and lse (forward), dq and
+    dK/dV (backward).
 
     Raises:
         ValueError: ``group`` is None, shapes disagree, ``Hq % Hkv != 0``, or ``causal`` with

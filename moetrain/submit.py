@@ -1,0 +1,172 @@
+"""``python -m moetrain.submit --config X.yaml [--set section.key=value ...] [--dry-run] [--detach]``
+
+Validates the config (every error names the field, the value and the fix, before anything
+starts), resolves it, writes it to the run directory, submits one task per rank through
+submitit (``launch.cluster: local`` on this machine, ``slurm`` on a cluster), and follows the
+run's progress until it ends. Exit status: 0 when training finished, 1 when the run failed,
+2 for a bad config, 3 when the run stopped early (signal / preemption) and will resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moetrain.config import Config, ConfigError, load_config, save_config, to_dict
+
+
+def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
+    ap.add_argument("--config", required=True, help="YAML run config, e.g. configs/demo-moe.yaml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config field (repeatable), e.g. --set train.steps=20")
+    ap.add_argument("--dry-run", action="store_true", help="print what would be submitted and exit")
+    ap.add_argument("--detach", action="store_true", help="return after submitting instead of following")
+    return ap
+
+
+def load_and_resolve(args: argparse.Namespace) -> Config:
+    from moetrain.launch.preflight import preflight
+
+    return preflight(load_config(args.config, args.overrides))
+
+
+def _executor(cfg: Config, folder: Path) -> Any:
+    import submitit
+
+    world = cfg.world_size
+    if cfg.launch.cluster == "slurm":
+        from moetrain.launch.slurm import make_slurm_executor
+
+        return make_slurm_executor(cfg, folder)
+    ex = submitit.AutoExecutor(folder=str(folder), cluster="local")
+    ex.update_parameters(name=cfg.run.name, nodes=1, tasks_per_node=world, timeout_min=cfg.launch.time_min,
+                         stderr_to_stdout=False)
+    return ex
+
+
+def dry_run(cfg: Config, folder: Path) -> str:
+    """Human-readable description of the submission (the sbatch script on SLURM)."""
+    lines = [f"# run directory: {cfg.run_dir}", f"# world size {cfg.world_size}: pp {cfg.parallel.pp} × dp "
+             f"{cfg.parallel.dp} × cp {cfg.parallel.cp} × tp {cfg.parallel.tp}; ep {cfg.parallel.ep}",
+             f"# {cfg.grad_accum_steps} micro-batches of {cfg.train.micro_batch_size} per rank per step"]
+    if cfg.launch.cluster == "slurm":
+        from moetrain.launch.slurm import render_batch_script
+
+        lines.append(render_batch_script(cfg, folder))
+    else:
+        lines.append(f"# submitit local executor: 1 node × {cfg.world_size} tasks, "
+                     f"timeout {cfg.launch.time_min} min, logs in {folder}")
+    lines.append("# resolved config:")
+    lines.append(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return "\n".join(lines)
+
+
+def record_submission(run_dir: Path, job_id: str, cfg: Config) -> None:
+    """Append the job id to ``submission.json`` (job ids across restarts and resubmissions)."""
+    path = run_dir / "submission.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {"jobs": []}
+    rec["jobs"].append({"job_id": job_id, "cluster": cfg.launch.cluster, "time": time.time()})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    tmp.replace(path)
+
+
+def format_metrics(rec: dict, total: int) -> str:
+    parts = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"aux {rec['aux_loss']:.3f}",
+             f"lr {rec['lr']:.2e}", f"{rec.get('tokens_per_s', 0):.0f} tok/s"]
+    if "val_loss" in rec:
+        parts.append(f"val {rec['val_loss']:.4f}")
+    return " | ".join(parts)
+
+
+def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
+    """Print new metrics lines until the job ends; returns the job's final status string.
+
+    Raises:
+        RuntimeError: the job failed (the message holds the failing rank's error).
+    """
+    metrics = cfg.run_dir / "metrics.jsonl"
+    pos = 0
+    last_print = time.time()
+
+    def drain() -> None:
+        nonlocal pos, last_print
+        if not metrics.is_file():
+            return
+        with open(metrics) as f:
+            f.seek(pos)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                pos += len(line.encode())
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("time", 0) >= since:
+                    print(format_metrics(rec, cfg.train.steps), file=out, flush=True)
+                    last_print = time.time()
+
+    while not job.done():
+        drain()
+        if time.time() - last_print > 60:
+            print(f"... job {job.job_id} state {job.state}", file=out, flush=True)
+            last_print = time.time()
+        time.sleep(1.0)
+    drain()
+    results = job.results()  # raises on failure, with the remote traceback
+    return str(results[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_and_resolve(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir = cfg.run_dir
+    folder = run_dir / "logs"
+    if args.dry_run:
+        print(dry_run(cfg, folder))
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    from moetrain.launch.job import TrainJob, job_config
+
+    executor = _executor(cfg, folder)
+    since = time.time()
+    job = executor.submit(TrainJob(job_config(cfg)))
+    record_submission(run_dir, str(job.job_id), cfg)
+    print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
+          f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
+          f"  metrics:       {run_dir / 'metrics.jsonl'}\n  logs:          {folder}/{job.job_id}_<rank>_log.out",
+          flush=True)
+    if args.detach:
+        if cfg.launch.cluster == "local":
+            # A local job is cancelled when its handle is garbage-collected; keep it running.
+            job._cancel_at_deletion = False
+        print("detached; the run goes on", flush=True)
+        return 0
+    try:
+        status = follow(job, cfg, since)
+    except KeyboardInterrupt:
+        print("\ninterrupted: cancelling the run (use --detach to leave it running)", file=sys.stderr)
+        job.cancel()
+        return 130
+    except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure
+        print(f"run failed: {e}\n  logs: {folder}", file=sys.stderr)
+        return 1
+    print(f"run {status}: {run_dir}", flush=True)
+    return 0 if status == "done" else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

