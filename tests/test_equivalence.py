@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moetrain.model.moe import GroupedExperts
 from moetrain.parallel.state import EP
@@ -22,22 +23,28 @@ STEPS = 5
 
 
 def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient as the single-process model would hold it (experts gathered
-    over ep)."""
+    """This rank's parameters' gradients as the single-process model holds them: DTensor
+    gradients (TP, FSDP) made full, experts gathered over ep. Under pipeline parallelism each
+    rank returns its stage's parameters; the test takes the union over ranks."""
     out = {}
-    experts = {n for n, m in trainer.model.named_modules() if isinstance(m, GroupedExperts)}
-    for name, p in trainer.model.named_parameters():
-        g = p.grad.detach().clone()
-        if name.rsplit(".", 1)[0] in experts and trainer.ps.size(EP) > 1:
-            parts = [torch.empty_like(g) for _ in range(trainer.ps.size(EP))]
-            dist.all_gather(parts, g, group=trainer.ps.group(EP))
-            g = torch.cat(parts)
-        out[name] = g
+    for part in trainer.model_parts:
+        experts = {n for n, m in part.named_modules() if isinstance(m, GroupedExperts)}
+        for name, p in part.named_parameters():
+            g = p.grad
+            if isinstance(g, DTensor):
+                g = g.full_tensor()
+            g = g.detach().clone()
+            if name.rsplit(".", 1)[0] in experts and trainer.ps.size(EP) > 1:
+                parts = [torch.empty_like(g) for _ in range(trainer.ps.size(EP))]
+                dist.all_gather(parts, g, group=trainer.ps.group(EP))
+                g = torch.cat(parts)
+            out[name] = g
     return out
 
 
-def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> dict:
-    cfg = tiny_config(data, run_dir, parallel=parallel)
+def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None
+                      ) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {})
     trainer = Trainer(cfg, write_files=False)
     captured: dict = {}
 
@@ -45,7 +52,7 @@ def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: 
         if not captured:
             captured.update(full_grads(trainer))
 
-    trainer.optimizer.register_step_pre_hook(hook)
+    trainer.optimizers[0].register_step_pre_hook(hook)
     losses = [trainer.train_step().loss for _ in range(STEPS)]
     return {"losses": losses, "grads": captured}
 
@@ -53,6 +60,14 @@ def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: 
 @pytest.fixture(scope="module")
 def reference(tiny_shards, tmp_path_factory):
     return run_distributed(train_and_capture, 1, str(tiny_shards), str(tmp_path_factory.mktemp("ref")), {})[0]
+
+
+def merged(results: list[dict]) -> dict:
+    """Losses of rank 0 and the union of all ranks' gradients (pipeline stages differ)."""
+    grads = {}
+    for r in results:
+        grads.update(r["grads"])
+    return {"losses": results[0]["losses"], "grads": grads}
 
 
 def assert_matches(result: dict, ref: dict) -> None:
@@ -72,14 +87,19 @@ def test_reference_learns(reference):
     assert all(g.abs().sum() > 0 for n, g in reference["grads"].items() if "router" in n or "experts" in n)
 
 
-@pytest.mark.parametrize("parallel", [
-    {"dp": 2},
-    {"dp": 4, "ep": 2},
-    {"dp": 4, "ep": 4},
-    {"dp": 2, "ep": 2},
-], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
-def test_matches_single_process(parallel, reference, tiny_shards, tmp_path):
-    world = parallel["dp"]
-    results = run_distributed(train_and_capture, world, str(tiny_shards), str(tmp_path), parallel)
-    for rank, res in enumerate(results):
-        assert_matches(res, reference)
+CASES = [
+    ({"dp": 2}, {}),
+    ({"dp": 4, "ep": 2}, {}),
+    ({"dp": 4, "ep": 4}, {}),
+    ({"dp": 2, "ep": 2}, {}),
+    # Gradient accumulation: 1 and 4 micro-batches per step give the same step as 2.
+    ({"dp": 2, "ep": 2}, {"micro_batch_size": 4}),
+    ({"dp": 1}, {"micro_batch_size": 1}),
+]
+
+
+@pytest.mark.parametrize("parallel, train", CASES,
+                         ids=["-".join(f"{k}{v}" for k, v in {**p, **t}.items()) for p, t in CASES])
+def test_matches_single_process(parallel, train, reference, tiny_shards, tmp_path):
+    results = run_distributed(train_and_capture, parallel["dp"], str(tiny_shards), str(tmp_path), parallel, train)
+    assert_matches(merged(results), reference)

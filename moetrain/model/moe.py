@@ -12,7 +12,7 @@ trip) → unpermute and weight by the router probabilities.
 The router's auxiliary losses are attached to the layer's output with :class:`AttachAuxLoss`:
 their gradient flows in backward without being returned through the model, which keeps
 pipeline stages free of extra outputs (the same device as Megatron-Core's
-``MoEAuxLossAutoScaler``). The values are kept on the module in :attr:`MoE.stats` for logging.
+``MoEAuxLossAutoScaler``). Their values are summed on the module in :attr:`MoE.stats_accum` for logging.
 """
 
 from __future__ import annotations
@@ -158,7 +158,19 @@ class MoE(nn.Module):
         # Multiplies the local aux loss when a sequence is split over ranks whose gradients are
         # averaged (cp): each rank's part must count fully, see router_losses.
         self.seq_split_scale = 1.0
-        self.stats: dict[str, torch.Tensor] = {}
+        # Sums over the micro-batches of a step, reset by the trainer (``{}``): aux_loss, z_loss,
+        # dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
+        self.stats_accum: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, handle: Any) -> None:
+        kept = handle_kept(handle)
+        new = {"aux_loss": aux.detach().double().cpu(), "z_loss": z.detach().double().cpu(),
+               "tokens_per_expert": torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts).double().cpu(),
+               "dropped_fraction": torch.tensor(0.0 if kept is None else float((~kept).sum()) / idx_TK.numel(),
+                                                dtype=torch.float64)}
+        for k, v in new.items():
+            self.stats_accum[k] = self.stats_accum[k] + v if k in self.stats_accum else v
 
     def router_losses(self, logits_BSE: torch.Tensor, probs_BSE: torch.Tensor, idx_BSK: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,16 +222,18 @@ class MoE(nn.Module):
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
 
-        with torch.no_grad():
-            tokens_per_expert = torch.bincount(topk_idx_TK.reshape(-1), minlength=self.num_experts)
-            dropped = 0.0 if handle_kept(handle) is None else float((~handle_kept(handle)).sum()) / topk_idx_TK.numel()
-        self.stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "tokens_per_expert": tokens_per_expert.cpu(),
-                      "dropped_fraction": torch.tensor(dropped)}
+        if not _in_backward():  # activation recomputation must not count twice
+            self._record_stats(aux, z, topk_idx_TK, handle)
         total_aux = self.aux_loss_coef * aux + self.z_loss_coef * z
         out = y_TD.view(B, S, D).to(x_BSD.dtype)
         if self.training and total_aux.requires_grad:
             out = AttachAuxLoss.apply(out, total_aux, self.aux_loss_scale)
         return out
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. recomputing a checkpointed forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def handle_kept(handle: Any) -> torch.Tensor | None:

@@ -1,58 +1,116 @@
-"""Build the model for this rank: the one place where the parallel dimensions are applied.
+"""Build this rank's model: the one place where the parallel dimensions are applied.
 
-The order is fixed and each step's reason is given where it happens:
+The order is fixed; each step says why it sits where it does:
 
-1. build the full model on the meta device (no memory, no initialisation yet);
-2. pipeline split — keep this stage's blocks (pp > 1);
-3. tensor + sequence parallelism — shard attention / MLP / embedding / head over tp;
+1. build the full model on the meta device (shapes only: no memory, no initialisation);
+2. pipeline split — keep this stage's blocks (pp > 1); everything after works per part;
+3. tensor + sequence parallelism — shard attention / MLP / embedding / head over tp
+   (before EP and FSDP: both must see the TP-sharded parameters);
 4. expert parallelism — keep this rank's experts, dispatch tokens by all-to-all over ep;
 5. context parallelism — swap the attention kernel for ring attention over cp;
-6. activation checkpointing;
-7. ZeRO / FSDP wrapping;
+6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
+7. ZeRO / FSDP wrapping — last, as it takes over the (possibly DTensor) parameters;
 8. materialise on the device and initialise with layout-independent values.
 
-Steps that a layout does not use are skipped here, by the caller of each step, never inside
-the step.
+Steps that a layout does not use are skipped here, by this caller, never inside the step.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from moetrain.config import Config
+from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.expert import apply_expert_parallel
 from moetrain.parallel.state import EP, ParallelState
+from moetrain.train.loss import lm_loss
 
 
-def build_parallel_model(cfg: Config, ps: ParallelState) -> Transformer:
-    """This rank's part of the model, materialised on ``ps.device`` and initialised.
+class StepRunner(Protocol):
+    """Runs forward and backward of one optimizer step's micro-batches over the model parts."""
+
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Back-propagate mean(lm loss)/len(micro_batches) per micro-batch; return the sum of the
+        micro-batches' LM losses as a float64 CPU scalar (0 on ranks that compute no loss)."""
+
+    def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Sum of LM losses without gradients (validation); same conventions."""
+
+
+class SingleStageRunner:
+    """Gradient accumulation over micro-batches on a model that is not pipelined."""
+
+    def __init__(self, model: Transformer, device: torch.device):
+        self.model, self.device = model, device
+
+    def _loss(self, mb: MicroBatch) -> torch.Tensor:
+        return lm_loss(self.model(mb.inputs.to(self.device)), mb.targets.to(self.device))
+
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in micro_batches:
+            loss = self._loss(mb)
+            (loss / len(micro_batches)).backward()
+            total += loss.detach().double().cpu()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in micro_batches:
+            total += self._loss(mb).double().cpu()
+        return total
+
+
+def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
+    part.to_empty(device=ps.device)
+    init_weights(part, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
+    if cfg.train.dtype != "float32":
+        part.to({"bfloat16": torch.bfloat16}[cfg.train.dtype])
+
+
+def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer], StepRunner]:
+    """This rank's model parts, materialised on ``ps.device`` and initialised, and the runner
+    that executes a step over them.
 
     Raises:
-        NotImplementedError: a dimension that this version cannot apply yet was requested.
+        NotImplementedError: a dimension that this version cannot apply yet was requested
+            (``moetrain.launch.preflight`` refuses it before launch).
     """
-    p = cfg.parallel
-    unsupported = [name for name, on in (("pp", p.pp > 1), ("tp", p.tp > 1), ("cp", p.cp > 1),
-                                         ("zero_stage", p.zero_stage > 0),
-                                         ("activation_checkpointing", p.activation_checkpointing != "none"))
-                   if on]
-    if unsupported:
-        raise NotImplementedError(f"parallel.{unsupported[0]} is not supported yet by this version of moetrain")
+    from moetrain.launch.preflight import supported_now
+
+    supported_now(cfg)
 
     # 1. the full model, on meta: shapes only.
     with torch.device("meta"):
         model = Transformer.from_config(cfg)
 
-    # 4. expert parallelism: local experts + all-to-all dispatch.
-    if ps.size(EP) > 1:
-        apply_expert_parallel(model.moe_layers(), ps)
+    # 2. pipeline split (pp > 1): [pp]
+    parts = [model]
 
-    # 8. materialise and initialise (values depend on names and global expert ids only).
-    model.to_empty(device=ps.device)
-    init_weights(model, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.dtype]
-    if dtype != torch.float32:
-        model.to(dtype)
-    return model
+    for part in parts:
+        # 3. tensor + sequence parallelism: [tp]
+        # 4. expert parallelism: local experts + all-to-all dispatch.
+        if ps.size(EP) > 1:
+            apply_expert_parallel(part.moe_layers(), ps)
+        # 5. context parallelism: [cp]
+        # 6. activation checkpointing: [ac]
+        # 7. ZeRO / FSDP: [zero]
+        # 8. materialise and initialise (values depend on names and global expert ids only).
+        _materialize(part, cfg, ps)
+
+    runner: StepRunner = SingleStageRunner(parts[0], ps.device)
+    return parts, runner
+
+
+def build_parallel_model(cfg: Config, ps: ParallelState) -> Transformer:
+    """The whole model of a single-stage layout (no pipeline parallelism)."""
+    parts, _ = build_model_parts(cfg, ps)
+    if len(parts) != 1:
+        raise ValueError("build_parallel_model is for pp = 1; use build_model_parts")
+    return parts[0]

@@ -18,25 +18,26 @@ gradient accumulation), in flat buckets to keep the number of collectives small.
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from moetrain.model.moe import GroupedExperts
-from moetrain.parallel.state import DP_CP, EDP_TP, EP, PP, ParallelState
+from moetrain.parallel.state import DP_CP, EDP_TP, EP, PP, TP, ParallelState
 
 BUCKET_BYTES = 32 * 2**20
 
 
-def split_expert_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense parameters, expert parameters) of ``model``, each in a stable order, shared
+def split_expert_params(parts: list[nn.Module]) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense parameters, expert parameters) of the model parts, each in a stable order, shared
     (tied) parameters once."""
-    expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    expert_ids = {id(p) for part in parts for m in part.modules() if isinstance(m, GroupedExperts)
+                  for p in m.parameters()}
     dense, expert, seen = [], [], set()
-    for p in model.parameters():
+    for p in (p for part in parts for p in part.parameters()):
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -68,53 +69,86 @@ def _allreduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup, divisor
     flush()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reduced_by_fsdp(p: nn.Parameter) -> bool:
+    """True for parameters whose gradients FSDP (ZeRO) reduces itself."""
+    return getattr(p, "_moetrain_fsdp", False)
+
+
 @torch.no_grad()
-def reduce_gradients(model: nn.Module, ps: ParallelState) -> None:
+def reduce_gradients(parts: list[nn.Module], ps: ParallelState) -> None:
     """Average gradients over the data-parallel ranks (see the module docstring).
-    Parameters without a gradient get a zero gradient first so every rank joins every bucket."""
-    dense, expert = split_expert_params(model)
+
+    Parameters without a gradient get a zero gradient first so every rank joins every bucket.
+    DTensor gradients (tensor parallelism) are reduced through their local shards; parameters
+    under FSDP are skipped (FSDP reduce-scatters them itself). Parameters tagged
+    ``_moetrain_tp_partial`` (plain parameters fed different tokens on each tp rank, e.g. the
+    router under sequence parallelism) are also summed over tp.
+    """
+    dense, expert = split_expert_params(parts)
+    dense = [p for p in dense if not reduced_by_fsdp(p)]
+    expert = [p for p in expert if not reduced_by_fsdp(p)]
     for p in dense + expert:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     divisor = ps.size(DP_CP)
-    if ps.size(DP_CP) > 1:
-        _allreduce_mean([p.grad for p in dense], ps.group(DP_CP), divisor)
+    if ps.size(DP_CP) > 1 and dense:
+        _allreduce_mean([_local(p.grad) for p in dense], ps.group(DP_CP), divisor)
+    tp_partial = [p for p in dense if getattr(p, "_moetrain_tp_partial", False)]
+    if ps.size(TP) > 1 and tp_partial:
+        _allreduce_mean([_local(p.grad) for p in tp_partial], ps.group(TP), 1.0)
     if expert:
         if ps.size(EDP_TP) > 1:
-            _allreduce_mean([p.grad for p in expert], ps.group(EDP_TP), divisor)
+            _allreduce_mean([_local(p.grad) for p in expert], ps.group(EDP_TP), divisor)
         elif divisor != 1:
             for p in expert:
                 p.grad.div_(divisor)
 
 
 @torch.no_grad()
-def global_grad_norm(model: nn.Module, ps: ParallelState) -> torch.Tensor:
-    """L2 norm of the full gradient: replicated parameters count once; expert parameters are
-    summed over the ep ranks that hold different experts, and everything over pipeline stages."""
-    dense, expert = split_expert_params(model)
-    sq_dense = _sum_sq(p.grad for p in dense)
-    sq_expert = _sum_sq(p.grad for p in expert)
-    if ps.size(EP) > 1:
-        dist.all_reduce(sq_expert, group=ps.group(EP))
-    total = sq_dense + sq_expert
+def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
+    """L2 norm of the full gradient, each element counted once.
+
+    Squares are summed locally per kind of placement, then over the ranks that hold different
+    pieces: the mesh axes a DTensor gradient is sharded on (tp, FSDP's axes), ep for expert
+    parameters, and pp for everything. Replicated pieces are summed over no group, so they
+    count once.
+    """
+    dense, expert = split_expert_params(parts)
+    sums: dict[tuple, list] = {}
+    for is_expert, params in ((False, dense), (True, expert)):
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            groups: tuple = ()
+            if isinstance(g, DTensor):
+                mesh = g.device_mesh
+                groups = tuple((mesh.mesh_dim_names[i], mesh) for i, pl in enumerate(g.placements) if pl.is_shard())
+            key = (is_expert, tuple(name for name, _ in groups))
+            entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
+            entry[0] += _local(g).detach().double().pow(2).sum().cpu()
+    total = torch.zeros((), dtype=torch.float64)
+    for key in sorted(sums):  # the same order on every rank of a stage
+        value, groups = sums[key]
+        for name, mesh in groups:
+            dist.all_reduce(value, group=mesh.get_group(name))
+        if key[0] and ps.size(EP) > 1:
+            dist.all_reduce(value, group=ps.group(EP))
+        total += value
     if ps.size(PP) > 1:
         dist.all_reduce(total, group=ps.group(PP))
     return total.sqrt()
 
 
-def _sum_sq(grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        if g is not None:
-            total += g.detach().double().pow(2).sum().cpu()
-    return total
-
-
 @torch.no_grad()
-def clip_gradients(model: nn.Module, max_norm: float, norm: torch.Tensor) -> None:
+def clip_gradients(parts: list[nn.Module], max_norm: float, norm: torch.Tensor) -> None:
     """Scale every gradient by max_norm / norm when the global ``norm`` exceeds ``max_norm``."""
     if max_norm > 0 and math.isfinite(float(norm)) and float(norm) > max_norm:
         coef = max_norm / (float(norm) + 1e-6)
-        for p in model.parameters():
+        for p in {id(p): p for part in parts for p in part.parameters()}.values():
             if p.grad is not None:
                 p.grad.mul_(coef)

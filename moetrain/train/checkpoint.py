@@ -120,22 +120,30 @@ class Checkpointer:
 
     # -- state dict with layout-independent expert tensors ------------------------------------
 
-    def _state_dicts(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+                     ) -> tuple[dict, dict, list[tuple[set, set]]]:
+        """Merged model and optimizer state dicts of all model parts (their keys are the full
+        model's names, so they do not collide), and each part's key sets for loading back."""
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        msd, osd = get_state_dict(model, optimizer, options=opts)
-        expert_names = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, GroupedExperts)
-                        for p in ("w1", "w2", "w3")}
+        msd, osd, keys = {}, {}, []
+        for part, opt in zip(parts, optimizers):
+            m, o = get_state_dict(part, opt, options=opts)
+            keys.append((set(m), set(o)))
+            msd.update(m)
+            osd.update(o)
+        expert_names = {f"{n}.{p}" for part in parts for n, m in part.named_modules()
+                        if isinstance(m, GroupedExperts) for p in ("w1", "w2", "w3")}
         placements = (Replicate(), Shard(0), Replicate())
         for key, value in list(msd.items()):
-            if key in expert_names:
+            if key in expert_names and not isinstance(value, DTensor):
                 msd[key] = DTensor.from_local(value, self._expert_mesh, placements, run_check=False)
         for key, value in list(osd.items()):
             # Flattened optimizer keys look like "state.<param fqn>.exp_avg".
             if key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0:
                 fqn = key[len("state."):].rsplit(".", 1)[0]
-                if fqn in expert_names:
+                if fqn in expert_names and not isinstance(value, DTensor):
                     osd[key] = DTensor.from_local(value, self._expert_mesh, placements, run_check=False)
-        return msd, osd
+        return msd, osd, keys
 
     @staticmethod
     def _to_local(sd: dict) -> dict:
@@ -143,8 +151,8 @@ class Checkpointer:
 
     # -- save ---------------------------------------------------------------------------------
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
-             layout: dict) -> Path:
+    def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+             train_state: dict, layout: dict) -> Path:
         """Write checkpoint ``step`` atomically (collective: every rank calls it)."""
         t0 = time.time()
         final = self.root / f"step_{step:08d}"
@@ -155,7 +163,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        msd, osd = self._state_dicts(model, optimizer)
+        msd, osd, _ = self._state_dicts(parts, optimizers)
         dcp.save({"model": msd, "optim": osd, "train": dict(train_state)}, checkpoint_id=str(tmp))
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
@@ -209,17 +217,19 @@ class Checkpointer:
         dist.broadcast_object_list(choice, src=0)
         return None if choice[0] is None else (choice[0][0], Path(choice[0][1]))
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """Load ``path`` into ``model`` and ``optimizer`` in place; returns the train state."""
+    def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+        """Load ``path`` into the model parts and optimizers in place; returns the train state."""
         t0 = time.time()
-        msd, osd = self._state_dicts(model, optimizer)
+        msd, osd, keys = self._state_dicts(parts, optimizers)
         manifest = json.loads((path / "manifest.json").read_text())
         train_state = {k: v for k, v in manifest["train_state"].items()}
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=self._to_local(state["model"]),
-                       optim_state_dict=self._to_local(state["optim"]),
-                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        loaded_m, loaded_o = self._to_local(state["model"]), self._to_local(state["optim"])
+        for part, opt, (mkeys, okeys) in zip(parts, optimizers, keys):
+            set_state_dict(part, opt, model_state_dict={k: loaded_m[k] for k in mkeys},
+                           optim_state_dict={k: loaded_o[k] for k in okeys},
+                           options=StateDictOptions(flatten_optimizer_state_dict=True))
         rng = path / "rng" / f"rank{self.ps.rank:05d}.pt"
         if manifest["world_size"] == self.ps.world_size and rng.is_file():
             r = torch.load(rng, weights_only=False)

@@ -26,16 +26,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moetrain.config import Config, to_dict
 from moetrain.data.loader import BatchLoader, validation_batches
 from moetrain.data.shards import TokenShards
-from moetrain.parallel.apply import build_parallel_model
+from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
-from moetrain.parallel.state import DP, DP_CP, ParallelState, init_distributed
+from moetrain.parallel.state import DP, DP_CP, PP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
+from moetrain.train.loss import lm_loss
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger("moetrain")
@@ -75,9 +75,11 @@ class Trainer:
         self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks)
         torch.manual_seed(cfg.run.seed)
 
-        self.model = build_parallel_model(cfg, self.ps)
-        self.optimizer = build_optimizer(self.model, cfg.train)
-        self.moe_layers = self.model.moe_layers()
+        # model_parts: this rank's pieces of the model (one, or one per virtual pipeline stage);
+        # runner: runs forward + backward of a step's micro-batches over them.
+        self.model_parts, self.runner = build_model_parts(cfg, self.ps)
+        self.optimizers = [build_optimizer(part, cfg.train) for part in self.model_parts]
+        self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
 
         train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
         self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
@@ -102,7 +104,7 @@ class Trainer:
         if found is None:
             return
         _, path = found
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         self.step = int(state["step"])
         self.loader.load_state_dict(state)
         if self.ps.is_logging_rank:
@@ -113,50 +115,55 @@ class Trainer:
         p = self.cfg.parallel
         layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "zero_stage": p.zero_stage}
         train_state = {"step": self.step, **self.loader.state_dict()}
-        return self.checkpointer.save(self.step, self.model, self.optimizer, train_state, layout)
+        return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout)
 
     # -- one step -----------------------------------------------------------------------------
-
-    def _forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs.to(self.device))
-        return F.cross_entropy(logits.flatten(0, 1), targets.to(self.device).flatten())
 
     def train_step(self) -> StepResult:
         """One optimizer step over this rank's share of the next global batch."""
         t0 = time.perf_counter()
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         micro_batches = self.loader.next_batch()
         accum = len(micro_batches)
         lr = lr_at(self.step, self.cfg.train)
-        set_lr(self.optimizer, lr)
+        for opt in self.optimizers:
+            set_lr(opt, lr)
         for moe in self.moe_layers.values():
             moe.aux_loss_scale = 1.0 / accum
+            moe.stats_accum = {}
 
-        lm_sum = torch.zeros((), dtype=torch.float64)
+        # Forward + backward of every micro-batch; each MoE layer sums its stats in stats_accum.
+        lm_sum = self.runner.forward_backward(micro_batches)
+
+        reduce_gradients(self.model_parts, self.ps)
+        grad_norm = global_grad_norm(self.model_parts, self.ps)
+        clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.step += 1
+
         aux_sum = torch.zeros((), dtype=torch.float64)
         z_sum = torch.zeros((), dtype=torch.float64)
         dropped = torch.zeros((), dtype=torch.float64)
-        loads = {name: torch.zeros(moe.num_experts, dtype=torch.float64) for name, moe in self.moe_layers.items()}
-        for mb in micro_batches:
-            loss = self._forward_loss(mb.inputs, mb.targets)
-            (loss / accum).backward()
-            lm_sum += loss.detach().double().cpu()
-            for name, moe in self.moe_layers.items():
-                aux_sum += moe.stats["aux_loss"].double().cpu()
-                z_sum += moe.stats["z_loss"].double().cpu()
-                dropped += moe.stats["dropped_fraction"].double()
-                loads[name] += moe.stats["tokens_per_expert"].double()
-
-        reduce_gradients(self.model, self.ps)
-        grad_norm = global_grad_norm(self.model, self.ps)
-        clip_gradients(self.model, self.cfg.train.grad_clip, grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        loads = {}
+        for name, moe in self.moe_layers.items():
+            acc = moe.stats_accum
+            aux_sum += acc["aux_loss"]
+            z_sum += acc["z_loss"]
+            dropped += acc["dropped_fraction"]
+            loads[name] = acc["tokens_per_expert"]
 
         # Metrics: means over micro-batches and data-parallel ranks; expert loads summed.
-        n_moe = max(1, len(self.moe_layers))
-        scalars = torch.stack([lm_sum, aux_sum / n_moe, z_sum / n_moe, dropped / n_moe]) / accum
+        # Under pipeline parallelism the LM loss lives on the last stage and each stage holds
+        # its own MoE layers: sums over pp gather them (moe-layer counts too).
+        n_moe = torch.tensor(float(len(self.moe_layers)), dtype=torch.float64)
+        scalars = torch.stack([lm_sum, aux_sum, z_sum, dropped, n_moe])
+        if self.ps.size(PP) > 1:
+            dist.all_reduce(scalars, group=self.ps.group(PP))
+        n_layers = max(1.0, float(scalars[4]))
+        scalars = torch.stack([scalars[0], scalars[1] / n_layers, scalars[2] / n_layers, scalars[3] / n_layers]) / accum
         dp_group = self.ps.group(DP_CP)
         if self.ps.size(DP_CP) > 1:
             dist.all_reduce(scalars, group=dp_group)
@@ -181,15 +188,16 @@ class Trainer:
         """Mean LM loss over the fixed validation batches (all dp ranks)."""
         if not self.val_batches:
             return None
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float64)
-        for mb in self.val_batches:
-            total += self._forward_loss(mb.inputs, mb.targets).double().cpu()
-        total /= len(self.val_batches)
+        for part in self.model_parts:
+            part.eval()
+        total = self.runner.forward_only(self.val_batches) / len(self.val_batches)
+        if self.ps.size(PP) > 1:
+            dist.all_reduce(total, group=self.ps.group(PP))
         if self.ps.size(DP_CP) > 1:
             dist.all_reduce(total, group=self.ps.group(DP_CP))
             total /= self.ps.size(DP_CP)
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         return float(total)
 
     # -- the loop -----------------------------------------------------------------------------
