@@ -17,6 +17,7 @@ Steps that a layout does not use are skipped here, by this caller, never inside 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -27,7 +28,7 @@ from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.expert import apply_expert_parallel
-from moetrain.parallel.state import EP, ParallelState
+from moetrain.parallel.state import EP, TP, ParallelState
 from moetrain.train.loss import lm_loss
 
 
@@ -42,11 +43,21 @@ class StepRunner(Protocol):
         """Sum of LM losses without gradients (validation); same conventions."""
 
 
+def loss_context(ps: ParallelState) -> contextlib.AbstractContextManager:
+    """``loss_parallel`` under tensor parallelism (the vocabulary-sharded cross-entropy needs its
+    forward *and* backward inside it), a no-op context otherwise."""
+    if ps.size(TP) > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 class SingleStageRunner:
     """Gradient accumulation over micro-batches on a model that is not pipelined."""
 
-    def __init__(self, model: Transformer, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model: Transformer, ps: ParallelState):
+        self.model, self.ps, self.device = model, ps, ps.device
 
     def _loss(self, mb: MicroBatch) -> torch.Tensor:
         return lm_loss(self.model(mb.inputs.to(self.device)), mb.targets.to(self.device))
@@ -54,17 +65,25 @@ class SingleStageRunner:
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
-            loss = self._loss(mb)
-            (loss / len(micro_batches)).backward()
-            total += loss.detach().double().cpu()
+            with loss_context(self.ps):
+                loss = self._loss(mb)
+                (loss / len(micro_batches)).backward()
+            total += _plain(loss).detach().double().cpu()
         return total
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for mb in micro_batches:
-            total += self._loss(mb).double().cpu()
+            with loss_context(self.ps):
+                total += _plain(self._loss(mb)).double().cpu()
         return total
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
@@ -104,7 +123,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 8. materialise and initialise (values depend on names and global expert ids only).
         _materialize(part, cfg, ps)
 
-    runner: StepRunner = SingleStageRunner(parts[0], ps.device)
+    runner: StepRunner = SingleStageRunner(parts[0], ps)
     return parts, runner
 
 

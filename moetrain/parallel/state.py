@@ -36,6 +36,9 @@ EXPERT_AXES = (PP, EDP, EP, TP)
 # Flattened axes: the dense gradient group and the expert-replica gradient group.
 DP_CP = "dp_cp"
 EDP_TP = "edp_tp"
+# The ranks that share one sequence: context parallel × tensor parallel (under tensor parallelism
+# an MoE layer works on a 1/tp slice of the sequence). MoE load-balancing counts are summed here.
+CP_TP = "cp_tp"
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
@@ -62,7 +65,7 @@ class ParallelState:
     """This process's coordinates and groups on the dense and expert meshes.
 
     Build with :meth:`build`. ``group(axis)`` returns the process group of an axis name
-    (``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, ``dp_cp``, ``edp_tp``); ``size`` and
+    (``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, ``dp_cp``, ``edp_tp``, ``cp_tp``); ``size`` and
     ``coord`` likewise. A size-1 axis still has a (trivial) group.
     """
 
@@ -96,6 +99,7 @@ class ParallelState:
         dev_type = device.type
         mesh = DeviceMesh(dev_type, ranks, mesh_dim_names=DENSE_AXES)
         mesh[(DP, CP)]._flatten(DP_CP)
+        mesh[(CP, TP)]._flatten(CP_TP)
         expert_ranks = ranks.reshape(p.pp, p.dp * p.cp, p.tp).reshape(p.pp, p.edp, p.ep, p.tp)
         expert_mesh = DeviceMesh(dev_type, expert_ranks, mesh_dim_names=EXPERT_AXES)
         expert_mesh[(EDP, TP)]._flatten(EDP_TP)

@@ -1,0 +1,135 @@
+"""A parallel layout the planner evaluates: sizes, schedule, ZeRO stage, micro-batch, checkpointing."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moetrain.config import Config
+
+__all__ = ["Layout", "LayoutError", "parse_layout_spec", "LAYOUT_KEYS"]
+
+
+class LayoutError(ValueError):
+    """A ``--layout`` string is malformed; the message says which key and the fix."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``vpp``: virtual stages per pipeline rank (interleaved schedule). ``ac``: activation
+    checkpointing (``none``, ``selective`` = recompute the attention core as Korthikanti et al.
+    2022 §5, ``full`` = keep each layer's input only). ``sp``: Megatron sequence parallelism
+    (always on when tp > 1 in the planner's search)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    zero: int = 1
+    mbs: int = 1
+    ac: str = "none"
+    schedule: str = "1f1b"
+    sp: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.cp // self.ep
+
+    def microbatches(self, global_batch: int) -> int:
+        """Micro-batches per pipeline per step (gradient accumulation steps)."""
+        return global_batch // (self.mbs * self.dp)
+
+    def short(self) -> str:
+        s = f"tp{self.tp} pp{self.pp}"
+        if self.vpp > 1:
+            s += f"x{self.vpp}"
+        s += f" dp{self.dp}"
+        if self.cp > 1:
+            s += f" cp{self.cp}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        s += f" z{self.zero} mbs{self.mbs} ac={self.ac}"
+        if self.pp > 1:
+            s += f" {self.schedule}"
+        return s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["zero_stage"] = d.pop("zero")
+        d["virtual_stages"] = d.pop("vpp")
+        d["micro_batch_size"] = d.pop("mbs")
+        d["activation_checkpointing"] = d.pop("ac")
+        d["sequence_parallel"] = d.pop("sp")
+        d["edp"] = self.edp
+        return d
+
+    @classmethod
+    def from_config(cls, cfg: "Config") -> "Layout":
+        p = cfg.parallel
+        return cls(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, vpp=p.virtual_stages, zero=p.zero_stage,
+                   mbs=cfg.train.micro_batch_size, ac=p.activation_checkpointing, schedule=p.pp_schedule,
+                   sp=p.sequence_parallel)
+
+    def overrides(self) -> list[str]:
+        """``--set`` strings that put this layout into a config."""
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}", f"parallel.cp={self.cp}",
+                f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.vpp}", f"parallel.zero_stage={self.zero}",
+                f"parallel.pp_schedule={self.schedule}", f"parallel.activation_checkpointing={self.ac}",
+                f"parallel.sequence_parallel={'true' if self.sp else 'false'}", f"train.micro_batch_size={self.mbs}"]
+
+
+_ALIASES = {
+    "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep",
+    "vpp": "vpp", "virtual_stages": "vpp", "v": "vpp",
+    "zero": "zero", "zero_stage": "zero", "z": "zero",
+    "mbs": "mbs", "micro_batch": "mbs", "micro_batch_size": "mbs",
+    "ac": "ac", "recompute": "ac", "activation_checkpointing": "ac",
+    "schedule": "schedule", "pp_schedule": "schedule",
+    "sp": "sp", "sequence_parallel": "sp",
+}
+LAYOUT_KEYS = tuple(sorted(set(_ALIASES)))
+_CHOICES = {"ac": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")}
+
+
+def parse_layout_spec(text: str) -> dict[str, Any]:
+    """``"tp=8,pp=4,zero=1,ac=full"`` → ``{"tp": 8, "pp": 4, "zero": 1, "ac": "full"}``.
+
+    Keys left out are searched by the planner.
+
+    Raises:
+        LayoutError: unknown key, or a value of the wrong kind.
+    """
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "=" not in part:
+            raise LayoutError(f"--layout {text!r}: {part!r} is not key=value. Fix: e.g. --layout tp=8,pp=4")
+        key, value = (x.strip() for x in part.split("=", 1))
+        if key not in _ALIASES:
+            raise LayoutError(f"--layout {text!r}: unknown key {key!r}. Fix: use {', '.join(LAYOUT_KEYS)}")
+        k = _ALIASES[key]
+        if k in _CHOICES:
+            if value not in _CHOICES[k]:
+                raise LayoutError(f"--layout {key}={value}: choose one of {', '.join(_CHOICES[k])}")
+            out[k] = value
+        elif k == "sp":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise LayoutError(f"--layout sp={value}: write true or false")
+            out[k] = value.lower() in ("true", "1")
+        else:
+            try:
+                out[k] = int(value)
+            except ValueError:
+                raise LayoutError(f"--layout {key}={value}: expected a whole number") from None
+            if out[k] <= 0 and k != "zero":
+                raise LayoutError(f"--layout {key}={value}: must be positive")
+            if k == "zero" and out[k] not in (0, 1, 2, 3):
+                raise LayoutError(f"--layout zero={value}: use 0, 1, 2 or 3")
+    return out
