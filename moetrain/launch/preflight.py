@@ -11,18 +11,24 @@ from moetrain.data.shards import ShardError, read_manifest
 
 
 def supported_now(cfg: Config) -> None:
-    """Refuse layouts this version cannot run yet (before launch, not in the ranks)."""
+    """Refuse what this version cannot run yet (before launch, not in the ranks).
+
+    Raises:
+        ConfigError: naming the field.
+    """
     p = cfg.parallel
-    for name, value, on in (("parallel.pp", p.pp, p.pp > 1), ("parallel.tp", p.tp, p.tp > 1),
-                            ("parallel.cp", p.cp, p.cp > 1), ("parallel.zero_stage", p.zero_stage, p.zero_stage > 0),
-                            ("parallel.activation_checkpointing", p.activation_checkpointing,
-                             p.activation_checkpointing != "none"),
-                            ("moe.expert_backend", cfg.moe.expert_backend, cfg.moe.expert_backend != "grouped"),
-                            ("model.attention_backend", cfg.model.attention_backend,
-                             cfg.model.attention_backend != "sdpa")):
-        if on:
+    not_yet = [  # (field, value, requested): one line per dimension still missing
+        ("parallel.pp", p.pp, p.pp > 1),
+        ("parallel.tp", p.tp, p.tp > 1),
+        ("parallel.zero_stage", p.zero_stage, p.zero_stage > 0),
+        ("parallel.activation_checkpointing", p.activation_checkpointing, p.activation_checkpointing != "none"),
+        ("moe.expert_backend", cfg.moe.expert_backend, cfg.moe.expert_backend != "grouped"),
+        ("model.attention_backend", cfg.model.attention_backend, cfg.model.attention_backend != "sdpa"),
+    ]
+    for name, value, requested in not_yet:
+        if requested:
             raise ConfigError(f"{name} = {value!r}: not supported by this version of moetrain yet. "
-                              f"Fix: use the default for {name} (data and expert parallelism are supported)")
+                              f"Fix: use the default for {name}")
 
 
 def resolve_vocab(cfg: Config) -> Config:

@@ -158,6 +158,9 @@ class MoE(nn.Module):
         # Multiplies the local aux loss when a sequence is split over ranks whose gradients are
         # averaged (cp): each rank's part must count fully, see router_losses.
         self.seq_split_scale = 1.0
+        # Multiplies the local z-loss when tokens are split over ranks whose gradients are summed
+        # (tp: 1/tp), so the sum over those ranks is the mean over all tokens.
+        self.token_split_scale = 1.0
         # Sums over the micro-batches of a step, reset by the trainer (``{}``): aux_loss, z_loss,
         # dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
         self.stats_accum: dict[str, torch.Tensor] = {}
@@ -192,7 +195,7 @@ class MoE(nn.Module):
             seq_len = int(round(counts_BE[0].sum().item() / self.top_k))
         psum_BE = probs_BSE.sum(1)
         aux = (counts_BE * psum_BE).sum(-1).mean() * (E / (seq_len * seq_len * self.top_k)) * self.seq_split_scale
-        z = torch.logsumexp(logits_BSE, dim=-1).pow(2).mean()
+        z = torch.logsumexp(logits_BSE, dim=-1).pow(2).mean() * self.token_split_scale
         return aux, z, counts_BE
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,9 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab_size, bias=False)
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Global positions of the local tokens when they are not 0..S-1 (context parallelism
+        # holds two chunks of the sequence); set by moetrain.parallel.context.
+        self.positions: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Transformer":
@@ -86,7 +89,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         S = h.shape[1]
         if positions is None:
-            positions = torch.arange(S, device=h.device)
+            positions = self.positions if self.positions is not None else torch.arange(S)
+        positions = positions.to(h.device)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         for block in self.layers.values():
             h = block(h, cos, sin)

@@ -7,6 +7,7 @@ The order is fixed; each step says why it sits where it does:
 3. tensor + sequence parallelism — shard attention / MLP / embedding / head over tp
    (before EP and FSDP: both must see the TP-sharded parameters);
 4. expert parallelism — keep this rank's experts, dispatch tokens by all-to-all over ep;
+   then, when a sequence is split over cp × tp ranks, make the MoE losses add up across them;
 5. context parallelism — swap the attention kernel for ring attention over cp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
 7. ZeRO / FSDP wrapping — last, as it takes over the (possibly DTensor) parameters;
@@ -27,8 +28,9 @@ from moetrain.config import Config
 from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.expert import apply_expert_parallel
-from moetrain.parallel.state import EP, TP, ParallelState
+from moetrain.parallel.context import apply_context_parallel
+from moetrain.parallel.expert import apply_expert_parallel, configure_sequence_split
+from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 from moetrain.train.loss import lm_loss
 
 
@@ -117,7 +119,12 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 4. expert parallelism: local experts + all-to-all dispatch.
         if ps.size(EP) > 1:
             apply_expert_parallel(part.moe_layers(), ps)
-        # 5. context parallelism: [cp]
+        # 4b. MoE losses of sequences split over cp × tp ranks (per-sequence balance counts).
+        if ps.size(CP_TP) > 1:
+            configure_sequence_split(part.moe_layers(), ps)
+        # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
+        if ps.size(CP) > 1:
+            apply_context_parallel(part, ps.group(CP), cfg.model.seq_len)
         # 6. activation checkpointing: [ac]
         # 7. ZeRO / FSDP: [zero]
         # 8. materialise and initialise (values depend on names and global expert ids only).

@@ -37,7 +37,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention"]
+__all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "apply_context_parallel"]
 
 Kernel = Literal["auto", "cpu_flash", "flash_attn", "math"]
 
@@ -476,3 +476,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                          f"(shard with cp_shard; the full length must be divisible by 2 × cp = {2 * cp_size})")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     return _RingAttention.apply(q, k, v, group, causal, scale, _pick_kernel(kernel, q))
+
+
+class RingAttentionKernel:
+    """The attention kernel of :class:`moetrain.model.layers.Attention` under context
+    parallelism: (q [B, Hq, Sl, D], k/v [B, Hkv, Sl, D]) → [B, Hq, Sl, D], causal."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, causal=True)
+
+
+def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
+    """Run every attention of ``model`` (a :class:`moetrain.model.transformer.Transformer`
+    or a pipeline part of one) as ring attention over ``group`` and give RoPE the global
+    positions of this rank's two chunks. The data loader must hand this rank the same chunks
+    (:func:`cp_shard` along the sequence)."""
+    from moetrain.model.layers import Attention
+
+    kernel = RingAttentionKernel(group)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.kernel = kernel
+    cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    model.positions = cp_positions(seq_len, cp_rank, cp_size)

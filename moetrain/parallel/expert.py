@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moetrain.model.moe import DispatchHandle, GroupedExperts, MoE, permute_by_expert, unpermute
-from moetrain.parallel.state import EP, ParallelState
+from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
 
 @dataclass
@@ -97,3 +97,33 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None
         with torch.device(old.w1.device):
             moe.experts = GroupedExperts(dim, hidden, n_local, expert_offset=ep_rank * n_local, num_experts=E)
         moe.dispatcher = AllToAllDispatcher(E, group)
+
+
+class _SumOverGroup:
+    """All-reduce (sum) of a tensor over a group, without autograd: the per-sequence expert
+    counts, which carry no gradient."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, counts: torch.Tensor) -> torch.Tensor:
+        out = counts.detach().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def configure_sequence_split(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
+    """Make the MoE losses of a sequence split over cp × tp ranks equal the single-process ones.
+
+    The load-balancing loss of a sequence needs the sequence's expert counts: they are summed
+    over ``cp_tp``; each rank's part (its tokens' router probabilities × the global counts)
+    adds up to the whole. Gradients are averaged over cp (data-parallel reduction) but summed
+    over tp (the tp ranks' parts are different tokens of the same sample), so the part is scaled
+    by cp; the z-loss, a mean over tokens, is scaled by 1/tp for the same reason. Call it only
+    when ``cp_tp`` has more than one rank.
+    """
+    reducer = _SumOverGroup(ps.group(CP_TP))
+    for moe in moe_layers.values():
+        moe.seq_count_reducer = reducer
+        moe.seq_split_scale = float(ps.size(CP))
+        moe.token_split_scale = 1.0 / ps.size(TP)

@@ -32,7 +32,7 @@ from moetrain.data.loader import BatchLoader, validation_batches
 from moetrain.data.shards import TokenShards
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
-from moetrain.parallel.state import DP, DP_CP, PP, ParallelState, init_distributed
+from moetrain.parallel.state import CP, DP, DP_CP, PP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
 from moetrain.train.loss import lm_loss
@@ -83,12 +83,14 @@ class Trainer:
 
         train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
         self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
-                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed)
+                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
+                                  cp_rank=self.ps.coord(CP), cp_size=self.ps.size(CP))
         self.val_batches = []
         if cfg.train.val_every:
             val_shards = TokenShards(cfg.data.path, "val", verify=cfg.data.verify)
             self.val_batches = validation_batches(val_shards, cfg.model.seq_len, cfg.train.micro_batch_size,
-                                                  cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP))
+                                                  cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP),
+                                                  self.ps.coord(CP), self.ps.size(CP))
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, attempt)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg)

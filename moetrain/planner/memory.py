@@ -1,0 +1,291 @@
+"""Memory per GPU of a layout: parameters, gradients, optimizer states, activations.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, §3 and §5.1): with mixed-precision
+Adam each parameter holds 2 bytes of bf16 weights, gradients and K = 12 bytes of optimizer
+state (fp32 master weights, momentum, variance); ZeRO-1 shards the optimizer state over the
+N_d data-parallel ranks, ZeRO-2 also the gradients, ZeRO-3 also the weights:
+
+    stage 0: (2 + 2 + K)·Ψ        stage 1: (2 + 2)·Ψ + K·Ψ/N_d
+    stage 2: 2·Ψ + (2 + K)·Ψ/N_d  stage 3: (2 + 2 + K)·Ψ/N_d
+
+The planner keeps gradients in fp32 (4 bytes; Megatron-LM accumulates and reduces bf16 runs'
+gradients in fp32), see :class:`MemoryAssumptions`. Dense parameters are sharded over the
+dp × cp ranks; expert parameters over the expert-data-parallel ranks (edp × tp).
+
+Activations follow the per-tensor accounting of Korthikanti et al. 2022 §4: every tensor a
+layer keeps for its backward pass, counted per token, split into those that tensor parallelism
+shards and those it replicates unless sequence parallelism (SP) shards them too, and the
+attention-core tensors that selective recomputation drops. For the GPT layer of the paper
+(LayerNorm, GELU MLP of 4h, dropout, materialised softmax) this reproduces eq. (1)-(5):
+sbh(34 + 5as/h) bytes, sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34 + 5as/h)/t with TP + SP,
+34·sbh/t with selective recomputation and SP, 2·sbh with full recomputation.
+The pipeline keeps several micro-batches in flight: p on the first stage of 1F1B (so L layers'
+worth in all, §4.2.3), L(1 + (p−1)/(p·v)) with the interleaved schedule, all m with GPipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetrain.planner.layout import Layout
+from moetrain.planner.model import ModelShape
+
+__all__ = ["MemoryAssumptions", "MemoryBreakdown", "ActivationArch", "zero_model_state_bytes",
+           "korthikanti_layer_bytes", "activation_terms", "attention_terms", "mlp_terms", "layer_activation_bytes", "stage_layers",
+           "memory_per_gpu", "GIB"]
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class MemoryAssumptions:
+    """Bytes per parameter for weights, gradients and optimizer states; bytes per activation."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    optim_bytes: int = 12
+    act_bytes: int = 2
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "MemoryAssumptions":
+        if dtype == "float32":
+            return cls(param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4)
+        return cls()
+
+
+def zero_model_state_bytes(psi: float, nd: int, stage: int, k: int = 12, param_bytes: int = 2,
+                           grad_bytes: int = 2) -> float:
+    """Model-state bytes per GPU for Ψ parameters over N_d data-parallel ranks (ZeRO §5.1).
+
+    Raises:
+        ValueError: stage not in 0..3.
+    """
+    if stage == 0:
+        return (param_bytes + grad_bytes + k) * psi
+    if stage == 1:
+        return (param_bytes + grad_bytes) * psi + k * psi / nd
+    if stage == 2:
+        return param_bytes * psi + (grad_bytes + k) * psi / nd
+    if stage == 3:
+        return (param_bytes + grad_bytes + k) * psi / nd
+    raise ValueError(f"ZeRO stage {stage}: use 0, 1, 2 or 3")
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one GPT layer, the closed forms of Korthikanti et al. 2022 §4
+    (eq. 1, 2, 4, 5 and §5): the reference the per-tensor accounting is tested against."""
+    if recompute == "full":
+        return 2.0 * s * b * h / (t if sp else 1)
+    core = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    if sp:
+        return s * b * h * (34.0 + core) / t
+    return s * b * h * (10.0 + 24.0 / t + core / t)
+
+
+@dataclass(frozen=True)
+class ActivationArch:
+    """What a layer keeps for its backward pass depends on these choices."""
+
+    hidden: int
+    heads: int
+    h_q: int
+    h_kv: int
+    ffn: int
+    seq_len: int
+    mlp: str = "swiglu"            # "swiglu" (3 matrices) or "gelu" (2 matrices)
+    attention: str = "flash"       # "flash" (no s×s matrix kept) or "materialised"
+    dropout: bool = False
+
+    @classmethod
+    def gpt(cls, s: int, h: int, a: int) -> "ActivationArch":
+        """The layer of Korthikanti et al. 2022: LayerNorm, MHA, 4h GELU MLP, dropout, unfused softmax."""
+        return cls(hidden=h, heads=a, h_q=h, h_kv=h, ffn=4 * h, seq_len=s, mlp="gelu",
+                   attention="materialised", dropout=True)
+
+    @classmethod
+    def of(cls, shape: ModelShape) -> "ActivationArch":
+        """moetrain's layer: RMSNorm, GQA, SwiGLU, no dropout, flash attention."""
+        return cls(hidden=shape.hidden, heads=shape.heads, h_q=shape.h_q, h_kv=shape.h_kv, ffn=shape.ffn,
+                   seq_len=shape.seq_len)
+
+
+def activation_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
+    """Tensors one dense layer keeps, as (name, bytes per token with 2-byte activations, kind).
+
+    kind: ``repl`` (replicated over TP ranks unless SP), ``shard`` (split over TP ranks),
+    ``core`` (split over TP; dropped by selective recomputation). The first term is the
+    layer's input, all that full recomputation keeps.
+    """
+    return attention_terms(arch) + mlp_terms(arch)
+
+
+def attention_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
+    """The attention block's part of :func:`activation_terms`."""
+    h, a, s = arch.hidden, arch.heads, arch.seq_len
+    t: list[tuple[str, float, str]] = [
+        ("norm1 input", 2.0 * h, "repl"),
+        ("QKV input", 2.0 * h, "repl"),
+        ("Q, K", 2.0 * (arch.h_q + arch.h_kv), "shard"),
+        ("V", 2.0 * arch.h_kv, "shard"),
+    ]
+    if arch.attention == "materialised":
+        t.append(("softmax output", 2.0 * a * s, "core"))
+        if arch.dropout:
+            t += [("softmax dropout mask", 1.0 * a * s, "core"), ("softmax dropout output", 2.0 * a * s, "core")]
+        t.append(("out-projection input", 2.0 * arch.h_q, "shard"))
+    else:
+        # FlashAttention keeps its output O (the out-projection input) and the fp32 log-sum-exp.
+        t += [("attention output O", 2.0 * arch.h_q, "shard"), ("log-sum-exp", 4.0 * a, "core")]
+    if arch.dropout:
+        t.append(("attention dropout mask", 1.0 * h, "repl"))
+    return t
+
+
+def mlp_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
+    """The dense MLP block's part of :func:`activation_terms`."""
+    h = arch.hidden
+    t: list[tuple[str, float, str]] = [("norm2 input", 2.0 * h, "repl"), ("MLP input", 2.0 * h, "repl")]
+    if arch.mlp == "gelu":
+        t += [("GELU input", 2.0 * arch.ffn, "shard"), ("GELU output", 2.0 * arch.ffn, "shard")]
+    else:
+        t += [("gate and up outputs", 4.0 * arch.ffn, "shard"), ("SwiGLU output", 2.0 * arch.ffn, "shard")]
+    if arch.dropout:
+        t.append(("MLP dropout mask", 1.0 * h, "repl"))
+    return t
+
+
+def _moe_terms(shape: ModelShape) -> list[tuple[str, float, str]]:
+    """The MoE block's tensors per token of the rank. Experts are not tensor-parallel: with SP
+    each TP rank routes its own sequence shard, so every term is ``repl`` (split only by SP)."""
+    h, f, k, e = shape.hidden, shape.expert_ffn, shape.top_k, shape.num_experts
+    return [
+        ("norm2 input", 2.0 * h, "repl"),
+        ("router input", 2.0 * h, "repl"),
+        ("router probabilities (fp32)", 8.0 * e, "repl"),
+        ("permuted tokens", 2.0 * h * k, "repl"),
+        ("expert gate and up outputs", 4.0 * f * k, "repl"),
+        ("expert SwiGLU output", 2.0 * f * k, "repl"),
+        ("expert outputs", 2.0 * h * k, "repl"),
+        ("shared experts", 6.0 * f * shape.shared_experts, "repl"),
+    ]
+
+
+def layer_activation_bytes(terms: list[tuple[str, float, str]], tokens: float, tp: int, sp: bool,
+                           ac: str, act_scale: float = 1.0) -> float:
+    """Bytes one layer keeps for ``tokens`` tokens of one micro-batch on one rank."""
+    if ac == "full":
+        return terms[0][1] * tokens * act_scale / (tp if sp else 1)  # the layer input
+    total = 0.0
+    for _, b, kind in terms:
+        if kind == "core" and ac == "selective":
+            continue
+        total += b / (tp if (kind != "repl" or sp) else 1)
+    return total * tokens * act_scale
+
+
+def stage_layers(shape: ModelShape, pp: int, vpp: int) -> list[list[int]]:
+    """Layer indices held by each pipeline rank: rank r holds chunks r, r+pp, ... (interleaved);
+    with layers not divisible by pp·vpp the first chunks get one layer more."""
+    chunks = pp * vpp
+    base, extra = divmod(shape.layers, chunks)
+    bounds = [0]
+    for c in range(chunks):
+        bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    return [[i for k in range(vpp) for i in range(bounds[r + k * pp], bounds[r + k * pp + 1])] for r in range(pp)]
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per GPU on the fullest pipeline rank."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+    rank: int = 0
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def gib(self) -> dict[str, float]:
+        return {"params": self.params / GIB, "grads": self.grads / GIB, "optimizer": self.optimizer / GIB,
+                "activations": self.activations / GIB, "buffers": self.buffers / GIB, "total": self.total / GIB}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: round(v, 3) for k, v in self.gib().items()} | {"pipeline_rank": self.rank}
+
+
+def _inflight(layout: Layout, m: int, r: int) -> float:
+    """Micro-batch·chunks rank r keeps activations for, in units of its whole stage."""
+    pp, v = layout.pp, layout.vpp
+    if pp == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if v > 1:
+        # Megatron's interleaved warm-up: (pp − r − 1)·2 + (v − 1)·pp chunks, plus the running one.
+        return min(m * v, (pp - r - 1) * 2 + (v - 1) * pp + 1) / v
+    return float(min(pp - r, m))
+
+
+def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
+                   assumptions: MemoryAssumptions = MemoryAssumptions()) -> MemoryBreakdown:
+    """Peak memory per GPU (the fullest pipeline rank) of ``layout`` training ``shape``.
+
+    Returns a :class:`MemoryBreakdown` in bytes; ``.gib()`` converts.
+    """
+    A = assumptions
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    dense_shard = layout.dp * cp
+    expert_shard = layout.dp * cp * tp // layout.ep
+    m = max(1, layout.microbatches(global_batch))
+    tokens = layout.mbs * shape.seq_len / cp
+    sp = layout.sp and tp > 1
+    act_scale = A.act_bytes / 2.0
+    arch = ActivationArch.of(shape)
+    dense_terms = activation_terms(arch)
+    moe_terms = attention_terms(arch) + _moe_terms(shape)
+    a_dense = layer_activation_bytes(dense_terms, tokens, tp, sp, layout.ac, act_scale)
+    a_moe = layer_activation_bytes(moe_terms, tokens, tp, sp, layout.ac, act_scale)
+    a_dense_full = layer_activation_bytes(dense_terms, tokens, tp, sp, "none", act_scale)
+    a_moe_full = layer_activation_bytes(moe_terms, tokens, tp, sp, "none", act_scale)
+
+    best = MemoryBreakdown()
+    best_total = -1.0
+    for r, layers in enumerate(stage_layers(shape, pp, layout.vpp)):
+        n_moe = sum(1 for i in layers if shape.moe_layer_flags[i])
+        n_dense = len(layers) - n_moe
+        dense_p = n_dense * shape.layer_params(False)[0] + n_moe * shape.layer_params(True)[0]
+        expert_p = n_moe * shape.expert_params
+        if r == 0:
+            dense_p += shape.vocab * shape.hidden
+        if r == pp - 1 and (pp > 1 or not shape.tie_embeddings):
+            dense_p += shape.vocab * shape.hidden + shape.hidden
+        dense_p /= tp
+        expert_p /= layout.ep
+        z = layout.zero
+        params = A.param_bytes * (dense_p / (dense_shard if z >= 3 else 1) + expert_p / (expert_shard if z >= 3 else 1))
+        grads = A.grad_bytes * (dense_p / (dense_shard if z >= 2 else 1) + expert_p / (expert_shard if z >= 2 else 1))
+        optim = A.optim_bytes * (dense_p / (dense_shard if z >= 1 else 1) + expert_p / (expert_shard if z >= 1 else 1))
+        stage_act = n_dense * a_dense + n_moe * a_moe
+        acts = _inflight(layout, m, r) * stage_act
+        if layout.ac == "full" and layers:
+            acts += a_moe_full if n_moe else a_dense_full  # one layer recomputed at a time
+        if r == pp - 1:
+            acts += tokens * shape.vocab / tp * (2 + 4) * act_scale  # bf16 logits + fp32 loss softmax
+        buffers = 0.0
+        if z >= 3 and layers:
+            biggest = max(shape.layer_params(shape.moe_layer_flags[i])[0] / tp
+                          + shape.layer_params(shape.moe_layer_flags[i])[1] / layout.ep for i in layers)
+            buffers += 2 * biggest * A.param_bytes  # the gathered layer and the prefetched next one
+        mb = MemoryBreakdown(params, grads, optim, acts, buffers, r,
+                             {"dense_params": dense_p, "expert_params": expert_p,
+                              "layer_activation_bytes_dense": a_dense, "layer_activation_bytes_moe": a_moe})
+        if mb.total > best_total:
+            best, best_total = mb, mb.total
+    return best
