@@ -1,7 +1,22 @@
-"""The callable every task runs: set up logging and torch.distributed, then train.
+"""The callable every task runs: logging, torch.distributed, lifecycle, then the trainer.
 
-``TrainJob`` is a ``submitit.helpers.Checkpointable``: submitit pickles it into the run folder,
-starts it once per task (locally or on SLURM), and re-submits it on requeue.
+``TrainJob`` is a ``submitit.helpers.Checkpointable``: submitit pickles it into the run's log
+folder, starts it once per task (locally or on SLURM), and starts the same pickle again after a
+requeue. The job holds only the resolved config; everything else (step, data position, RNG) is
+in the run directory's checkpoints, so a restart resumes where the last complete checkpoint is.
+
+Lifecycle on SLURM:
+
+* the pre-timeout signal (``--signal=USR2@signal_delay_s``) and preemption
+  (``preempt_send_user_signal``) only set a flag; the loop finishes its step, checkpoints, and
+  rank 0 requeues the job (``scontrol requeue``); the restarted attempt resumes;
+* a node failure ends the attempt without a signal; SLURM requeues the job (``JobRequeue=1``)
+  and the next attempt resumes from the latest complete checkpoint;
+* a hang (no progress for ``launch.heartbeat_timeout_factor`` × the median step time, at least
+  ``launch.heartbeat_min_timeout_s``) is caught by each rank's watchdog: stacks are dumped, the
+  suspected node is excluded and the job requeued;
+* ``SLURM_RESTART_COUNT`` counts restarts; past ``launch.max_restarts`` the run stops and
+  says why (``events.jsonl``, the log, and the job's failure).
 """
 
 from __future__ import annotations
@@ -11,10 +26,13 @@ import logging
 import os
 import signal
 import sys
+import zlib
 
 import submitit
 
 from moetrain.config import Config, config_from_dict, to_dict
+
+log = logging.getLogger("moetrain")
 
 
 def setup_logging(rank: int) -> None:
@@ -28,12 +46,22 @@ def setup_logging(rank: int) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _exit_quietly() -> None:
+def _exit_now(code: int) -> None:
     # gloo workers abort in ~5 % of interpreter exits after their work is done
-    # (../shared/FACTS.md); once the job has succeeded, skip the teardown that aborts.
+    # (../shared/FACTS.md): skip the teardown that aborts.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def master_port(job_id: str, restart: int) -> int:
+    """Rendezvous port for one attempt: differs between attempts, so a process left over from an
+    earlier attempt cannot hold the new attempt's port."""
+    return 20000 + zlib.crc32(f"{job_id}/{restart}".encode()) % 30000
+
+
+class RestartsExhausted(RuntimeError):
+    """The run was restarted more than ``launch.max_restarts`` times."""
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -46,21 +74,65 @@ class TrainJob(submitit.helpers.Checkpointable):
         import torch
         import torch.distributed as dist
 
+        from moetrain.launch.lifecycle import Watchdog, append_event, existing_excludes, requeue_slurm_job
         from moetrain.train.trainer import StopFlag, Trainer
 
         cfg: Config = config_from_dict(self.config)
-        env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        setup_logging(env.rank)
+        env = submitit.JobEnvironment()
+        on_slurm = "SLURM_JOB_ID" in os.environ
+        restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), restart))
+        denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        setup_logging(denv.rank)
         torch.set_num_threads(max(1, cfg.launch.cpus_per_task))
-        attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+        if restart > cfg.launch.max_restarts:
+            msg = (f"restart {restart} exceeds launch.max_restarts={cfg.launch.max_restarts}: giving up; "
+                   f"see {cfg.run_dir / 'events.jsonl'} for the causes")
+            if denv.rank == 0:
+                append_event(cfg.run_dir, None, "gave_up", restart=restart, reason=msg)
+            log.error(msg)
+            raise RestartsExhausted(msg)
+
         stop = StopFlag()
         # Signals only set a flag; the loop checkpoints at the next step boundary.
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: stop.set(signal.Signals(signum).name))
-        trainer = Trainer(cfg, attempt=attempt, stop_flag=stop)
+
+        trainer = Trainer(cfg, job_id=str(env.job_id), restart=restart, stop_flag=stop)
+        hang = os.environ.get("MOETRAIN_TEST_HANG")  # "rank:step", fault injection for the tests
+        if hang and int(hang.split(":")[0]) == denv.rank:
+            trainer.hang_at_step = int(hang.split(":")[1])
+
+        def on_hang(nodes: list[str]) -> None:
+            excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
+            if on_slurm and restart < cfg.launch.max_restarts:
+                requeued = requeue_slurm_job(exclude=excluded)
+                append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
+            else:
+                append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
+                             reason="not on SLURM" if not on_slurm else "launch.max_restarts reached")
+            _exit_now(1)
+
+        trainer.watchdog = Watchdog(cfg.run_dir, denv.rank, trainer.fence, trainer.heartbeat,
+                                    cfg.launch.heartbeat_timeout_factor, cfg.launch.heartbeat_min_timeout_s,
+                                    on_hang).start()
         status = trainer.run()
+        trainer.watchdog.stop()
+        if status == "stopped" and on_slurm:
+            dist.barrier()
+            if denv.rank == 0:
+                if restart < cfg.launch.max_restarts:
+                    ok = requeue_slurm_job(exclude=existing_excludes(cfg.run_dir) or None)
+                    append_event(cfg.run_dir, trainer.fence, "requeue", cause=stop.reason, ok=ok)
+                else:
+                    append_event(cfg.run_dir, trainer.fence, "gave_up", cause=stop.reason,
+                                 reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
+            dist.destroy_process_group()
+            # Leave without a result: the requeued attempt will produce it (as submitit does).
+            _exit_now(0)
         dist.destroy_process_group()
-        atexit.register(_exit_quietly)
+        atexit.register(_exit_now, 0)
         return status
 
 

@@ -75,6 +75,7 @@ class ParallelState:
     device: torch.device
     rank: int
     world_size: int
+    flat: dict[str, DeviceMesh]  # the flattened axes (dp_cp, cp_tp, edp_tp), kept as returned
 
     @classmethod
     def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None
@@ -98,18 +99,23 @@ class ParallelState:
                              f"got shape {tuple(ranks.shape)}")
         dev_type = device.type
         mesh = DeviceMesh(dev_type, ranks, mesh_dim_names=DENSE_AXES)
-        mesh[(DP, CP)]._flatten(DP_CP)
-        mesh[(CP, TP)]._flatten(CP_TP)
+        flat = {DP_CP: mesh[(DP, CP)]._flatten(DP_CP), CP_TP: mesh[(CP, TP)]._flatten(CP_TP)}
         expert_ranks = ranks.reshape(p.pp, p.dp * p.cp, p.tp).reshape(p.pp, p.edp, p.ep, p.tp)
         expert_mesh = DeviceMesh(dev_type, expert_ranks, mesh_dim_names=EXPERT_AXES)
-        expert_mesh[(EDP, TP)]._flatten(EDP_TP)
+        flat[EDP_TP] = expert_mesh[(EDP, TP)]._flatten(EDP_TP)
         return cls(parallel=p, mesh=mesh, expert_mesh=expert_mesh, device=device,
-                   rank=dist.get_rank(), world_size=world)
+                   rank=dist.get_rank(), world_size=world, flat=flat)
 
     def _mesh_for(self, axis: str) -> DeviceMesh:
-        if axis in (EDP, EP, EDP_TP):
+        if axis in self.flat:
+            return self.flat[axis]
+        if axis in (EDP, EP):
             return self.expert_mesh[axis]
         return self.mesh[axis]
+
+    def submesh(self, axis: str) -> DeviceMesh:
+        """The 1-D mesh of an axis (flattened axes included), e.g. for FSDP's ``mesh=``."""
+        return self._mesh_for(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self._mesh_for(axis).get_group()

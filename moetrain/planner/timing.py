@@ -45,12 +45,23 @@ class TimingAssumptions:
     load-balancing loss). ``tile``: GEMM output tile (rows, cols) for wave quantisation.
     ``attention_backward``: executed backward/forward FLOP ratio of flash attention.
     ``adam_bytes``: bytes moved per local parameter by the optimizer step.
+    ``kernel_gap_us`` × ``kernels_per_layer`` (forward; backward twice): launch gaps between
+    dependent kernels on the critical path.
+
+    Software (moetrain's by default; a published run's when reproducing it):
+    ``attention``: ``flash`` (fused, causal half skipped) or ``unfused`` (s×s scores written
+    to memory, masked softmax, AV as batched GEMMs, as Megatron-LM in 2021);
+    ``dropout``: dropout on attention probabilities and residual branches (GPT-3 era).
     """
 
     moe_imbalance: float = 1.1
     tile: tuple[int, int] = (128, 256)
     attention_backward: float = 2.5
     adam_bytes: float = 30.0
+    kernel_gap_us: float = 4.0
+    kernels_per_layer: int = 20
+    attention: str = "flash"
+    dropout: bool = False
 
 
 def pipeline_time(schedule: str, pp: int, vpp: int, m: int, t_f: float, t_b: float) -> float:
@@ -119,14 +130,26 @@ class _Compute:
         bwd = flops / (self.rate * _wave(m, k, sms, tile, count)) + flops / (self.rate * _wave(k, n, sms, tile, count))
         return fwd, bwd
 
-    def attention(self) -> tuple[float, float, float]:
-        """(GEMMs fwd, GEMMs bwd, attention core fwd) of the attention block."""
+    def attention(self) -> tuple[float, float, float, float]:
+        """(GEMMs fwd, GEMMs bwd, attention core fwd, attention core bwd) of the attention block."""
         s, tp = self.s, self.l.tp
         f1, b1 = self.gemm(self.T, (s.h_q + 2 * s.h_kv) / tp, s.hidden)
         f2, b2 = self.gemm(self.T, s.hidden, s.h_q / tp)
-        core_flops = 4.0 * self.T * s.seq_len * s.h_q / tp * 0.5  # causal: half the score matrix
-        core = core_flops / (self.p.peak_tflops * 1e12 * self.p.attention_efficiency)
-        return f1 + f2, b1 + b2, core
+        if self.ta.attention == "flash":
+            core_flops = 4.0 * self.T * s.seq_len * s.h_q / tp * 0.5  # causal: half the score matrix
+            core = core_flops / (self.p.peak_tflops * 1e12 * self.p.attention_efficiency)
+            return f1 + f2, b1 + b2, core, core * self.ta.attention_backward
+        # Unfused: QKᵀ and AV as batched GEMMs over the full s×s matrix (masked afterwards),
+        # and the scores pass through memory: write QKᵀ, masked softmax (read, write), dropout
+        # (read, write, 1-byte mask), read by AV: 13 (8 without dropout) bytes per score.
+        heads = s.heads / tp
+        n_seq = self.T / s.seq_len  # sequences in the micro-batch (CP: a fraction)
+        count = max(1, round(heads * max(1.0, n_seq)))
+        qk_f, qk_b = self.gemm(self.T / max(1.0, n_seq), s.seq_len, s.head_dim, count)
+        av_f, av_b = self.gemm(self.T / max(1.0, n_seq), s.head_dim, s.seq_len, count)
+        per_score = 13.0 if self.ta.dropout else 8.0
+        mem = per_score * self.T * s.seq_len * heads / self.hbm
+        return f1 + f2, b1 + b2, qk_f + av_f + mem, qk_b + av_b + 2 * mem
 
     def mlp(self) -> tuple[float, float]:
         s, tp = self.s, self.l.tp
@@ -155,6 +178,8 @@ class _Compute:
         s, tp = self.s, self.l.tp
         b = self.act_bytes
         per_seq_shard = 10.0 * s.hidden                     # 2 norms (r+w), 2 residual adds (2r+w)
+        if self.ta.dropout:
+            per_seq_shard += 5.0 * s.hidden                 # 2 dropouts: read, write, 1-byte mask
         per_tp_shard = 4.0 * (s.h_q + s.h_kv) / tp          # RoPE on Q and K (r+w)
         nbytes = b * (per_seq_shard * self.Tt + per_tp_shard * self.T)
         if moe:
@@ -182,8 +207,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     sz = _mb_sizes(shape, lay, mem.act_bytes)
     prof = profile
 
-    att_f, att_b, core_f = c.attention()
-    core_b = core_f * ta.attention_backward
+    att_f, att_b, core_f, core_b = c.attention()
     mlp_f, mlp_b = c.mlp()
     moe_f, moe_b = c.moe() if shape.is_moe else (0.0, 0.0)
     el_d, el_m = c.elementwise(False), c.elementwise(True)
@@ -198,9 +222,13 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     t_a2a, _ = comm_time("all_to_all", sz["ep"] * ta.moe_imbalance, places["ep"], prof) if shape.is_moe else (0.0, {})
     t_p2p, _ = comm_time("p2p", sz["pp"], places["pp"], prof)
 
+    gap = ta.kernel_gap_us * 1e-6 * ta.kernels_per_layer
+
     def layer(moe: bool) -> dict[str, float]:
         regions = 1 if moe else 2
+        launches = gap * (1.75 if moe else 1.0)  # routing, permutation and the all-to-alls add kernels
         d = {
+            "launch_f": launches, "launch_b": 2 * launches,
             "gemm_f": att_f + (moe_f if moe else mlp_f), "gemm_b": att_b + (moe_b if moe else mlp_b),
             "attn_f": core_f, "attn_b": core_b,
             "elem_f": el_m if moe else el_d, "elem_b": 2 * (el_m if moe else el_d),
@@ -246,7 +274,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     z = lay.zero
     dp_exposed = 0.0
     rs = ag = 0.0
-    for axis, p in (("dp_cp", dense_p), ("edp", expert_p)):
+    for axis, p in (("dp_cp", dense_p), ("edp_tp", expert_p)):
         if p <= 0:
             continue
         if z == 0:
@@ -272,6 +300,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     bd = {
         "compute": scale * (acc.get("gemm_f", 0) + acc.get("gemm_b", 0) + acc.get("attn_f", 0) + acc.get("attn_b", 0)),
         "elementwise": scale * (acc.get("elem_f", 0) + acc.get("elem_b", 0)),
+        "kernel_launch": scale * (acc.get("launch_f", 0) + acc.get("launch_b", 0)),
         "recompute": scale * rec,
         "tp_comm": scale * (acc.get("tp_f", 0) + acc.get("tp_b", 0)),
         "cp_comm_exposed": scale * (acc.get("cp_f", 0) + acc.get("cp_b", 0)),

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["AxisPlace", "places_from_rank_map", "ideal_places", "bus_factor", "comm_time", "CollectiveVolume",
            "step_collectives", "COMM_AXES"]
 
-COMM_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp")
+COMM_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp_tp")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def ideal_places(layout: Layout, profile: "ClusterProfile") -> dict[str, AxisPla
     out["ep"] = AxisPlace(layout.ep, "none" if layout.ep == 1 else ("nvlink" if ep_in == layout.ep else "rail"),
                           max(1, ep_in))
     edp = layout.edp * layout.tp
-    out["edp"] = AxisPlace(edp, "none" if edp == 1 else ("nvlink" if layout.edp * layout.ep <= dp_in * cp_in
+    out["edp_tp"] = AxisPlace(edp, "none" if edp == 1 else ("nvlink" if layout.edp * layout.ep <= dp_in * cp_in
                                                          else "spine"), max(1, layout.tp * max(1, dp_in * cp_in // layout.ep)))
     stage = layout.tp * layout.cp * layout.dp
     out["pp"] = AxisPlace(layout.pp, "none" if layout.pp == 1 else ("nvlink" if stage * layout.pp <= dom else "rail"),
@@ -202,7 +202,7 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
         (shape.total_params - shape.moe_layers * shape.expert_params) / (layout.tp * layout.pp)
     expert_p = expert_params_rank if expert_params_rank is not None else \
         shape.moe_layers * shape.expert_params / (layout.pp * layout.ep)
-    for axis, p, label in (("dp_cp", dense_p, "dense"), ("edp", expert_p, "expert")):
+    for axis, p, label in (("dp_cp", dense_p, "dense"), ("edp_tp", expert_p, "expert")):
         if p <= 0:
             continue
         z = layout.zero

@@ -32,8 +32,9 @@ How (the phases of :func:`build_rank_map`):
 Expert axes (Megatron-Core "parallel folding"): inside one (pp, tp) slice the dp × cp ranks are
 flattened dp-outer, cp-inner (index = dp_idx·cp + cp_idx) and split into (edp outer, ep inner):
 ``ep_idx = index % ep``, ``edp_idx = index // ep``. An ``ep`` group is ep consecutive members of
-that order; an ``edp`` group (replicas of the same experts, whose gradients are all-reduced
-together) is every rank with the same pp and the same ep_idx: edp × tp ranks, edp outer.
+that order; an ``edp`` group holds the replicas of the same experts with the same tp coordinate;
+``edp_tp`` (whose expert gradients are averaged together) is every rank with the same pp and
+the same ep_idx: edp × tp ranks, edp outer.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ __all__ = ["MESH_AXES", "GROUP_AXES", "Rule", "RankMap", "build_rank_map", "map_
 MESH_AXES = ("pp", "dp", "cp", "tp")
 """Mesh axes in mesh order: world = pp × dp × cp × tp, tp fastest."""
 
-GROUP_AXES = ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")
-"""Every group kind the map reports: the mesh axes, the dense gradient group ``dp_cp`` and the
-expert axes ``ep`` / ``edp``."""
+GROUP_AXES = ("pp", "dp", "cp", "tp", "dp_cp", "cp_tp", "ep", "edp", "edp_tp")
+"""Every group kind the map reports, named as ``moetrain.parallel.state`` names them: the mesh
+axes; ``dp_cp`` (dense gradients, dp outer), ``cp_tp`` (the ranks sharing one sequence, cp
+outer); the expert axes ``ep`` and ``edp`` (replicas of the same experts with the same tp
+coordinate) and ``edp_tp`` (the expert gradient group: edp × tp, edp outer)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ RULE_TEXT = {
     "pp_cross_node": "neighbouring pipeline stages on different nodes",
     "pp_same_rail": "neighbouring stages in different NVSwitch domains on the same rail (local GPU index)",
     "pp_in_rail_group": "neighbouring stages in the same rail group, where possible",
-    "dp_ep_outer": "only DP / EP groups (dp, dp_cp, ep, edp) cross rail groups",
+    "dp_ep_outer": "only DP / EP groups (dp, dp_cp, ep, edp, edp_tp) cross rail groups",
 }
 
 
@@ -278,12 +281,17 @@ def _group_array(mesh: np.ndarray, axis: str, ep: int) -> np.ndarray:
         return np.moveaxis(mesh, i, -1).reshape(-1, mesh.shape[i])
     if axis == "dp_cp":
         return mesh.transpose(0, 3, 1, 2).reshape(-1, dp * cp)
+    if axis == "cp_tp":
+        return mesh.reshape(-1, cp * tp)
     if axis == "ep":
         return mesh.transpose(0, 3, 1, 2).reshape(-1, ep)
+    edp = dp * cp // ep
+    expert = mesh.reshape(pp, edp, ep, tp)  # the expert mesh: dp·cp flattened dp-major, ep inner
     if axis == "edp":
-        edp = dp * cp // ep
-        # [pp, dp·cp, tp] → [pp, edp, ep, tp] → [pp, ep, edp, tp]: same pp and ep_idx, edp outer.
-        return mesh.reshape(pp, edp, ep, tp).transpose(0, 2, 1, 3).reshape(-1, edp * tp)
+        return expert.transpose(0, 2, 3, 1).reshape(-1, edp)
+    if axis == "edp_tp":
+        # same pp and ep_idx, edp outer, tp inner
+        return expert.transpose(0, 2, 1, 3).reshape(-1, edp * tp)
     raise KeyError(axis)
 
 
@@ -607,7 +615,7 @@ def _check_rules(rm: RankMap, st: _Stats) -> list[Rule]:
         rules.append(Rule(name, RULE_TEXT[name], "broken",
                           f"{', '.join(crossing)} groups also cross rail groups (see the rules above)"))
     else:
-        dp_cross = [a for a in ("dp_cp", "ep", "edp") if _crosses_groups(rm, a)]
+        dp_cross = [a for a in ("dp_cp", "ep", "edp_tp") if _crosses_groups(rm, a)]
         rules.append(Rule(name, RULE_TEXT[name], "ok",
                           (f"{', '.join(dp_cross)} cross rail groups" if dp_cross else "no group crosses rail groups")))
     return rules

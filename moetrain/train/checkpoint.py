@@ -114,8 +114,10 @@ class Checkpointer:
     ``attempt`` fences writes: it names the temporary directories of this attempt.
     """
 
-    def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0):
-        self.root, self.ps, self.keep, self.attempt = Path(root), ps, keep, attempt
+    def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0, fence: Any = None):
+        """``fence``: a :class:`moetrain.launch.lifecycle.Fence`; checked before the commit
+        (rename) and before deleting anything, so a stale attempt never does either."""
+        self.root, self.ps, self.keep, self.attempt, self.fence = Path(root), ps, keep, attempt, fence
         self._expert_mesh = ps.expert_mesh[(EDP, EP, TP)]
 
     # -- state dict with layout-independent expert tensors ------------------------------------
@@ -157,6 +159,8 @@ class Checkpointer:
         t0 = time.time()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp-{self.attempt}"
+        if self.fence is not None:  # every rank, so a stale attempt stops before any collective
+            self.fence.check()
         if self.ps.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -182,6 +186,8 @@ class Checkpointer:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(mtmp, tmp / "manifest.json")
+            if self.fence is not None:
+                self.fence.check()
             if final.exists():  # the same step saved by an earlier attempt
                 shutil.rmtree(final)
             os.replace(tmp, final)

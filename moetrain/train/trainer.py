@@ -30,6 +30,7 @@ import torch.distributed as dist
 from moetrain.config import Config, to_dict
 from moetrain.data.loader import BatchLoader, validation_batches
 from moetrain.data.shards import TokenShards
+from moetrain.launch.lifecycle import Fence, Heartbeat, append_event
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
 from moetrain.parallel.state import CP, DP, DP_CP, PP, ParallelState, init_distributed
@@ -65,15 +66,30 @@ class StopFlag:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, attempt: int = 0, stop_flag: StopFlag | None = None,
+    def __init__(self, cfg: Config, *, job_id: str = "local", restart: int = 0, stop_flag: StopFlag | None = None,
                  mesh_ranks: Any = None, write_files: bool = True):
+        """``write_files=False`` (tests) writes no metrics, heartbeats or events; checkpoints are
+        still written when asked for."""
         self.cfg = cfg
-        self.attempt = attempt
         self.stop_flag = stop_flag or StopFlag()
         self.write_files = write_files
         self.device = init_distributed(cfg.parallel.backend, cfg.parallel.collective_timeout_s)
         self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks)
         torch.manual_seed(cfg.run.seed)
+
+        # A new attempt takes the run directory's fence first: writes of older attempts stop.
+        self.fence: Fence | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.watchdog: Any = None  # set by the job (moetrain.launch.lifecycle.Watchdog)
+        self.hang_at_step: int | None = None  # fault injection for tests (set by the job)
+        if write_files:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            seq = [Fence.advance(cfg.run_dir, job_id, restart) if self.ps.rank == 0 else None]
+            dist.broadcast_object_list(seq, src=0)
+            self.fence = Fence(cfg.run_dir, seq[0])
+            self.heartbeat = Heartbeat(cfg.run_dir, self.ps.rank, self.fence)
+            self.heartbeat.beat(0, "init")
+        self.attempt = self.fence.seq if self.fence else 0
 
         # model_parts: this rank's pieces of the model (one, or one per virtual pipeline stage);
         # runner: runs forward + backward of a step's micro-batches over them.
@@ -91,7 +107,7 @@ class Trainer:
             self.val_batches = validation_batches(val_shards, cfg.model.seq_len, cfg.train.micro_batch_size,
                                                   cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP),
                                                   self.ps.coord(CP), self.ps.size(CP))
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, attempt)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -112,6 +128,11 @@ class Trainer:
         if self.ps.is_logging_rank:
             log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
                      self.loader.consumed_samples)
+            if self.write_files:
+                # Steps after the checkpoint will run again: drop their old records so that no
+                # step appears twice in the metrics.
+                truncate_metrics(self.metrics_path, self.step, self.fence)
+                append_event(self.cfg.run_dir, self.fence, "resumed", step=self.step, checkpoint=str(path))
 
     def save_checkpoint(self) -> Path:
         p = self.cfg.parallel
@@ -213,6 +234,7 @@ class Trainer:
     def _log(self, res: StepResult, val_loss: float | None) -> None:
         if not (self.ps.is_logging_rank and self.write_files):
             return
+        self.fence.check()
         rec = {"step": res.step, "loss": res.loss, "aux_loss": res.aux_loss, "z_loss": res.z_loss, "lr": res.lr,
                "grad_norm": res.grad_norm, **res.extra, "attempt": self.attempt, "time": time.time()}
         mem = _memory_gib(self.device)
@@ -235,8 +257,17 @@ class Trainer:
             log.info("training %s: world %d (pp %d dp %d cp %d tp %d ep %d), %d micro-batches/step, from step %d",
                      cfg.run.name, self.ps.world_size, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp,
                      cfg.parallel.tp, cfg.parallel.ep, cfg.grad_accum_steps, self.step)
+        if self.write_files and self.ps.is_logging_rank:
+            append_event(cfg.run_dir, self.fence, "started", step=self.step, world_size=self.ps.world_size)
         while self.step < cfg.train.steps:
+            self._beat("train")
+            if self.hang_at_step == self.step + 1:
+                log.warning("fault injection: hanging at step %d", self.step + 1)
+                while True:
+                    time.sleep(3600)
             res = self.train_step()
+            if self.watchdog is not None:
+                self.watchdog.step_done(res.extra["step_time_s"])
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"loss is {res.loss} at step {res.step}; lower train.lr or check the data")
             val = None
@@ -244,13 +275,43 @@ class Trainer:
                 val = self.evaluate()
             self._log(res, val)
             if self._stop_agreed():
+                self._beat("checkpoint")
                 self.save_checkpoint()
+                if self.write_files and self.ps.is_logging_rank:
+                    append_event(cfg.run_dir, self.fence, "stopped", step=self.step, reason=self.stop_flag.reason)
                 return "stopped"
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
+                self._beat("checkpoint")
                 self.save_checkpoint()
         if cfg.checkpoint.every or cfg.checkpoint.resume:
+            self._beat("checkpoint")
             self.save_checkpoint()
+        self._beat("done")
+        if self.write_files and self.ps.is_logging_rank:
+            append_event(cfg.run_dir, self.fence, "finished", step=self.step)
         return "done"
+
+    def _beat(self, phase: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.step, phase)
+
+
+def truncate_metrics(path: Path, last_step: int, fence: Fence | None) -> None:
+    """Keep only the metrics records of steps <= ``last_step`` (atomic rewrite)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue
+    if fence is not None:
+        fence.check()
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
 
 
 def _memory_gib(device: torch.device) -> float:

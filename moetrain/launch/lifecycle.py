@@ -1,0 +1,285 @@
+"""Run lifecycle inside the job: attempts and their fence, heartbeats, events, hang watchdog.
+
+Files in the run directory (all written atomically: temp file + rename, or one appended line):
+
+* ``attempt.json`` — the fence: ``{"seq": n, "job_id": ..., "restart": ...}``. Rank 0 of every
+  new attempt (a requeue, a resubmission) increments ``seq`` before anything else is written.
+  A process whose ``seq`` is older — left over from a failed attempt, e.g. on a node whose
+  slurmd died — finds the fence moved and stops writing (:class:`StaleAttemptError`): it can
+  never complete a checkpoint or add metrics of the current attempt.
+* ``heartbeats/rank00000.json`` — per rank: step, phase, time, host, pid, attempt seq.
+* ``events.jsonl`` — one line per lifecycle event: started, resumed, stopped by a signal,
+  requeued, hang detected, gave up, finished.
+* ``stacks/attempt<seq>-rank<r>.txt`` — Python stacks of every thread of a rank, dumped when a
+  hang is detected.
+* ``exclude_nodes.txt`` — nodes suspected by the hang watchdog, excluded on requeue.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class StaleAttemptError(RuntimeError):
+    """This process belongs to an attempt that a newer one has replaced; it must not write."""
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default: object = None) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return default
+
+
+class Fence:
+    """The attempt fence of a run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, seq: int):
+        self.path = Path(run_dir) / "attempt.json"
+        self.seq = seq
+
+    @staticmethod
+    def advance(run_dir: Path, job_id: str, restart: int) -> int:
+        """Start a new attempt (rank 0 only): returns its sequence number."""
+        path = Path(run_dir) / "attempt.json"
+        old = read_json(path, {}) or {}
+        seq = int(old.get("seq", -1)) + 1
+        atomic_write_json(path, {"seq": seq, "job_id": job_id, "restart": restart, "time": time.time(),
+                                 "host": socket.gethostname()})
+        return seq
+
+    def current(self) -> int:
+        rec = read_json(self.path, {}) or {}
+        return int(rec.get("seq", self.seq))
+
+    def check(self) -> None:
+        """Raise :class:`StaleAttemptError` when a newer attempt owns the run directory."""
+        now = self.current()
+        if now != self.seq:
+            raise StaleAttemptError(f"attempt {self.seq} is stale: attempt {now} owns {self.path.parent}; "
+                                    f"this process stops without writing")
+
+
+def append_event(run_dir: Path, fence: Fence | None, kind: str, **fields: object) -> None:
+    """Append one lifecycle event (fenced)."""
+    if fence is not None:
+        fence.check()
+    rec = {"time": time.time(), "event": kind, "attempt": fence.seq if fence else None, **fields}
+    with open(Path(run_dir) / "events.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class Heartbeat:
+    """Per-rank heartbeat file, rewritten at each phase change."""
+
+    def __init__(self, run_dir: Path, rank: int, fence: Fence):
+        self.path = Path(run_dir) / "heartbeats" / f"rank{rank:05d}.json"
+        self.rank, self.fence = rank, fence
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.step, self.phase = 0, "start"
+
+    def beat(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+        self.fence.check()
+        atomic_write_json(self.path, {"rank": self.rank, "host": self.host, "pid": self.pid,
+                                      "attempt": self.fence.seq, "step": step, "phase": phase, "time": time.time()})
+
+
+def read_heartbeats(run_dir: Path) -> list[dict]:
+    d = Path(run_dir) / "heartbeats"
+    if not d.is_dir():
+        return []
+    beats = [read_json(p) for p in sorted(d.glob("rank*.json"))]
+    return [b for b in beats if isinstance(b, dict)]
+
+
+def slurm_job_id() -> str | None:
+    """The job id to requeue: the array/het-aware id submitit uses, else SLURM_JOB_ID."""
+    if "SLURM_ARRAY_JOB_ID" in os.environ and "SLURM_ARRAY_TASK_ID" in os.environ:
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def requeue_slurm_job(exclude: list[str] | None = None) -> bool:
+    """Requeue this SLURM job, optionally excluding nodes first; returns True when requeued.
+
+    With ``exclude`` the job is requeued held, its ``ExcNodeList`` extended, then released, so the
+    scheduler cannot restart it on a suspected node in between.
+    """
+    job = slurm_job_id()
+    if job is None:
+        return False
+    try:
+        if exclude:
+            subprocess.run(["scontrol", "requeuehold", job], check=True, timeout=60, capture_output=True)
+            subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(set(exclude)))}"],
+                           check=True, timeout=60, capture_output=True)
+            subprocess.run(["scontrol", "release", job], check=True, timeout=60, capture_output=True)
+        else:
+            subprocess.run(["scontrol", "requeue", job], check=True, timeout=60, capture_output=True)
+        return True
+    except (subprocess.SubprocessError, OSError) as e:
+        err = getattr(e, "stderr", b"") or b""
+        log.error("requeue of job %s failed: %s %s", job, e, err.decode(errors="replace").strip())
+        return False
+
+
+def _main_thread_waits_on_peers() -> bool:
+    """Whether the main thread is blocked inside torch.distributed (waiting on other ranks) rather
+    than in its own computation: the innermost frames of its stack tell."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    depth = 0
+    while frame is not None and depth < 12:
+        name = frame.f_code.co_filename
+        if "torch/distributed" in name or "_functional_collectives" in name:
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
+class Watchdog:
+    """Notices a rank that stops making progress, dumps its stacks, and ends the attempt.
+
+    A stall is ``max(min_timeout_s, factor × median step time)`` without a completed step
+    (``startup_timeout_s`` before the first one). Each rank's watchdog dumps its own stacks and
+    records whether its main thread was waiting on peers; after ``grace_s`` the first rank to
+    claim ``hang-<seq>.json`` names the suspects (ranks busy in their own code, or with stale
+    heartbeats), adds their nodes to ``exclude_nodes.txt`` and calls ``on_hang(suspect_nodes)``
+    — which requeues the SLURM job with the nodes excluded and exits.
+    """
+
+    def __init__(self, run_dir: Path, rank: int, fence: Fence, heartbeat: Heartbeat, factor: float,
+                 min_timeout_s: float, on_hang: Callable[[list[str]], None], startup_timeout_s: float | None = None,
+                 grace_s: float = 5.0, poll_s: float = 1.0):
+        self.run_dir, self.rank, self.fence, self.heartbeat = Path(run_dir), rank, fence, heartbeat
+        self.factor, self.min_timeout_s = factor, min_timeout_s
+        self.startup_timeout_s = startup_timeout_s if startup_timeout_s is not None else 3 * min_timeout_s
+        self.on_hang, self.grace_s, self.poll_s = on_hang, grace_s, poll_s
+        self.step_times: list[float] = []
+        self.last_progress = time.time()
+        self.started = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moetrain-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def step_done(self, step_time_s: float) -> None:
+        self.step_times = (self.step_times + [step_time_s])[-50:]
+        self.started = True
+        self.last_progress = time.time()
+
+    def timeout_s(self) -> float:
+        if not self.started:
+            return self.startup_timeout_s
+        return max(self.min_timeout_s, self.factor * statistics.median(self.step_times))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if time.time() - self.last_progress > self.timeout_s():
+                try:
+                    self._handle_hang()
+                except StaleAttemptError:
+                    return
+                except Exception:  # noqa: BLE001 - the watchdog must never die silently
+                    log.exception("watchdog failed while handling a hang")
+                return
+
+    def dump_stacks(self) -> Path:
+        waiting = _main_thread_waits_on_peers()
+        path = self.run_dir / "stacks" / f"attempt{self.fence.seq}-rank{self.rank:05d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"# rank {self.rank} on {socket.gethostname()} pid {os.getpid()}, step {self.heartbeat.step} "
+                    f"phase {self.heartbeat.phase}, no progress for {time.time() - self.last_progress:.0f} s; "
+                    f"main thread waiting on peers: {waiting}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        atomic_write_json(path.with_suffix(".json"), {"rank": self.rank, "host": socket.gethostname(),
+                                                      "waiting_on_peers": waiting, "time": time.time()})
+        return path
+
+    def _handle_hang(self) -> None:
+        self.fence.check()
+        log.error("no progress for %.0f s (limit %.0f s) at step %d: dumping stacks", time.time() - self.last_progress,
+                  self.timeout_s(), self.heartbeat.step)
+        self.dump_stacks()
+        time.sleep(self.grace_s)  # let the other ranks dump theirs
+        claim = self.run_dir / f"hang-{self.fence.seq}.json"
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return  # another rank handles it
+        suspects = self.suspects()
+        nodes = sorted({s["host"] for s in suspects})
+        with os.fdopen(fd, "w") as f:
+            json.dump({"detected_by": self.rank, "time": time.time(), "suspects": suspects, "nodes": nodes}, f)
+        if nodes:
+            with open(self.run_dir / "exclude_nodes.txt", "a") as f:
+                f.write("".join(n + "\n" for n in nodes))
+        append_event(self.run_dir, self.fence, "hang", step=self.heartbeat.step, suspects=[s["rank"] for s in suspects],
+                     nodes=nodes)
+        self.on_hang(nodes)
+
+    def suspects(self) -> list[dict]:
+        """Ranks busy in their own code while the others wait on them; failing that, the ranks
+        whose heartbeat is the oldest (a dead or frozen process writes nothing)."""
+        dumps = {}
+        for p in (self.run_dir / "stacks").glob(f"attempt{self.fence.seq}-rank*.json"):
+            rec = read_json(p)
+            if isinstance(rec, dict):
+                dumps[rec["rank"]] = rec
+        beats = {b["rank"]: b for b in read_heartbeats(self.run_dir) if b.get("attempt") == self.fence.seq}
+        busy = [r for r, d in dumps.items() if not d["waiting_on_peers"]]
+        if busy and len(busy) < max(len(dumps), 2):
+            return [{"rank": r, "host": dumps[r]["host"], "reason": "busy in its own code while peers wait"}
+                    for r in sorted(busy)]
+        if beats:
+            oldest = min(b["time"] for b in beats.values())
+            return [{"rank": r, "host": b["host"], "reason": "oldest heartbeat"} for r, b in sorted(beats.items())
+                    if b["time"] - oldest < 1.0 and r not in dumps]
+        return []
+
+
+def existing_excludes(run_dir: Path) -> list[str]:
+    path = Path(run_dir) / "exclude_nodes.txt"
+    if not path.is_file():
+        return []
+    return sorted({line.strip() for line in path.read_text().splitlines() if line.strip()})

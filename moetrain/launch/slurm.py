@@ -1,0 +1,378 @@
+"""The SLURM side of ``python -m moetrain.submit``: config → submitit executor, checked first.
+
+Three steps, in the order ``submit`` runs them:
+
+1. **map** — :func:`slurm_executor_params` turns the ``launch`` section into the keyword
+   arguments of submitit's ``AutoExecutor.update_parameters``; every string that ends up in the
+   batch script (partition, account, qos, constraint, exclude, job name) must match a strict
+   pattern first, so a config can never inject shell text into ``#SBATCH`` lines.
+2. **check** — :func:`check_launch` (no cluster needed: strings and the cluster profile's GPUs per
+   node) and :func:`check_against_cluster` (a live :class:`ClusterInfo` from
+   :func:`query_cluster`: the partition exists, its nodes offer the GPUs and CPUs asked for).
+3. **build** — :func:`make_slurm_executor` (runs both checks, then builds the executor) or, for
+   ``--dry-run``, :func:`render_batch_script`: the exact sbatch script submitit would submit.
+
+Every bad value raises :class:`~moetrain.config.ConfigError` naming the field, the value and the
+fix; a cluster that does not answer raises :class:`SlurmUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+import yaml
+from submitit.slurm.slurm import SlurmExecutor
+
+from moetrain.config import Config, ConfigError
+
+__all__ = [
+    "ClusterInfo",
+    "NodeInfo",
+    "SlurmUnavailableError",
+    "check_against_cluster",
+    "check_launch",
+    "make_slurm_executor",
+    "parse_gres_gpus",
+    "profile_gpus_per_node",
+    "query_cluster",
+    "render_batch_script",
+    "slurm_executor_params",
+]
+
+
+class SlurmUnavailableError(RuntimeError):
+    """SLURM's commands are missing, or slurmctld does not answer."""
+
+
+def _err(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
+    # Same shape as moetrain.config's messages: "<field> = <value>: <problem>. Fix: <fix>".
+    return ConfigError(f"{field_name} = {value!r}: {problem}. Fix: {fix}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Safe strings. submitit shlex-quotes #SBATCH values, but a newline would still end the comment
+# line and start a command, and sbatch/scontrol parse these values again. So we accept only what
+# SLURM names are made of; anything else (spaces, ; $ ` ' " \ newlines, a leading -) is refused.
+# ---------------------------------------------------------------------------------------------
+
+_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+_SAFE: dict[str, tuple[re.Pattern[str], str, str]] = {
+    # field: (pattern, allowed characters in words, example for the fix)
+    "partition": (re.compile(rf"{_NAME}(,{_NAME})*"), "letters, digits, _ . - and commas between names",
+                  "a partition name such as gpu, or a list such as gpu,debug"),
+    "account": (re.compile(_NAME), "letters, digits and _ . -", "an account name such as proj123"),
+    "qos": (re.compile(_NAME), "letters, digits and _ . -", "a QOS name such as normal"),
+    # SLURM feature expressions: features joined by & | , with [ ] ( ) grouping and *N counts.
+    "constraint": (re.compile(r"[A-Za-z0-9_\[(][A-Za-z0-9_.&|,*\[\]()-]*"),
+                   "letters, digits, _ . - and the operators & | , * [ ] ( )", "a feature expression such as a100&ib"),
+    # Host lists: n1,n2 or gpu[01-04,07].
+    "exclude": (re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.,\[\]-]*"), "letters, digits, _ . - , [ ]",
+                "a host list such as gpu[01-03],gpu07"),
+    "job_name": (re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*"), "letters, digits and _ . + -",
+                 "a run name such as moe-demo"),
+}
+_MAX_LEN = 200
+
+
+def _check_safe(kind: str, field_name: str, value: str) -> None:
+    pattern, allowed, example = _SAFE[kind]
+    if len(value) <= _MAX_LEN and pattern.fullmatch(value):
+        return
+    if len(value) > _MAX_LEN:
+        problem = f"{len(value)} characters, more than {_MAX_LEN}"
+    else:
+        bad = sorted({c for c in value if not re.fullmatch(r"[A-Za-z0-9_.,&|*\[\]()+-]", c)})
+        problem = (f"may only contain {allowed} and must start with a letter, digit or _"
+                   + (f"; found {', '.join(repr(c) for c in bad)}" if bad else ""))
+    raise _err(field_name, value, problem + " (it is written into the sbatch script)", f"use {example}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Mapping and offline checks
+# ---------------------------------------------------------------------------------------------
+
+
+def slurm_executor_params(cfg: Config, *, job_name: str) -> dict[str, Any]:
+    """Keyword arguments for ``submitit.AutoExecutor.update_parameters`` from ``cfg.launch``.
+
+    Generic keys (``nodes``, ``tasks_per_node``, ``cpus_per_task``, ``timeout_min`` in minutes,
+    ``mem_gb`` in GiB, ``gpus_per_node``, ``name``) and ``slurm_*`` keys (``partition``,
+    ``account``, ``qos``, ``constraint``, ``exclude``, ``signal_delay_s`` in seconds,
+    ``additional_parameters``). Unset optional fields are left out (SLURM's defaults apply);
+    ``gpus_per_node: 0`` requests no GPUs. ``launch.max_restarts`` is not here: submitit takes it in
+    the ``AutoExecutor`` constructor (see :func:`make_slurm_executor`).
+
+    Raises:
+        ConfigError: a string field (or ``job_name``) contains characters outside its safe pattern.
+    """
+    ln = cfg.launch
+    _check_safe("job_name", "run.name" if job_name == cfg.run.name else "job_name", job_name)
+    params: dict[str, Any] = {
+        "name": job_name,
+        "nodes": ln.nodes,
+        "tasks_per_node": ln.resolved_tasks_per_node(cfg.world_size),
+        "cpus_per_task": ln.cpus_per_task,
+        "timeout_min": ln.time_min,
+        "slurm_signal_delay_s": ln.signal_delay_s,
+        # Preempted or failed-node jobs come back (and resume from their checkpoint) even on
+        # clusters whose JobRequeue default is 0; submitit's own requeue needs it too.
+        "slurm_additional_parameters": {"requeue": True},
+    }
+    if ln.gpus_per_node:
+        params["gpus_per_node"] = ln.gpus_per_node
+    if ln.mem_gb is not None:
+        params["mem_gb"] = ln.mem_gb
+    for key in ("partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(ln, key)
+        if value is not None:
+            _check_safe(key, f"launch.{key}", value)
+            params[f"slurm_{key}"] = value
+    return params
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def profile_gpus_per_node(profile: str) -> int | None:
+    """GPUs per node promised by a cluster profile (``slurm/profiles/<name>.yaml`` or a path).
+
+    Reads the key ``gpus_per_node`` at the top level or one mapping down (e.g. ``node:``);
+    returns ``None`` when the profile does not say.
+
+    Raises:
+        ConfigError: the profile file is missing or not YAML, or its ``gpus_per_node`` is not a
+            positive integer.
+    """
+    direct = Path(profile).expanduser()
+    candidates = [direct] if (direct.suffix in (".yaml", ".yml") or "/" in profile) else []
+    for base in (Path.cwd() / "slurm" / "profiles", _repo_root() / "slurm" / "profiles"):
+        candidates += [base / f"{profile}.yaml", base / f"{profile}.yml"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise _err("launch.profile", profile, "no such cluster profile",
+                   f"name a file in slurm/profiles/ (looked for {', '.join(str(c) for c in candidates)})")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise _err("launch.profile", profile, f"{path} is not valid YAML ({e})", "fix the profile file") from e
+    if not isinstance(data, dict):
+        return None
+    found = data.get("gpus_per_node")
+    if found is None:
+        nested = [v["gpus_per_node"] for v in data.values() if isinstance(v, dict) and "gpus_per_node" in v]
+        found = nested[0] if nested else None
+    if found is None:
+        return None
+    if not isinstance(found, int) or isinstance(found, bool) or found <= 0:
+        raise _err("launch.profile", profile, f"{path} gives gpus_per_node = {found!r}",
+                   "write a positive integer in the profile")
+    return found
+
+
+def check_launch(cfg: Config, *, job_name: str) -> None:
+    """Checks that need no cluster: safe strings, and GPUs per node within the cluster profile.
+
+    Raises:
+        ConfigError: as :func:`slurm_executor_params`; or ``launch.gpus_per_node`` exceeds the
+            profile's ``gpus_per_node``.
+    """
+    slurm_executor_params(cfg, job_name=job_name)
+    ln = cfg.launch
+    if ln.profile is not None:
+        limit = profile_gpus_per_node(ln.profile)
+        if limit is not None and ln.gpus_per_node > limit:
+            raise _err("launch.gpus_per_node", ln.gpus_per_node,
+                       f"cluster profile {ln.profile!r} has {limit} GPUs per node",
+                       f"use launch.gpus_per_node <= {limit} (and fewer tasks per node), or another profile")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The live cluster: what sinfo/scontrol say
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node as ``scontrol show node`` reports it. ``gpus``: GPU count from its Gres."""
+
+    name: str
+    cpus: int
+    gpus: int
+    partitions: tuple[str, ...]
+    state: str
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """Partitions and nodes of the cluster this machine submits to."""
+
+    partitions: tuple[str, ...]
+    default_partition: str | None
+    nodes: tuple[NodeInfo, ...]
+
+    def nodes_in(self, partitions: list[str]) -> list[NodeInfo]:
+        return [n for n in self.nodes if set(n.partitions) & set(partitions)]
+
+
+def parse_gres_gpus(gres: str) -> int:
+    """GPU count of a Gres string: ``gpu:4`` → 4, ``gpu:a100:8(S:0-1),mps:100`` → 8, ``(null)`` → 0."""
+    total = 0
+    for item in re.sub(r"\([^)]*\)", "", gres).split(","):
+        parts = item.strip().split(":")
+        if parts[0] != "gpu":
+            continue
+        total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return total
+
+
+def _run(args: list[str], timeout_s: float) -> str:
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise SlurmUnavailableError(f"`{' '.join(args)}` did not answer within {timeout_s:g} s") from e
+    if out.returncode != 0:
+        raise SlurmUnavailableError(f"`{' '.join(args)}` failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
+
+
+def _fields(line: str) -> dict[str, str]:
+    # `scontrol -o` prints Key=Value words; values we read hold no spaces.
+    return dict(w.split("=", 1) for w in line.split() if "=" in w)
+
+
+def query_cluster(*, timeout_s: float = 10.0) -> ClusterInfo:
+    """Ask slurmctld for its partitions and nodes (``scontrol show partition/node -o``).
+
+    Raises:
+        SlurmUnavailableError: ``scontrol`` is not installed, or it fails or hangs.
+    """
+    if shutil.which("scontrol") is None:
+        raise SlurmUnavailableError("`scontrol` is not installed: this machine is not a SLURM submit host")
+    partitions, default = [], None
+    for line in _run(["scontrol", "show", "partition", "-o"], timeout_s).splitlines():
+        f = _fields(line)
+        if "PartitionName" in f:
+            partitions.append(f["PartitionName"])
+            if f.get("Default") == "YES":
+                default = f["PartitionName"]
+    nodes = []
+    for line in _run(["scontrol", "show", "node", "-o"], timeout_s).splitlines():
+        f = _fields(line)
+        if "NodeName" not in f:
+            continue
+        parts = f.get("Partitions", "")
+        nodes.append(NodeInfo(
+            name=f["NodeName"],
+            cpus=int(f.get("CPUTot", "0") or 0),
+            gpus=parse_gres_gpus(f.get("Gres", "(null)")),
+            partitions=tuple(p for p in parts.split(",") if p),
+            state=f.get("State", "UNKNOWN"),
+        ))
+    return ClusterInfo(tuple(partitions), default, tuple(nodes))
+
+
+def check_against_cluster(cfg: Config, cluster: ClusterInfo) -> None:
+    """The partition exists and enough of its nodes offer the GPUs and CPUs asked for.
+
+    Raises:
+        ConfigError: unknown partition (or no default one), ``launch.gpus_per_node`` above what
+            the partition's nodes have, too few such nodes for ``launch.nodes``, or more CPUs per
+            node (tasks_per_node × cpus_per_task) than a node has.
+    """
+    ln = cfg.launch
+    known = ", ".join(cluster.partitions) or "none"
+    if ln.partition is None:
+        if cluster.default_partition is None:
+            raise _err("launch.partition", None, "this cluster has no default partition",
+                       f"set launch.partition to one of {known}")
+        wanted = [cluster.default_partition]
+    else:
+        wanted = ln.partition.split(",")
+        for p in wanted:
+            if p not in cluster.partitions:
+                raise _err("launch.partition", ln.partition, f"no partition {p!r} on this cluster (it has {known})",
+                           f"set launch.partition to one of {known}, or null for the default "
+                           f"({cluster.default_partition or 'none'})")
+    where = f"partition {','.join(wanted)}"
+    nodes = cluster.nodes_in(wanted)
+    if ln.nodes > len(nodes):
+        raise _err("launch.nodes", ln.nodes, f"{where} has {len(nodes)} nodes",
+                   f"use launch.nodes <= {len(nodes)} or another partition")
+    if ln.gpus_per_node:
+        most = max((n.gpus for n in nodes), default=0)
+        fit = [n for n in nodes if n.gpus >= ln.gpus_per_node]
+        if not fit:
+            raise _err("launch.gpus_per_node", ln.gpus_per_node,
+                       f"the nodes of {where} have at most {most} GPUs each",
+                       f"use launch.gpus_per_node <= {most} (with as many tasks per node), or another partition")
+        if len(fit) < ln.nodes:
+            raise _err("launch.nodes", ln.nodes,
+                       f"only {len(fit)} nodes of {where} have {ln.gpus_per_node} GPUs",
+                       f"use launch.nodes <= {len(fit)}, fewer GPUs per node, or another partition")
+    cpus = ln.resolved_tasks_per_node(cfg.world_size) * ln.cpus_per_task
+    most_cpus = max((n.cpus for n in nodes), default=0)
+    if cpus > most_cpus:
+        raise _err("launch.cpus_per_task", ln.cpus_per_task,
+                   f"tasks_per_node × cpus_per_task = {cpus} CPUs, but the nodes of {where} have at most {most_cpus}",
+                   f"use launch.cpus_per_task <= {max(1, most_cpus // ln.resolved_tasks_per_node(cfg.world_size))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Executor and dry-run script
+# ---------------------------------------------------------------------------------------------
+
+
+def make_slurm_executor(cfg: Config, folder: str | Path, *, job_name: str | None = None,
+                        cluster: ClusterInfo | None = None) -> submitit.AutoExecutor:
+    """A submitit executor for ``cfg``, after every check passed. ``folder``: submitit's job
+    folder (logs, pickles; may hold ``%j``). ``job_name`` defaults to ``run.name``; ``cluster``
+    defaults to :func:`query_cluster` (pass one to reuse an earlier query).
+
+    Raises:
+        ConfigError: see :func:`check_launch` and :func:`check_against_cluster`.
+        SlurmUnavailableError: SLURM does not answer (use :func:`render_batch_script` offline).
+    """
+    name = cfg.run.name if job_name is None else job_name
+    check_launch(cfg, job_name=name)
+    check_against_cluster(cfg, query_cluster() if cluster is None else cluster)
+    # max_num_timeout only exists as a constructor argument: update_parameters refuses it.
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                     slurm_max_num_timeout=cfg.launch.max_restarts)
+    executor.update_parameters(**slurm_executor_params(cfg, job_name=name))
+    return executor
+
+
+class _RenderOnlySlurmExecutor(SlurmExecutor):
+    """submitit's SlurmExecutor minus its "is srun installed?" check: renders, never submits."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 1
+
+
+def render_batch_script(cfg: Config, folder: str | Path, *, job_name: str | None = None) -> str:
+    """The sbatch script :func:`make_slurm_executor`'s executor submits for one job, for
+    ``--dry-run``: built by submitit's own SlurmExecutor, so it is the same text. Needs no
+    cluster; checks only what :func:`check_launch` checks.
+
+    Raises:
+        ConfigError: see :func:`check_launch`.
+    """
+    name = cfg.run.name if job_name is None else job_name
+    check_launch(cfg, job_name=name)
+    params = slurm_executor_params(cfg, job_name=name)
+    executor = _RenderOnlySlurmExecutor(folder, max_num_timeout=cfg.launch.max_restarts)
+    # The translation AutoExecutor does: generic keys through SlurmExecutor's equivalence
+    # table (timeout_min → time, mem_gb → mem "16GB", ...), slurm_ keys with the prefix dropped.
+    generic = set(submitit.AutoExecutor._typed_parameters())
+    converted = executor._convert_parameters({k: v for k, v in params.items() if k in generic})
+    converted.update({k[len("slurm_"):]: v for k, v in params.items() if k.startswith("slurm_")})
+    executor.update_parameters(**converted)
+    return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")

@@ -1,0 +1,309 @@
+"""Enumerate layouts for a model on a cluster, predict memory and speed, rank, explain.
+
+Search space: tp (divides heads and kv_heads, fits an NVSwitch domain), cp (powers of two that
+split the sequence), pp (divides the layers), dp (the rest), ep (divides the experts and
+dp × cp), virtual stages, ZeRO stage 0-3, micro-batch 1/2/4/8, activation checkpointing
+none / selective / full, schedule 1F1B / ZB-H1 / interleaved 1F1B. Sequence parallelism is on
+whenever tp > 1 (Korthikanti et al. 2022: it only removes redundant work). The global batch
+and sequence length come from the config and are kept.
+
+Each layout's groups are placed by the topology mapper on the given allocation, so the tier
+each collective crosses is the one the trainer would use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from moetrain.planner.layout import Layout
+from moetrain.planner.memory import GIB, MemoryAssumptions, MemoryBreakdown, memory_per_gpu
+from moetrain.planner.model import ModelShape
+from moetrain.planner.timing import StepTime, TimingAssumptions, step_time
+from moetrain.planner.traffic import AxisPlace, places_from_rank_map
+from moetrain.topology.cluster import Allocation, ClusterProfile, synthetic_allocation
+from moetrain.topology.mapper import map_ranks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moetrain.config import Config
+
+__all__ = ["Plan", "Planner", "SearchResult"]
+
+MBS_CHOICES = (1, 2, 4, 8)
+AC_CHOICES = ("none", "selective", "full")
+
+
+@dataclass
+class Plan:
+    """One evaluated layout."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    capacity_gib: float
+    time: StepTime | None = None
+    world: int = 0
+    peak_tflops: float = 0.0
+    tokens_per_step: int = 0
+    broken_rules: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory.total / GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_gib <= self.capacity_gib
+
+    @property
+    def step_s(self) -> float:
+        return self.time.step if self.time else math.inf
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.time else 0.0
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (no recomputation counted: the MFU numerator)."""
+        return self.time.model_flops / self.step_s / self.world / 1e12 if self.time else 0.0
+
+    @property
+    def hw_tflops_per_gpu(self) -> float:
+        """TFLOP/s per GPU counting recomputation (Narayanan et al. 2021's "achieved" metric)."""
+        return self.time.executed_flops / self.step_s / self.world / 1e12 if self.time else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / self.peak_tflops if self.time else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        d: dict[str, Any] = {
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "vpp": lay.vpp,
+            "zero_stage": lay.zero, "micro_batch_size": lay.mbs, "activation_checkpointing": lay.ac,
+            "pp_schedule": lay.schedule, "sequence_parallel": lay.sp,
+            "microbatches": self.time.microbatches if self.time else None,
+            "memory_gib_per_gpu": round(self.memory_gib, 3), "capacity_gib": round(self.capacity_gib, 3),
+            "fits": self.fits, "memory_breakdown_gib": self.memory.to_dict(),
+            "step_time_s": self.step_s if self.time else None,
+            "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu,
+            "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
+            "broken_rules": self.broken_rules, "notes": self.notes,
+            "overrides": lay.overrides(),
+        }
+        if self.time:
+            d["time_breakdown_s"] = {k: v for k, v in self.time.breakdown.items()}
+            d["tiers"] = self.time.comm_tiers
+        return d
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Plan]
+    enumerated: int
+    fitting: int
+    smallest_miss: Plan | None = None
+
+
+class Planner:
+    """Predicts memory and step time of layouts of ``shape`` on ``n_nodes`` nodes of ``profile``.
+
+    Args:
+        shape: the model.
+        profile: the cluster kind.
+        n_nodes: nodes in the job (or give ``allocation``).
+        global_batch: sequences per optimizer step (kept for every layout).
+        allocation: the actual nodes (default: contiguous nodes, see synthetic_allocation).
+    """
+
+    def __init__(self, shape: ModelShape, profile: ClusterProfile, n_nodes: int, global_batch: int,
+                 allocation: Allocation | None = None, gpus_per_node: int | None = None,
+                 mem: MemoryAssumptions = MemoryAssumptions(), timing: TimingAssumptions = TimingAssumptions()):
+        self.shape = shape
+        self.profile = profile
+        self.gpn = gpus_per_node or profile.gpus_per_node
+        self.allocation = allocation or synthetic_allocation(n_nodes, profile)
+        self.n_nodes = len(self.allocation)
+        self.world = self.n_nodes * self.gpn
+        self.global_batch = global_batch
+        self.mem = mem
+        self.timing = timing
+        self.capacity = profile.memory_gib - profile.reserved_gib
+        self._places: dict[tuple[int, ...], tuple[dict[str, AxisPlace], list[str]]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: "Config", profile: ClusterProfile, n_nodes: int,
+                    allocation: Allocation | None = None) -> "Planner":
+        return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
+                   mem=MemoryAssumptions.for_dtype(cfg.train.dtype))
+
+    # -- placement ---------------------------------------------------------------------------
+    def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
+        """Axis placements and broken rules of the rank map for this layout (cached)."""
+        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep)
+        if key not in self._places:
+            rm = map_ranks({"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep},
+                           self.allocation, self.profile, self.gpn)
+            self._places[key] = (places_from_rank_map(rm), [f"{r.name}: {r.detail}" for r in rm.broken_rules])
+        return self._places[key]
+
+    # -- evaluation --------------------------------------------------------------------------
+    def check(self, lay: Layout) -> str | None:
+        """Why ``lay`` is not a valid layout here, or None."""
+        s = self.shape
+        if lay.world != self.world:
+            return f"tp·pp·dp·cp = {lay.world}, but the job has {self.world} GPUs"
+        if s.heads % lay.tp or s.kv_heads % lay.tp:
+            return f"tp = {lay.tp} does not divide heads = {s.heads} and kv_heads = {s.kv_heads}"
+        if lay.pp * lay.vpp > s.layers:
+            return f"pp·vpp = {lay.pp * lay.vpp} stages for {s.layers} layers"
+        if (lay.dp * lay.cp) % lay.ep or (s.is_moe and s.num_experts % lay.ep) or (not s.is_moe and lay.ep > 1):
+            return f"ep = {lay.ep} must divide the experts ({s.num_experts}) and dp·cp = {lay.dp * lay.cp}"
+        div = 2 * lay.cp if lay.cp > 1 else 1
+        if lay.sp and lay.tp > 1:
+            div *= lay.tp
+        if s.seq_len % div:
+            return f"seq_len = {s.seq_len} does not split over 2·cp{'·tp' if lay.sp else ''} = {div}"
+        if self.global_batch % (lay.mbs * lay.dp):
+            return f"global batch {self.global_batch} is not a multiple of mbs·dp = {lay.mbs * lay.dp}"
+        m = lay.microbatches(self.global_batch)
+        if lay.pp > 1 and m < lay.pp and lay.schedule != "gpipe":
+            return f"{m} micro-batches cannot fill {lay.pp} pipeline stages"
+        if lay.vpp > 1 and (lay.schedule != "interleaved_1f1b" or m % lay.pp):
+            return "virtual stages need the interleaved schedule and micro-batches divisible by pp"
+        if lay.pp == 1 and lay.vpp > 1:
+            return "virtual stages need pp > 1"
+        return None
+
+    def evaluate(self, lay: Layout, with_time: bool = True) -> Plan:
+        """Memory and (when ``with_time``) step time of one layout.
+
+        Raises:
+            ValueError: the layout is invalid here (see :meth:`check`).
+        """
+        why = self.check(lay)
+        if why:
+            raise ValueError(f"layout {lay.short()}: {why}")
+        mem = memory_per_gpu(self.shape, lay, self.global_batch, self.mem)
+        plan = Plan(lay, mem, self.capacity, world=self.world, peak_tflops=self.profile.peak_tflops,
+                    tokens_per_step=self.global_batch * self.shape.seq_len)
+        if self.shape.layers % (lay.pp * lay.vpp):
+            plan.notes.append(f"{self.shape.layers} layers do not split evenly over pp·vpp = {lay.pp * lay.vpp}: "
+                              f"timed by the fullest stage; the trainer's config needs an even split")
+        if with_time:
+            places, broken = self.places(lay)
+            plan.time = step_time(self.shape, lay, self.global_batch, self.profile, places, self.mem, self.timing)
+            plan.broken_rules = broken
+        return plan
+
+    # -- search ------------------------------------------------------------------------------
+    def enumerate(self, fixed: dict[str, Any] | None = None) -> Iterator[Layout]:
+        """Every valid layout agreeing with ``fixed`` (keys of :class:`Layout`)."""
+        fixed = dict(fixed or {})
+        s = self.shape
+        dom = self.profile.nvswitch_domain_gpus
+
+        def choices(key: str, default: list[Any]) -> list[Any]:
+            return [fixed[key]] if key in fixed else default
+
+        g = math.gcd(s.heads, s.kv_heads)
+        tps = choices("tp", [t for t in range(1, g + 1) if g % t == 0 and t <= max(dom, 1) and self.world % t == 0])
+        for tp in tps:
+            sp = fixed.get("sp", tp > 1)
+            cps = choices("cp", [c for c in (1, 2, 4, 8, 16, 32) if self.world % (tp * c) == 0])
+            for cp in cps:
+                pps = choices("pp", [p for p in range(1, s.layers + 1) if s.layers % p == 0
+                                     and self.world % (tp * cp * p) == 0])
+                for pp in pps:
+                    if self.world % (tp * cp * pp):
+                        continue
+                    dp = self.world // (tp * cp * pp)
+                    if "dp" in fixed and fixed["dp"] != dp:
+                        continue
+                    eps = choices("ep", [e for e in range(1, (s.num_experts or 1) + 1)
+                                         if (s.num_experts or 1) % e == 0 and (dp * cp) % e == 0] if s.is_moe else [1])
+                    if pp == 1:
+                        sched_v = [("1f1b", 1)]
+                    else:
+                        per = s.layers // pp if s.layers % pp == 0 else 0
+                        vs = [v for v in (2, 3, 4, 6, 8) if per and per % v == 0] if per else [2, 4]
+                        sched_v = [("1f1b", 1), ("zero_bubble", 1)] + [("interleaved_1f1b", v) for v in vs]
+                    if "vpp" in fixed:
+                        sched_v = [(sch, v) for sch, v in sched_v if v == fixed["vpp"]] or \
+                                  [("interleaved_1f1b" if fixed["vpp"] > 1 else "1f1b", fixed["vpp"])]
+                    if "schedule" in fixed:
+                        sched_v = [(sch, v) for sch, v in sched_v if sch == fixed["schedule"]] or \
+                                  [(fixed["schedule"], fixed.get("vpp", 1))]
+                    for ep in eps:
+                        for sched, v in sched_v:
+                            for zero in choices("zero", [0, 1, 2, 3]):
+                                for mbs in choices("mbs", list(MBS_CHOICES)):
+                                    for ac in choices("ac", list(AC_CHOICES)):
+                                        lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, mbs=mbs,
+                                                     ac=ac, schedule=sched, sp=bool(sp and tp > 1))
+                                        if self.check(lay) is None:
+                                            yield lay
+
+    def search(self, fixed: dict[str, Any] | None = None, top: int = 5) -> SearchResult:
+        """Rank every valid layout that fits in memory by predicted step time (fastest first)."""
+        fitting: list[Plan] = []
+        n = 0
+        smallest: Plan | None = None
+        for lay in self.enumerate(fixed):
+            n += 1
+            plan = self.evaluate(lay, with_time=False)
+            if not plan.fits:
+                if smallest is None or plan.memory_gib < smallest.memory_gib:
+                    smallest = plan
+                continue
+            fitting.append(plan)
+        for plan in fitting:
+            places, broken = self.places(plan.layout)
+            plan.time = step_time(self.shape, plan.layout, self.global_batch, self.profile, places, self.mem,
+                                  self.timing)
+            plan.broken_rules = broken
+        fitting.sort(key=lambda p: (p.step_s, p.memory_gib))
+        return SearchResult(fitting[:top] if top else fitting, n, len(fitting), smallest)
+
+
+def explain(plan: Plan, rank: int, nxt: Plan | None = None) -> list[str]:
+    """A few lines on why this layout is where it is."""
+    lay, t = plan.layout, plan.time
+    lines = [f"#{rank} {lay.short()}: {plan.step_s:.3f} s/step, {plan.tflops_per_gpu:.0f} TFLOP/s/GPU "
+             f"(MFU {plan.mfu:.1%}), {plan.tokens_per_s:,.0f} tokens/s, {plan.memory_gib:.1f} of "
+             f"{plan.capacity_gib:.1f} GiB"]
+    if t is None:
+        return lines
+    bd = t.breakdown
+    total = t.step
+    parts = []
+    tier = t.comm_tiers
+    label = {"tp_comm": f"TP on {tier.get('tp')}", "ep_comm": f"EP on {tier.get('ep')}",
+             "pp_p2p": f"PP p2p on {tier.get('pp')}", "dp_comm_exposed": f"DP exposed on {tier.get('dp_cp')}",
+             "cp_comm_exposed": f"CP exposed on {tier.get('cp')}"}
+    for k, v in sorted(bd.items(), key=lambda kv: -kv[1]):
+        if v <= 0.005 * total:
+            continue
+        name = label.get(k, k)
+        if k == "bubble":
+            name = f"bubble (pp={lay.pp}, m={t.microbatches}" + (f", v={lay.vpp})" if lay.vpp > 1 else ")")
+        parts.append(f"{name} {v:.3f} s ({v / total:.0%})")
+    lines.append("   time: " + ", ".join(parts))
+    mg = plan.memory.gib()
+    zero_txt = {0: "no ZeRO", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[lay.zero]
+    lines.append(f"   memory: weights {mg['params']:.1f}, grads {mg['grads']:.1f}, optimizer {mg['optimizer']:.1f} "
+                 f"({zero_txt} over {lay.dp * lay.cp} ranks), activations {mg['activations']:.1f} "
+                 f"(ac={lay.ac}, mbs={lay.mbs}), buffers {mg['buffers']:.1f} GiB")
+    if nxt is not None and nxt.time is not None:
+        diff = {k: nxt.time.breakdown.get(k, 0.0) - bd.get(k, 0.0) for k in set(bd) | set(nxt.time.breakdown)}
+        k, v = max(diff.items(), key=lambda kv: kv[1])
+        if v > 0:
+            lines.append(f"   ahead of the next ({nxt.layout.short()}) by {nxt.step_s - plan.step_s:.3f} s/step, "
+                         f"mostly {label.get(k, k)} (+{v:.3f} s there)")
+    for b in plan.broken_rules:
+        lines.append(f"   rank map: {b}")
+    for n in plan.notes:
+        lines.append(f"   note: {n}")
+    return lines
