@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from moetrain.config import Config, ConfigError, load_config, save_config, to_dict
+from moetrain.monitor import collect, register_job
 
 
 def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentParser:
@@ -28,6 +29,8 @@ def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentPa
                     help="override a config field (repeatable), e.g. --set train.steps=20")
     ap.add_argument("--dry-run", action="store_true", help="print what would be submitted and exit")
     ap.add_argument("--detach", action="store_true", help="return after submitting instead of following")
+    ap.add_argument("--follow", action="store_true",
+                    help="follow the run until it ends (the default; see python -m moetrain.monitor)")
     return ap
 
 
@@ -114,8 +117,16 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
                     print(format_metrics(rec, cfg.train.steps), file=out, flush=True)
                     last_print = time.time()
 
+    warned: set[str] = set()
+    last_health = time.time()
     while not job.done():
         drain()
+        if time.time() - last_health > 15:  # the monitor's view: stalls, hangs, requeues
+            last_health = time.time()
+            for w in collect(cfg.run_dir).warnings:
+                if w not in warned:
+                    warned.add(w)
+                    print(f"WARNING: {w}", file=out, flush=True)
         if time.time() - last_print > 60:
             print(f"... job {job.job_id} state {job.state}", file=out, flush=True)
             last_print = time.time()
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     since = time.time()
     job = executor.submit(TrainJob(job_config(cfg)))
     record_submission(run_dir, str(job.job_id), cfg)
+    register_job(str(job.job_id), run_dir)
     print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
           f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
           f"  metrics:       {run_dir / 'metrics.jsonl'}\n  logs:          {folder}/{job.job_id}_<rank>_log.out",

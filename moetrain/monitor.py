@@ -1,0 +1,227 @@
+"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json]``
+
+Shows a run's health from outside the job: its SLURM state (sacct, every requeued instance),
+restarts and their causes (``events.jsonl``), training progress (``metrics.jsonl``: step / total
+with a bar, loss, tokens/s, time to finish), every rank's heartbeat, and a warning when the run
+is stalled or failing. A job id is mapped to its run directory through the registry that
+``moetrain.submit`` appends to (``$MOETRAIN_HOME/jobs.jsonl``, default ``~/.cache/moetrain``).
+Exit status: 0 running or done, 1 failing / gave up, 2 stalled, 4 unknown run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from moetrain.launch.lifecycle import read_events, read_heartbeats, read_json
+
+
+def registry_path() -> Path:
+    return Path(os.environ.get("MOETRAIN_HOME", Path.home() / ".cache" / "moetrain")) / "jobs.jsonl"
+
+
+def register_job(job_id: str, run_dir: Path) -> None:
+    """Remember which run directory a job id belongs to (for ``monitor JOB_ID``)."""
+    path = registry_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"job_id": str(job_id), "run_dir": str(Path(run_dir).resolve()), "time": time.time()}) + "\n")
+
+
+def resolve_run_dir(target: str) -> Path | None:
+    p = Path(target)
+    if p.is_dir():
+        return p
+    path = registry_path()
+    if path.is_file():
+        for line in reversed(path.read_text().splitlines()):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("job_id") == target or str(rec.get("job_id", "")).split("_")[0] == target:
+                return Path(rec["run_dir"])
+    return None
+
+
+def sacct_states(job_ids: list[str]) -> list[dict]:
+    """Every instance (requeues included, ``sacct -D``) of the jobs; [] without SLURM accounting."""
+    if not job_ids or shutil.which("sacct") is None:
+        return []
+    try:
+        out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", ",".join(job_ids),
+                              "-o", "JobID,State,ExitCode,Start,End,NodeList"],
+                             capture_output=True, text=True, timeout=30)
+    except (subprocess.SubprocessError, OSError):
+        return []
+    rows = []
+    for line in out.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 6:
+            rows.append(dict(zip(("job_id", "state", "exit_code", "start", "end", "nodes"), parts)))
+    return rows
+
+
+@dataclass
+class Status:
+    run_dir: str
+    total_steps: int | None
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
+    median_step_s: float | None = None
+    jobs: list[dict] = field(default_factory=list)
+    restarts: list[dict] = field(default_factory=list)
+    heartbeats: list[dict] = field(default_factory=list)
+    state: str = "unknown"  # running | done | stalled | failing | gave_up | not started
+    warnings: list[str] = field(default_factory=list)
+
+
+def collect(run_dir: Path, now: float | None = None) -> Status:
+    now = time.time() if now is None else now
+    cfg = read_config(run_dir)
+    total = cfg.get("train", {}).get("steps") if cfg else None
+    st = Status(run_dir=str(run_dir), total_steps=total)
+    records = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    if records:
+        last = records[-1]
+        st.step, st.loss, st.tokens_per_s = last["step"], last["loss"], last.get("tokens_per_s")
+        times = [r["step_time_s"] for r in records[-50:] if "step_time_s" in r]
+        if times:
+            st.median_step_s = statistics.median(times)
+            if total:
+                st.eta_s = max(0, total - st.step) * st.median_step_s
+    events = read_events(run_dir)
+    st.restarts = [e for e in events if e["event"] in ("stopped", "requeue", "hang", "resumed", "gave_up")]
+    sub = read_json(run_dir / "submission.json", {}) or {}
+    ids = [j["job_id"] for j in sub.get("jobs", [])]
+    st.jobs = sacct_states(ids)
+    st.heartbeats = read_heartbeats(run_dir)
+    launch = (cfg or {}).get("launch", {})
+    factor = launch.get("heartbeat_timeout_factor", 10.0)
+    min_timeout = launch.get("heartbeat_min_timeout_s", 120.0)
+    limit = max(min_timeout, factor * (st.median_step_s or 0))
+
+    kinds = [e["event"] for e in events]
+    if kinds and kinds[-1] == "finished":
+        st.state = "done"
+    elif kinds and kinds[-1] == "gave_up":
+        st.state = "gave_up"
+        st.warnings.append(f"the run gave up: {events[-1].get('reason', events[-1].get('cause', ''))}")
+    elif not events and not st.heartbeats:
+        st.state = "not started"
+    else:
+        st.state = "running"
+    if st.jobs and st.jobs[-1]["state"].split()[0] in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL") \
+            and st.state != "done":
+        st.state = "failing"
+        st.warnings.append(f"job {st.jobs[-1]['job_id']} is {st.jobs[-1]['state']}")
+    live = [h for h in st.heartbeats if h.get("phase") not in ("done",)]
+    if st.state == "running" and live:
+        newest_attempt = max(h.get("attempt", 0) for h in live)
+        current = [h for h in live if h.get("attempt", 0) == newest_attempt]
+        stale = [h for h in current if now - h["time"] > limit]
+        if stale:
+            st.state = "stalled"
+            ranks = ", ".join(f"{h['rank']}@{h['host']}" for h in stale[:8])
+            st.warnings.append(f"no heartbeat for more than {limit:.0f} s from rank(s) {ranks}")
+    hangs = [e for e in events if e["event"] == "hang"]
+    if hangs:
+        st.warnings.append(f"{len(hangs)} hang(s) detected; suspected nodes {hangs[-1].get('nodes')}; "
+                           f"stacks in {run_dir / 'stacks'}")
+    return st
+
+
+def read_config(run_dir: Path) -> dict | None:
+    try:
+        return yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _bar(step: int, total: int | None, width: int = 30) -> str:
+    if not total:
+        return ""
+    filled = int(width * min(1.0, step / total))
+    return "[" + "#" * filled + "-" * (width - filled) + f"] {step}/{total}"
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def render(st: Status, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    lines = [f"run {st.run_dir}: {st.state.upper()}"]
+    if st.jobs:
+        lines.append("slurm: " + "; ".join(f"{j['job_id']} {j['state']} on {j['nodes']}" for j in st.jobs[-6:]))
+    lines.append(f"progress {_bar(st.step, st.total_steps)}"
+                 + (f" | loss {st.loss:.4f}" if st.loss is not None else "")
+                 + (f" | {st.tokens_per_s:.0f} tok/s" if st.tokens_per_s else "")
+                 + (f" | {_dur(st.median_step_s)}/step" if st.median_step_s else "")
+                 + (f" | eta {_dur(st.eta_s)}" if st.eta_s is not None else ""))
+    if st.restarts:
+        lines.append("restarts and causes:")
+        for e in st.restarts[-10:]:
+            detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
+            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']}: {detail}")
+    if st.heartbeats:
+        lines.append("heartbeats:")
+        for h in st.heartbeats[:16]:
+            lines.append(f"  rank {h['rank']:>4} {h['host']:<12} attempt {h.get('attempt')} step {h['step']:>6} "
+                         f"{h['phase']:<10} {now - h['time']:6.0f} s ago")
+        if len(st.heartbeats) > 16:
+            lines.append(f"  ... {len(st.heartbeats) - 16} more ranks")
+    for w in st.warnings:
+        lines.append(f"WARNING: {w}")
+    return "\n".join(lines)
+
+
+EXIT = {"running": 0, "done": 0, "not started": 0, "stalled": 2, "failing": 1, "gave_up": 1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moetrain.monitor", description=__doc__.split("\n\n")[1])
+    ap.add_argument("target", help="run directory or SLURM job id")
+    ap.add_argument("--follow", action="store_true", help="refresh until the run ends")
+    ap.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --follow")
+    ap.add_argument("--format", choices=("text", "json"), default="text")
+    args = ap.parse_args(argv)
+    run_dir = resolve_run_dir(args.target)
+    if run_dir is None:
+        print(f"monitor: {args.target!r} is neither a run directory nor a job id known to {registry_path()}",
+              file=sys.stderr)
+        return 4
+    while True:
+        st = collect(run_dir)
+        print(json.dumps(asdict(st)) if args.format == "json" else render(st), flush=True)
+        if not args.follow or st.state in ("done", "gave_up", "failing"):
+            return EXIT[st.state]
+        time.sleep(args.interval)
+        if args.format == "text":
+            print("-" * 60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
