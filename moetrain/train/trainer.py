@@ -74,6 +74,8 @@ class Trainer:
         self.stop_flag = stop_flag or StopFlag()
         self.write_files = write_files
         self.device = init_distributed(cfg.parallel.backend, cfg.parallel.collective_timeout_s)
+        if mesh_ranks is None:
+            mesh_ranks = topology_mesh_ranks(cfg)
         self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks)
         torch.manual_seed(cfg.run.seed)
 
@@ -294,6 +296,23 @@ class Trainer:
     def _beat(self, phase: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.beat(self.step, phase)
+
+
+def topology_mesh_ranks(cfg: Config) -> list:
+    """The [pp, dp, cp, tp] rank layout from the topology mapper (the job's nodes and cluster
+    profile), computed on rank 0 and broadcast so every rank builds the same mesh — the map that
+    ``python -m moetrain.ranks`` shows is the one used."""
+    from moetrain.topology import build_rank_map
+
+    holder: list = [None]
+    if dist.get_rank() == 0:
+        rank_map = build_rank_map(cfg)
+        holder[0] = rank_map.mesh_ranks.tolist()
+        for rule in rank_map.rules:
+            if rule.status == "broken":
+                log.warning("rank placement breaks %r: %s", rule.text, rule.detail)
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def truncate_metrics(path: Path, last_step: int, fence: Fence | None) -> None:
