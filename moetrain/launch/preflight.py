@@ -19,8 +19,6 @@ def supported_now(cfg: Config) -> None:
     p = cfg.parallel
     not_yet = [  # (field, value, requested): one line per dimension still missing
         ("parallel.pp", p.pp, p.pp > 1),
-        ("parallel.tp", p.tp, p.tp > 1),
-        ("parallel.zero_stage", p.zero_stage, p.zero_stage > 0),
         ("parallel.activation_checkpointing", p.activation_checkpointing, p.activation_checkpointing != "none"),
         ("moe.expert_backend", cfg.moe.expert_backend, cfg.moe.expert_backend != "grouped"),
         ("model.attention_backend", cfg.model.attention_backend, cfg.model.attention_backend != "sdpa"),

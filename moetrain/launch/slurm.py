@@ -8,7 +8,8 @@ Three steps, in the order ``submit`` runs them:
    pattern first, so a config can never inject shell text into ``#SBATCH`` lines.
 2. **check** — :func:`check_launch` (no cluster needed: strings and the cluster profile's GPUs per
    node) and :func:`check_against_cluster` (a live :class:`ClusterInfo` from
-   :func:`query_cluster`: the partition exists, its nodes offer the GPUs and CPUs asked for).
+   :func:`query_cluster`: the partition exists, its nodes offer the GPUs and CPUs asked for);
+   :func:`validate_slurm` runs both, the second only when SLURM answers.
 3. **build** — :func:`make_slurm_executor` (runs both checks, then builds the executor) or, for
    ``--dry-run``, :func:`render_batch_script`: the exact sbatch script submitit would submit.
 
@@ -43,6 +44,7 @@ __all__ = [
     "query_cluster",
     "render_batch_script",
     "slurm_executor_params",
+    "validate_slurm",
 ]
 
 
@@ -62,32 +64,32 @@ def _err(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
 # ---------------------------------------------------------------------------------------------
 
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
-_SAFE: dict[str, tuple[re.Pattern[str], str, str]] = {
-    # field: (pattern, allowed characters in words, example for the fix)
-    "partition": (re.compile(rf"{_NAME}(,{_NAME})*"), "letters, digits, _ . - and commas between names",
+# field: (whole-value pattern, its characters, what they are in words, example for the fix)
+_SAFE: dict[str, tuple[str, str, str, str]] = {
+    "partition": (rf"{_NAME}(,{_NAME})*", r"[A-Za-z0-9_.,-]", "letters, digits, _ . - and commas between names",
                   "a partition name such as gpu, or a list such as gpu,debug"),
-    "account": (re.compile(_NAME), "letters, digits and _ . -", "an account name such as proj123"),
-    "qos": (re.compile(_NAME), "letters, digits and _ . -", "a QOS name such as normal"),
+    "account": (_NAME, r"[A-Za-z0-9_.-]", "letters, digits and _ . -", "an account name such as proj123"),
+    "qos": (_NAME, r"[A-Za-z0-9_.-]", "letters, digits and _ . -", "a QOS name such as normal"),
     # SLURM feature expressions: features joined by & | , with [ ] ( ) grouping and *N counts.
-    "constraint": (re.compile(r"[A-Za-z0-9_\[(][A-Za-z0-9_.&|,*\[\]()-]*"),
+    "constraint": (r"[A-Za-z0-9_\[(][A-Za-z0-9_.&|,*\[\]()-]*", r"[A-Za-z0-9_.&|,*\[\]()-]",
                    "letters, digits, _ . - and the operators & | , * [ ] ( )", "a feature expression such as a100&ib"),
     # Host lists: n1,n2 or gpu[01-04,07].
-    "exclude": (re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.,\[\]-]*"), "letters, digits, _ . - , [ ]",
+    "exclude": (r"[A-Za-z0-9_][A-Za-z0-9_.,\[\]-]*", r"[A-Za-z0-9_.,\[\]-]", "letters, digits and _ . - , [ ]",
                 "a host list such as gpu[01-03],gpu07"),
-    "job_name": (re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*"), "letters, digits and _ . + -",
+    "job_name": (r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", r"[A-Za-z0-9_.+-]", "letters, digits and _ . + -",
                  "a run name such as moe-demo"),
 }
 _MAX_LEN = 200
 
 
 def _check_safe(kind: str, field_name: str, value: str) -> None:
-    pattern, allowed, example = _SAFE[kind]
-    if len(value) <= _MAX_LEN and pattern.fullmatch(value):
+    pattern, chars, allowed, example = _SAFE[kind]
+    if len(value) <= _MAX_LEN and re.fullmatch(pattern, value):
         return
     if len(value) > _MAX_LEN:
         problem = f"{len(value)} characters, more than {_MAX_LEN}"
     else:
-        bad = sorted({c for c in value if not re.fullmatch(r"[A-Za-z0-9_.,&|*\[\]()+-]", c)})
+        bad = sorted({c for c in value if not re.fullmatch(chars, c)})
         problem = (f"may only contain {allowed} and must start with a letter, digit or _"
                    + (f"; found {', '.join(repr(c) for c in bad)}" if bad else ""))
     raise _err(field_name, value, problem + " (it is written into the sbatch script)", f"use {example}")
@@ -238,7 +240,8 @@ def _run(args: list[str], timeout_s: float) -> str:
     except subprocess.TimeoutExpired as e:
         raise SlurmUnavailableError(f"`{' '.join(args)}` did not answer within {timeout_s:g} s") from e
     if out.returncode != 0:
-        raise SlurmUnavailableError(f"`{' '.join(args)}` failed ({out.returncode}): {out.stderr.strip()}")
+        last = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SlurmUnavailableError(f"`{' '.join(args)}` failed ({out.returncode}): {last}")
     return out.stdout
 
 
@@ -322,6 +325,26 @@ def check_against_cluster(cfg: Config, cluster: ClusterInfo) -> None:
         raise _err("launch.cpus_per_task", ln.cpus_per_task,
                    f"tasks_per_node × cpus_per_task = {cpus} CPUs, but the nodes of {where} have at most {most_cpus}",
                    f"use launch.cpus_per_task <= {max(1, most_cpus // ln.resolved_tasks_per_node(cfg.world_size))}")
+
+
+def validate_slurm(cfg: Config, *, timeout_s: float = 10.0) -> ClusterInfo | None:
+    """Every check before submission (``moetrain.launch.preflight`` runs it): :func:`check_launch`
+    with ``run.name`` as the job name, then :func:`check_against_cluster` when SLURM answers.
+
+    Returns the cluster queried, or ``None`` when SLURM does not answer (a ``--dry-run`` away from
+    the cluster): then only the offline checks ran, and :func:`make_slurm_executor` will raise
+    :class:`SlurmUnavailableError` if a submission is attempted.
+
+    Raises:
+        ConfigError: see :func:`check_launch` and :func:`check_against_cluster`.
+    """
+    check_launch(cfg, job_name=cfg.run.name)
+    try:
+        cluster = query_cluster(timeout_s=timeout_s)
+    except SlurmUnavailableError:
+        return None
+    check_against_cluster(cfg, cluster)
+    return cluster
 
 
 # ---------------------------------------------------------------------------------------------
