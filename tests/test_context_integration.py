@@ -20,3 +20,15 @@ def test_context_parallel_matches_single_process(parallel, reference, tiny_shard
     world = parallel.get("dp", 1) * parallel["cp"]
     results = run_distributed(train_and_capture, world, str(tiny_shards), str(tmp_path), parallel, {})
     assert_matches(merged(results), reference)
+
+
+AC_CASES = [
+    ({"dp": 2, "ep": 2, "activation_checkpointing": "full"}, 2),
+    ({"cp": 2, "activation_checkpointing": "selective"}, 2),
+]
+
+
+@pytest.mark.parametrize("parallel, world", AC_CASES, ids=["dp2-ep2-full-ac", "cp2-selective-ac"])
+def test_activation_checkpointing_matches_single_process(parallel, world, reference, tiny_shards, tmp_path):  # noqa: F811
+    results = run_distributed(train_and_capture, world, str(tiny_shards), str(tmp_path), parallel, {})
+    assert_matches(merged(results), reference)

@@ -17,6 +17,7 @@ keeps only some blocks keeps their names (and checkpoints stay layout-independen
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.config import Config
@@ -43,7 +44,15 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 
+        # Full activation recomputation of this block (set by moetrain.parallel.activation).
+        self.recompute = False
+
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, use_reentrant=False)
+        return self._forward(x_BSD, cos, sin)
+
+    def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
         mlp = self.moe if self.moe is not None else self.feed_forward
         return h + mlp(self.ffn_norm(h))

@@ -19,7 +19,7 @@ Steps that a layout does not use are skipped here, by this caller, never inside 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -28,9 +28,13 @@ from moetrain.config import Config
 from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.transformer import Transformer
+from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.expert import apply_expert_parallel, configure_sequence_split
-from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
+from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
+from moetrain.parallel.state import CP, CP_TP, EP, PP, TP, ParallelState
+from moetrain.parallel.tensor import apply_tensor_parallel
+from moetrain.parallel.zero import ZeroMicroBatchSync, apply_zero
 from moetrain.train.loss import lm_loss
 
 
@@ -60,13 +64,18 @@ class SingleStageRunner:
 
     def __init__(self, model: Transformer, ps: ParallelState):
         self.model, self.ps, self.device = model, ps, ps.device
+        # [zero] called as (index, count) before each micro-batch's forward (ZeRO sets
+        # FSDP's gradient sync and resharding there); None without ZeRO.
+        self.before_micro_batch: Callable[[int, int], None] | None = None
 
     def _loss(self, mb: MicroBatch) -> torch.Tensor:
         return lm_loss(self.model(mb.inputs.to(self.device)), mb.targets.to(self.device))
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
+            if self.before_micro_batch is not None:  # [zero]
+                self.before_micro_batch(i, len(micro_batches))
             with loss_context(self.ps):
                 loss = self._loss(mb)
                 (loss / len(micro_batches)).backward()
@@ -89,10 +98,17 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
+    # to_empty (and a dtype change) may replace the parameter objects: carry over the
+    # ``_moetrain_*`` tags the parallelisation steps set on them (e.g. _moetrain_tp_partial).
+    tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_moetrain_")}
+            for name, p in part.named_parameters()}
     part.to_empty(device=ps.device)
     init_weights(part, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
     if cfg.train.dtype != "float32":
         part.to({"bfloat16": torch.bfloat16}[cfg.train.dtype])
+    for name, p in part.named_parameters():
+        for k, v in tags.get(name, {}).items():
+            setattr(p, k, v)
 
 
 def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer], StepRunner]:
@@ -111,11 +127,18 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
     with torch.device("meta"):
         model = Transformer.from_config(cfg)
 
-    # 2. pipeline split (pp > 1): [pp]
-    parts = [model]
+    # 2. pipeline split (pp > 1): one part per stage this rank holds, each a copy of the model
+    #    with only that stage's blocks (names stay global); see moetrain.parallel.pipeline.
+    if ps.size(PP) > 1:
+        parts, stages = pipeline_parts(model, cfg, ps)
+    else:
+        parts = [model]
 
+    fsdp_modules: list = []  # [zero]
     for part in parts:
-        # 3. tensor + sequence parallelism: [tp]
+        # 3. tensor + sequence parallelism: attention / MLP / embedding / head sharded over tp.
+        if ps.size(TP) > 1:
+            apply_tensor_parallel(part, ps, cfg)
         # 4. expert parallelism: local experts + all-to-all dispatch.
         if ps.size(EP) > 1:
             apply_expert_parallel(part.moe_layers(), ps)
@@ -125,12 +148,19 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
         if ps.size(CP) > 1:
             apply_context_parallel(part, ps.group(CP), cfg.model.seq_len)
-        # 6. activation checkpointing: [ac]
-        # 7. ZeRO / FSDP: [zero]
+        # 6. activation checkpointing: recompute blocks (full) or core attention (selective).
+        if cfg.parallel.activation_checkpointing != "none":
+            apply_activation_checkpointing(part, cfg.parallel.activation_checkpointing)
+        # 7. ZeRO / FSDP: shard optimizer states (1), + gradients (2), + parameters (3); see zero.py.
+        if cfg.parallel.zero_stage > 0:
+            fsdp_modules += apply_zero(part, ps, cfg.parallel.zero_stage)
         # 8. materialise and initialise (values depend on names and global expert ids only).
         _materialize(part, cfg, ps)
 
-    runner: StepRunner = SingleStageRunner(parts[0], ps)
+    # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
+    runner: StepRunner = PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1 else SingleStageRunner(parts[0], ps)
+    if cfg.parallel.zero_stage > 0:  # [zero] gradient sync / resharding per micro-batch
+        runner.before_micro_batch = ZeroMicroBatchSync(fsdp_modules, cfg.parallel.zero_stage)
     return parts, runner
 
 
