@@ -12,7 +12,10 @@ The planner keeps gradients in fp32 (4 bytes; Megatron-LM accumulates and reduce
 gradients in fp32), see :class:`MemoryAssumptions`. Dense parameters are sharded over the
 dp × cp ranks; expert parameters over the expert-data-parallel ranks (edp × tp).
 
-Activations follow the per-tensor accounting of Korthikanti et al. 2022 §4: every tensor a
+Activations follow the per-tensor accounting of Korthikanti et al. 2022 §4 (for moetrain's
+layer: RMSNorm, GQA, flash attention keeping O and its log-sum-exp, SwiGLU fused as in
+Megatron-Core / torch.compile so that only gate and up are kept — eager PyTorch keeps two
+more F-wide tensors, see ``ActivationArch.fused_swiglu``): every tensor a
 layer keeps for its backward pass, counted per token, split into those that tensor parallelism
 shards and those it replicates unless sequence parallelism (SP) shards them too, and the
 attention-core tensors that selective recomputation drops. For the GPT layer of the paper
@@ -25,6 +28,7 @@ worth in all, §4.2.3), L(1 + (p−1)/(p·v)) with the interleaved schedule, all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +37,7 @@ from moetrain.planner.model import ModelShape
 
 __all__ = ["MemoryAssumptions", "MemoryBreakdown", "ActivationArch", "zero_model_state_bytes",
            "korthikanti_layer_bytes", "activation_terms", "attention_terms", "mlp_terms", "layer_activation_bytes", "stage_layers",
-           "memory_per_gpu", "GIB"]
+           "stage_counts", "memory_per_gpu", "GIB"]
 
 GIB = float(1 << 30)
 
@@ -97,6 +101,7 @@ class ActivationArch:
     mlp: str = "swiglu"            # "swiglu" (3 matrices) or "gelu" (2 matrices)
     attention: str = "flash"       # "flash" (no s×s matrix kept) or "materialised"
     dropout: bool = False
+    fused_swiglu: bool = True      # keeps gate and up (4F), recomputes silu·up in backward
 
     @classmethod
     def gpt(cls, s: int, h: int, a: int) -> "ActivationArch":
@@ -106,7 +111,7 @@ class ActivationArch:
 
     @classmethod
     def of(cls, shape: ModelShape) -> "ActivationArch":
-        """moetrain's layer: RMSNorm, GQA, SwiGLU, no dropout, flash attention."""
+        """moetrain's layer on GPU: RMSNorm, GQA, fused SwiGLU, no dropout, flash attention."""
         return cls(hidden=shape.hidden, heads=shape.heads, h_q=shape.h_q, h_kv=shape.h_kv, ffn=shape.ffn,
                    seq_len=shape.seq_len)
 
@@ -150,25 +155,28 @@ def mlp_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
     if arch.mlp == "gelu":
         t += [("GELU input", 2.0 * arch.ffn, "shard"), ("GELU output", 2.0 * arch.ffn, "shard")]
     else:
-        t += [("gate and up outputs", 4.0 * arch.ffn, "shard"), ("SwiGLU output", 2.0 * arch.ffn, "shard")]
+        t.append(("gate and up outputs", 4.0 * arch.ffn, "shard"))
+        if not arch.fused_swiglu:
+            # eager PyTorch also keeps silu(gate) and the product (the w2 input)
+            t += [("silu(gate)", 2.0 * arch.ffn, "shard"), ("SwiGLU output", 2.0 * arch.ffn, "shard")]
     if arch.dropout:
         t.append(("MLP dropout mask", 1.0 * h, "repl"))
     return t
 
 
 def _moe_terms(shape: ModelShape) -> list[tuple[str, float, str]]:
-    """The MoE block's tensors per token of the rank. Experts are not tensor-parallel: with SP
-    each TP rank routes its own sequence shard, so every term is ``repl`` (split only by SP)."""
+    """The MoE block's tensors per token. Experts are not tensor-parallel: each TP rank routes
+    its own 1/tp slice of the sequence (with or without SP), so the caller splits every term
+    by tp."""
     h, f, k, e = shape.hidden, shape.expert_ffn, shape.top_k, shape.num_experts
     return [
         ("norm2 input", 2.0 * h, "repl"),
         ("router input", 2.0 * h, "repl"),
         ("router probabilities (fp32)", 8.0 * e, "repl"),
         ("permuted tokens", 2.0 * h * k, "repl"),
-        ("expert gate and up outputs", 4.0 * f * k, "repl"),
-        ("expert SwiGLU output", 2.0 * f * k, "repl"),
+        ("expert gate and up outputs (fused SwiGLU)", 4.0 * f * k, "repl"),
         ("expert outputs", 2.0 * h * k, "repl"),
-        ("shared experts", 6.0 * f * shape.shared_experts, "repl"),
+        ("shared experts", 4.0 * f * shape.shared_experts, "repl"),
     ]
 
 
@@ -183,6 +191,16 @@ def layer_activation_bytes(terms: list[tuple[str, float, str]], tokens: float, t
             continue
         total += b / (tp if (kind != "repl" or sp) else 1)
     return total * tokens * act_scale
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_counts(shape: ModelShape, pp: int, vpp: int) -> tuple[tuple[int, int], ...]:
+    """(dense layers, MoE layers) held by each pipeline rank (see :func:`stage_layers`)."""
+    out = []
+    for layers in stage_layers(shape, pp, vpp):
+        n_moe = sum(1 for i in layers if shape.moe_layer_flags[i])
+        out.append((len(layers) - n_moe, n_moe))
+    return tuple(out)
 
 
 def stage_layers(shape: ModelShape, pp: int, vpp: int) -> list[list[int]]:
@@ -249,18 +267,26 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
     act_scale = A.act_bytes / 2.0
     arch = ActivationArch.of(shape)
     dense_terms = activation_terms(arch)
-    moe_terms = attention_terms(arch) + _moe_terms(shape)
+    att_terms = attention_terms(arch)
+
+    def moe_layer(ac: str) -> float:
+        # Under tp the MoE block works on a 1/tp slice of the sequence, with or without SP
+        # (each tp rank routes its own slice), so its tensors are split by tp in any case.
+        if ac == "full":
+            return layer_activation_bytes(att_terms, tokens, tp, sp, "full", act_scale)
+        return (layer_activation_bytes(att_terms, tokens, tp, sp, ac, act_scale)
+                + layer_activation_bytes(_moe_terms(shape), tokens, tp, True, ac, act_scale))
+
     a_dense = layer_activation_bytes(dense_terms, tokens, tp, sp, layout.ac, act_scale)
-    a_moe = layer_activation_bytes(moe_terms, tokens, tp, sp, layout.ac, act_scale)
+    a_moe = moe_layer(layout.ac)
     a_dense_full = layer_activation_bytes(dense_terms, tokens, tp, sp, "none", act_scale)
-    a_moe_full = layer_activation_bytes(moe_terms, tokens, tp, sp, "none", act_scale)
+    a_moe_full = moe_layer("none")
 
     best = MemoryBreakdown()
     best_total = -1.0
-    for r, layers in enumerate(stage_layers(shape, pp, layout.vpp)):
-        n_moe = sum(1 for i in layers if shape.moe_layer_flags[i])
-        n_dense = len(layers) - n_moe
-        dense_p = n_dense * shape.layer_params(False)[0] + n_moe * shape.layer_params(True)[0]
+    dense_layer, moe_layer = shape.layer_params(False), shape.layer_params(True)
+    for r, (n_dense, n_moe) in enumerate(stage_counts(shape, pp, layout.vpp)):
+        dense_p = n_dense * dense_layer[0] + n_moe * moe_layer[0]
         expert_p = n_moe * shape.expert_params
         if r == 0:
             dense_p += shape.vocab * shape.hidden
@@ -274,14 +300,14 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         optim = A.optim_bytes * (dense_p / (dense_shard if z >= 1 else 1) + expert_p / (expert_shard if z >= 1 else 1))
         stage_act = n_dense * a_dense + n_moe * a_moe
         acts = _inflight(layout, m, r) * stage_act
-        if layout.ac == "full" and layers:
+        if layout.ac == "full" and n_dense + n_moe:
             acts += a_moe_full if n_moe else a_dense_full  # one layer recomputed at a time
         if r == pp - 1:
             acts += tokens * shape.vocab / tp * (2 + 4) * act_scale  # bf16 logits + fp32 loss softmax
         buffers = 0.0
-        if z >= 3 and layers:
-            biggest = max(shape.layer_params(shape.moe_layer_flags[i])[0] / tp
-                          + shape.layer_params(shape.moe_layer_flags[i])[1] / layout.ep for i in layers)
+        if z >= 3 and n_dense + n_moe:
+            biggest = max(dense_layer[0] / tp if n_dense else 0.0,
+                          moe_layer[0] / tp + moe_layer[1] / layout.ep if n_moe else 0.0)
             buffers += 2 * biggest * A.param_bytes  # the gathered layer and the prefetched next one
         mb = MemoryBreakdown(params, grads, optim, acts, buffers, r,
                              {"dense_params": dense_p, "expert_params": expert_p,

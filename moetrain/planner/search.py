@@ -13,6 +13,7 @@ each collective crosses is the one the trainer would use.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -101,10 +102,15 @@ class Plan:
 
 @dataclass
 class SearchResult:
+    """``ranked``: the fitting layouts, fastest first (the ``top`` asked for). ``enumerated``:
+    layouts whose memory was evaluated; ``fitting``: those that fit. ``smallest_miss``: the
+    layout closest to fitting when none fits. ``empty_reason``: why nothing was valid."""
+
     ranked: list[Plan]
     enumerated: int
     fitting: int
     smallest_miss: Plan | None = None
+    empty_reason: str | None = None
 
 
 class Planner:
@@ -162,10 +168,11 @@ class Planner:
         if (lay.dp * lay.cp) % lay.ep or (s.is_moe and s.num_experts % lay.ep) or (not s.is_moe and lay.ep > 1):
             return f"ep = {lay.ep} must divide the experts ({s.num_experts}) and dp·cp = {lay.dp * lay.cp}"
         div = 2 * lay.cp if lay.cp > 1 else 1
-        if lay.sp and lay.tp > 1:
+        tp_splits = lay.tp > 1 and (lay.sp or s.is_moe)  # as the config's rule: MoE splits by tp too
+        if tp_splits:
             div *= lay.tp
         if s.seq_len % div:
-            return f"seq_len = {s.seq_len} does not split over 2·cp{'·tp' if lay.sp else ''} = {div}"
+            return f"seq_len = {s.seq_len} does not split over 2·cp{'·tp' if tp_splits else ''} = {div}"
         if self.global_batch % (lay.mbs * lay.dp):
             return f"global batch {self.global_batch} is not a multiple of mbs·dp = {lay.mbs * lay.dp}"
         m = lay.microbatches(self.global_batch)
@@ -199,9 +206,8 @@ class Planner:
         return plan
 
     # -- search ------------------------------------------------------------------------------
-    def enumerate(self, fixed: dict[str, Any] | None = None) -> Iterator[Layout]:
-        """Every valid layout agreeing with ``fixed`` (keys of :class:`Layout`)."""
-        fixed = dict(fixed or {})
+    def _bases(self, fixed: dict[str, Any]) -> Iterator[Layout]:
+        """Valid layouts agreeing with ``fixed``, with ``zero`` and ``ac`` still to choose."""
         s = self.shape
         dom = self.profile.nvswitch_domain_gpus
 
@@ -211,7 +217,7 @@ class Planner:
         g = math.gcd(s.heads, s.kv_heads)
         tps = choices("tp", [t for t in range(1, g + 1) if g % t == 0 and t <= max(dom, 1) and self.world % t == 0])
         for tp in tps:
-            sp = fixed.get("sp", tp > 1)
+            sp = bool(fixed.get("sp", tp > 1)) and tp > 1
             cps = choices("cp", [c for c in (1, 2, 4, 8, 16, 32) if self.world % (tp * c) == 0])
             for cp in cps:
                 pps = choices("pp", [p for p in range(1, s.layers + 1) if s.layers % p == 0
@@ -222,13 +228,14 @@ class Planner:
                     dp = self.world // (tp * cp * pp)
                     if "dp" in fixed and fixed["dp"] != dp:
                         continue
-                    eps = choices("ep", [e for e in range(1, (s.num_experts or 1) + 1)
-                                         if (s.num_experts or 1) % e == 0 and (dp * cp) % e == 0] if s.is_moe else [1])
+                    e_all = s.num_experts or 1
+                    eps = choices("ep", [e for e in range(1, e_all + 1) if e_all % e == 0 and (dp * cp) % e == 0]
+                                  if s.is_moe else [1])
                     if pp == 1:
                         sched_v = [("1f1b", 1)]
                     else:
                         per = s.layers // pp if s.layers % pp == 0 else 0
-                        vs = [v for v in (2, 3, 4, 6, 8) if per and per % v == 0] if per else [2, 4]
+                        vs = [v for v in (2, 3, 4, 6, 8) if per % v == 0] if per else [2, 4]
                         sched_v = [("1f1b", 1), ("zero_bubble", 1)] + [("interleaved_1f1b", v) for v in vs]
                     if "vpp" in fixed:
                         sched_v = [(sch, v) for sch, v in sched_v if v == fixed["vpp"]] or \
@@ -238,34 +245,81 @@ class Planner:
                                   [(fixed["schedule"], fixed.get("vpp", 1))]
                     for ep in eps:
                         for sched, v in sched_v:
-                            for zero in choices("zero", [0, 1, 2, 3]):
-                                for mbs in choices("mbs", list(MBS_CHOICES)):
-                                    for ac in choices("ac", list(AC_CHOICES)):
-                                        lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=zero, mbs=mbs,
-                                                     ac=ac, schedule=sched, sp=bool(sp and tp > 1))
-                                        if self.check(lay) is None:
-                                            yield lay
+                            for mbs in choices("mbs", list(MBS_CHOICES)):
+                                lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
+                                             mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp)
+                                if self.check(lay) is None:
+                                    yield lay
+
+    def enumerate(self, fixed: dict[str, Any] | None = None) -> Iterator[Layout]:
+        """Every valid layout agreeing with ``fixed`` (keys of :class:`Layout`), all ZeRO stages
+        and checkpointing choices included."""
+        fixed = dict(fixed or {})
+        for base in self._bases(fixed):
+            for ac in ([fixed["ac"]] if "ac" in fixed else AC_CHOICES):
+                for z in ([fixed["zero"]] if "zero" in fixed else (0, 1, 2, 3)):
+                    yield dataclasses.replace(base, ac=ac, zero=z)
 
     def search(self, fixed: dict[str, Any] | None = None, top: int = 5) -> SearchResult:
-        """Rank every valid layout that fits in memory by predicted step time (fastest first)."""
+        """Rank the valid layouts that fit in memory by predicted step time (fastest first).
+
+        Pruned without loss (the time model makes them slower, never faster): a higher ZeRO
+        stage once ZeRO-1 (or ZeRO-0 and ZeRO-1) fits, and more recomputation once a lighter
+        checkpointing fits with ZeRO ≤ 1. Ties go to the simpler layout (less cp, pp, tp).
+        """
+        fixed = dict(fixed or {})
         fitting: list[Plan] = []
         n = 0
         smallest: Plan | None = None
-        for lay in self.enumerate(fixed):
-            n += 1
-            plan = self.evaluate(lay, with_time=False)
-            if not plan.fits:
-                if smallest is None or plan.memory_gib < smallest.memory_gib:
-                    smallest = plan
-                continue
-            fitting.append(plan)
+        acs = [fixed["ac"]] if "ac" in fixed else list(AC_CHOICES)
+        zeros = [fixed["zero"]] if "zero" in fixed else [0, 1, 2, 3]
+        for base in self._bases(fixed):
+            for ac in acs:
+                lowest_fit = None
+                for z in zeros:
+                    n += 1
+                    plan = self.evaluate(dataclasses.replace(base, ac=ac, zero=z), with_time=False)
+                    if plan.fits:
+                        fitting.append(plan)
+                        lowest_fit = z if lowest_fit is None else lowest_fit
+                        if z >= 1:
+                            break
+                    elif smallest is None or plan.memory_gib < smallest.memory_gib:
+                        smallest = plan
+                if lowest_fit is not None and lowest_fit <= 1:
+                    break
         for plan in fitting:
             places, broken = self.places(plan.layout)
             plan.time = step_time(self.shape, plan.layout, self.global_batch, self.profile, places, self.mem,
                                   self.timing)
             plan.broken_rules = broken
-        fitting.sort(key=lambda p: (p.step_s, p.memory_gib))
-        return SearchResult(fitting[:top] if top else fitting, n, len(fitting), smallest)
+        fitting.sort(key=lambda p: (round(p.step_s, 9), p.layout.cp, p.layout.pp, p.layout.tp, p.layout.vpp,
+                                    p.layout.zero, p.memory_gib))
+        return SearchResult(fitting[:top] if top else fitting, n, len(fitting), smallest,
+                            None if n else self.why_empty(fixed))
+
+    def why_empty(self, fixed: dict[str, Any]) -> str:
+        """Why no layout is valid here (the first rule every candidate breaks)."""
+        s = self.shape
+        reasons: dict[str, int] = {}
+        g = math.gcd(s.heads, s.kv_heads)
+        for tp in [t for t in range(1, g + 1) if g % t == 0]:
+            for pp in [p for p in range(1, s.layers + 1) if s.layers % p == 0]:
+                if self.world % (tp * pp):
+                    reasons["tp·pp must divide the GPU count"] = reasons.get("tp·pp must divide the GPU count", 0) + 1
+                    continue
+                lay = Layout(tp=tp, pp=pp, dp=self.world // (tp * pp), sp=tp > 1, **{k: v for k, v in fixed.items()
+                                                                                     if k in ("mbs", "zero", "ac")})
+                why = self.check(lay)
+                if why:
+                    reasons[why] = reasons.get(why, 0) + 1
+        if not reasons:
+            return "every candidate is excluded by --layout"
+        if len(reasons) > 1:
+            reasons.pop("tp·pp must divide the GPU count", None)
+        worst = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        return (f"{self.world} GPUs: no valid layout; e.g. " + "; ".join(w for w, _ in worst) +
+                ". Fix: change --nodes or train.global_batch_size")
 
 
 def explain(plan: Plan, rank: int, nxt: Plan | None = None) -> list[str]:
@@ -281,6 +335,7 @@ def explain(plan: Plan, rank: int, nxt: Plan | None = None) -> list[str]:
     parts = []
     tier = t.comm_tiers
     label = {"tp_comm": f"TP on {tier.get('tp')}", "ep_comm": f"EP on {tier.get('ep')}",
+             "overlap_slowdown": "compute lost to overlapped collectives",
              "pp_p2p": f"PP p2p on {tier.get('pp')}", "dp_comm_exposed": f"DP exposed on {tier.get('dp_cp')}",
              "cp_comm_exposed": f"CP exposed on {tier.get('cp')}"}
     for k, v in sorted(bd.items(), key=lambda kv: -kv[1]):

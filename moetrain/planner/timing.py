@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moetrain.planner.layout import Layout
-from moetrain.planner.memory import MemoryAssumptions, stage_layers
+from moetrain.planner.memory import MemoryAssumptions, stage_counts
 from moetrain.planner.model import ModelShape
-from moetrain.planner.traffic import AxisPlace, _mb_sizes, comm_time
+from moetrain.planner.traffic import AxisPlace, microbatch_buffers, comm_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.cluster import ClusterProfile
@@ -52,6 +52,10 @@ class TimingAssumptions:
     ``attention``: ``flash`` (fused, causal half skipped) or ``unfused`` (s×s scores written
     to memory, masked softmax, AV as batched GEMMs, as Megatron-LM in 2021);
     ``dropout``: dropout on attention probabilities and residual branches (GPT-3 era).
+    ``overlap_grad_reduce``: the data-parallel gradient reduction overlaps the last backward
+    (Megatron-LM added this after 2021; before, the all-reduce ran after the backward).
+    ``overlap_slowdown``: compute lost per second of a collective hidden behind it: NCCL's
+    kernels hold SMs (16-32 channels of 132 SMs) and HBM bandwidth while they run.
     """
 
     moe_imbalance: float = 1.1
@@ -62,6 +66,8 @@ class TimingAssumptions:
     kernels_per_layer: int = 20
     attention: str = "flash"
     dropout: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_slowdown: float = 0.15
 
 
 def pipeline_time(schedule: str, pp: int, vpp: int, m: int, t_f: float, t_b: float) -> float:
@@ -117,7 +123,8 @@ class _Compute:
         self.s, self.l, self.p, self.ta = shape, layout, prof, ta
         self.T = layout.mbs * shape.seq_len / layout.cp
         self.sp = layout.sp and layout.tp > 1
-        self.Tt = self.T / layout.tp if self.sp else self.T
+        self.Tt = self.T / layout.tp if self.sp else self.T   # tokens of the norms / residuals
+        self.Tm = self.T / layout.tp                           # tokens an MoE block routes (1/tp slice)
         self.act_bytes = act_bytes
         self.rate = prof.peak_tflops * 1e12 * prof.gemm_efficiency
         self.hbm = prof.hbm_gb_s * 1e9
@@ -160,15 +167,15 @@ class _Compute:
     def moe(self) -> tuple[float, float]:
         s, l = self.s, self.l
         local_experts = max(1, s.num_experts // l.ep)
-        # Tokens reaching one local expert: T_t·k per rank, spread over E experts, from ep ranks.
-        per_expert = self.Tt * s.top_k * l.ep / s.num_experts * self.ta.moe_imbalance
+        # Tokens reaching one local expert: T_m·k per rank, spread over E experts, from ep ranks.
+        per_expert = self.Tm * s.top_k * l.ep / s.num_experts * self.ta.moe_imbalance
         f1, b1 = self.gemm(per_expert, 2 * s.expert_ffn, s.hidden, local_experts)
         f2, b2 = self.gemm(per_expert, s.hidden, s.expert_ffn, local_experts)
-        fr, br = self.gemm(self.Tt, s.num_experts, s.hidden)
+        fr, br = self.gemm(self.Tm, s.num_experts, s.hidden)
         fwd, bwd = f1 + f2 + fr, b1 + b2 + br
         if s.shared_experts:
-            g1, c1 = self.gemm(self.Tt, 2 * s.expert_ffn * s.shared_experts, s.hidden)
-            g2, c2 = self.gemm(self.Tt, s.hidden, s.expert_ffn * s.shared_experts)
+            g1, c1 = self.gemm(self.Tm, 2 * s.expert_ffn * s.shared_experts, s.hidden)
+            g2, c2 = self.gemm(self.Tm, s.hidden, s.expert_ffn * s.shared_experts)
             fwd, bwd = fwd + g1 + g2, bwd + c1 + c2
         return fwd, bwd
 
@@ -184,8 +191,8 @@ class _Compute:
         nbytes = b * (per_seq_shard * self.Tt + per_tp_shard * self.T)
         if moe:
             k, f = s.top_k, s.expert_ffn
-            nbytes += b * self.Tt * (4.0 * k * s.hidden + 3.0 * k * f + 3.0 * f * s.shared_experts)
-            nbytes += 4 * self.Tt * 3.0 * s.num_experts      # fp32 router softmax / top-k
+            nbytes += b * self.Tm * (4.0 * k * s.hidden + 3.0 * k * f + 3.0 * f * s.shared_experts)
+            nbytes += 4 * self.Tm * 3.0 * s.num_experts      # fp32 router softmax / top-k
         else:
             nbytes += b * self.T * 3.0 * s.ffn / tp          # SwiGLU: read gate and up, write product
         return nbytes / self.hbm
@@ -204,7 +211,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     lay = layout
     m = max(1, lay.microbatches(global_batch))
     c = _Compute(shape, lay, profile, ta, mem.act_bytes)
-    sz = _mb_sizes(shape, lay, mem.act_bytes)
+    sz = microbatch_buffers(shape, lay, mem.act_bytes)
     prof = profile
 
     att_f, att_b, core_f, core_b = c.attention()
@@ -243,11 +250,8 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
 
     # 1-2. per micro-batch on each pipeline rank; the slowest rank sets the pace
     worst = None
-    for r, layers in enumerate(stage_layers(shape, lay.pp, lay.vpp)):
-        acc: dict[str, float] = {}
-        for i in layers:
-            for k, v in per[shape.moe_layer_flags[i]].items():
-                acc[k] = acc.get(k, 0.0) + v
+    for r, (n_dense, n_moe) in enumerate(stage_counts(shape, lay.pp, lay.vpp)):
+        acc = {k: n_dense * per[False][k] + n_moe * per[True][k] for k in per[False]}
         if r == lay.pp - 1:
             acc["gemm_f"] = acc.get("gemm_f", 0.0) + log_f
             acc["gemm_b"] = acc.get("gemm_b", 0.0) + log_b
@@ -261,9 +265,9 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
             rec = acc.get("attn_f", 0.0)
         t_b = sum(acc[k] for k in acc if k.endswith("_b")) + rec
         if worst is None or t_f + t_b > worst[0] + worst[1]:
-            worst = (t_f, t_b, acc, rec, r, layers)
+            worst = (t_f, t_b, acc, rec, r, n_dense + n_moe)
     assert worst is not None
-    t_f, t_b, acc, rec, r_worst, layers = worst
+    t_f, t_b, acc, rec, r_worst, n_layers = worst
 
     # 3. pipeline
     t_pipe = pipeline_time(lay.schedule, lay.pp, lay.vpp, m, t_f, t_b)
@@ -282,19 +286,26 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         else:
             rs += comm_time("reduce_scatter", p * mem.grad_bytes, places[axis], prof)[0]
             ag += comm_time("all_gather", p * mem.param_bytes, places[axis], prof)[0]
+    window_b = t_b if ta.overlap_grad_reduce else 0.0
+    window_f = t_f if ta.overlap_grad_reduce else 0.0
     if z <= 1:
-        dp_exposed = max(0.0, rs - t_b) + max(0.0, ag - t_f)
+        dp_exposed = max(0.0, rs - window_b) + max(0.0, ag - window_f)
+        dp_hidden = min(rs, window_b) + min(ag, window_f)
     elif z == 2:
         dp_exposed = m * max(0.0, rs - t_b) + max(0.0, ag - t_f)
+        dp_hidden = m * min(rs, t_b) + min(ag, t_f)
     else:
         dp_exposed = m * (max(0.0, ag - t_f) + max(0.0, ag + rs - t_b))
+        dp_hidden = m * (min(ag, t_f) + min(ag + rs, t_b))
+    cp_hidden = m * n_layers * (min(t_cp, core_f) + min(2 * t_cp, core_b)) if lay.cp > 1 else 0.0
+    overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden)
 
     # 5. optimizer
     shard_d = lay.dp * lay.cp if z >= 1 else 1
     shard_e = lay.dp * lay.cp * lay.tp // lay.ep if z >= 1 else 1
     t_opt = ta.adam_bytes * (dense_p / shard_d + expert_p / shard_e) / (prof.hbm_gb_s * 1e9)
 
-    step = t_pipe + dp_exposed + t_opt
+    step = t_pipe + dp_exposed + overlap_cost + t_opt
     useful = m * (t_f + t_b)
     scale = useful / (t_f + t_b) if t_f + t_b else 0.0  # = m
     bd = {
@@ -308,6 +319,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         "pp_p2p": scale * (acc.get("pp_f", 0) + acc.get("pp_b", 0)),
         "bubble": bubble,
         "dp_comm_exposed": dp_exposed,
+        "overlap_slowdown": overlap_cost,
         "optimizer": t_opt,
     }
     tokens = global_batch * shape.seq_len
@@ -320,9 +332,10 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
 def _rank_params(shape: ModelShape, lay: Layout) -> tuple[float, float]:
     """(dense, expert) parameters on the fullest pipeline rank after TP and EP."""
     best = (0.0, 0.0)
-    for r, layers in enumerate(stage_layers(shape, lay.pp, lay.vpp)):
-        d = sum(shape.layer_params(shape.moe_layer_flags[i])[0] for i in layers)
-        e = sum(shape.layer_params(shape.moe_layer_flags[i])[1] for i in layers)
+    dense_layer, moe_layer = shape.layer_params(False), shape.layer_params(True)
+    for r, (n_dense, n_moe) in enumerate(stage_counts(shape, lay.pp, lay.vpp)):
+        d = n_dense * dense_layer[0] + n_moe * moe_layer[0]
+        e = n_moe * moe_layer[1]
         if r == 0:
             d += shape.vocab * shape.hidden
         if r == lay.pp - 1 and (lay.pp > 1 or not shape.tie_embeddings):

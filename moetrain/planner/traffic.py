@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.cluster import ClusterProfile
     from moetrain.topology.mapper import RankMap
 
-__all__ = ["AxisPlace", "places_from_rank_map", "ideal_places", "bus_factor", "comm_time", "CollectiveVolume",
-           "step_collectives", "COMM_AXES"]
+__all__ = ["AxisPlace", "places_from_rank_map", "bus_factor", "comm_time", "CollectiveVolume",
+           "step_collectives", "microbatch_buffers", "COMM_AXES"]
 
 COMM_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp_tp")
 
@@ -49,35 +49,6 @@ def places_from_rank_map(rm: "RankMap") -> dict[str, AxisPlace]:
     for axis in COMM_AXES:
         arr = rm.group_array(axis)
         out[axis] = AxisPlace(int(arr.shape[1]), rm.worst_tier(axis), max(1, rm.members_per_domain(axis)))
-    return out
-
-
-def ideal_places(layout: Layout, profile: "ClusterProfile") -> dict[str, AxisPlace]:
-    """Placement without a rank map (a single domain or a quick estimate): innermost axes fill
-    the NVSwitch domain in the order tp, cp, dp, pp, as the mapper does for contiguous nodes."""
-    dom = profile.nvswitch_domain_gpus
-    out: dict[str, AxisPlace] = {}
-    inner = 1
-    for axis, n in (("tp", layout.tp), ("cp", layout.cp)):
-        room = max(1, dom // inner)
-        per = math.gcd(n, room) if n > room else n
-        out[axis] = AxisPlace(n, "none" if n == 1 else ("nvlink" if per == n else "rail"), per)
-        inner *= n
-    room = max(1, dom // inner)
-    dp_in = math.gcd(layout.dp, room)
-    dpc = layout.dp * layout.cp
-    cp_in = out["cp"].per_domain
-    out["dp_cp"] = AxisPlace(dpc, "none" if dpc == 1 else ("nvlink" if dp_in * cp_in >= dpc else "spine"),
-                             max(1, dp_in * cp_in))
-    ep_in = math.gcd(layout.ep, dp_in * cp_in)
-    out["ep"] = AxisPlace(layout.ep, "none" if layout.ep == 1 else ("nvlink" if ep_in == layout.ep else "rail"),
-                          max(1, ep_in))
-    edp = layout.edp * layout.tp
-    out["edp_tp"] = AxisPlace(edp, "none" if edp == 1 else ("nvlink" if layout.edp * layout.ep <= dp_in * cp_in
-                                                         else "spine"), max(1, layout.tp * max(1, dp_in * cp_in // layout.ep)))
-    stage = layout.tp * layout.cp * layout.dp
-    out["pp"] = AxisPlace(layout.pp, "none" if layout.pp == 1 else ("nvlink" if stage * layout.pp <= dom else "rail"),
-                          1 if stage * layout.pp > dom else layout.pp)
     return out
 
 
@@ -138,16 +109,15 @@ class CollectiveVolume:
                 "seconds_per_step": self.seconds, "overlap": self.overlap}
 
 
-def _mb_sizes(shape: ModelShape, layout: Layout, act_bytes: int = 2) -> dict[str, float]:
+def microbatch_buffers(shape: ModelShape, layout: Layout, act_bytes: int = 2) -> dict[str, float]:
     """Buffer sizes (bytes) of the per-micro-batch collectives."""
     tokens = layout.mbs * shape.seq_len / layout.cp
-    sp = layout.sp and layout.tp > 1
-    tt = tokens / layout.tp if sp else tokens
+    tm = tokens / layout.tp  # an MoE block routes its tp rank's 1/tp slice of the sequence
     return {
         "tokens": tokens,
         "tp": tokens * shape.hidden * act_bytes,                       # gathered activation of one TP region
         "cp": layout.cp * tokens * shape.h_kv * 2 * act_bytes / layout.tp,  # all K and V chunks of the ring
-        "ep": tt * shape.top_k * shape.hidden * act_bytes,           # routed token copies of one dispatch
+        "ep": tm * shape.top_k * shape.hidden * act_bytes,           # routed token copies of one dispatch
         "pp": tokens * shape.hidden * act_bytes / (layout.tp if layout.tp > 1 else 1),  # scatter/gather, §4.1
     }
 
@@ -163,7 +133,7 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     tier per step and seconds per step (before any overlap with compute).
     """
     m = max(1, layout.microbatches(global_batch))
-    sz = _mb_sizes(shape, layout)
+    sz = microbatch_buffers(shape, layout)
     lp = math.ceil(shape.layers / layout.pp)
     moe_frac = shape.moe_layers / shape.layers
     n_moe = round(lp * moe_frac)

@@ -18,10 +18,10 @@ from moetrain.topology.cluster import (
     parse_topology,
     synthetic_allocation,
 )
-from moetrain.topology.mapper import GROUP_AXES, MESH_AXES, RankMap, Rule, build_rank_map, map_ranks
+from moetrain.topology.mapper import GROUP_AXES, MESH_AXES, RankMap, Rule, build_rank_map, check_mesh, map_ranks
 
 __all__ = [
     "TIERS", "Allocation", "ClusterProfile", "Node", "ProfileError", "allocation_from_names", "expand_nodelist",
     "list_profiles", "load_profile", "parse_topology", "synthetic_allocation",
-    "GROUP_AXES", "MESH_AXES", "RankMap", "Rule", "build_rank_map", "map_ranks",
+    "GROUP_AXES", "MESH_AXES", "RankMap", "Rule", "build_rank_map", "check_mesh", "map_ranks",
 ]

@@ -25,8 +25,9 @@ How (the phases of :func:`build_rank_map`):
 2. candidates: for each size ``dp_in`` of the data-parallel block kept inside a domain, a slot
    order "tp, cp, dp_in, pp, dp_out" (fastest-varying first) over the nodes sorted so that
    chunks of ``tp·cp·dp_in`` GPUs fall inside domains and pipelines inside rail groups;
-3. score each candidate by its broken-rule counts (TP, CP, PP rail, PP rail group) and then by
-   how many EP groups it keeps inside a domain and how large ``dp_in`` is; keep the best;
+3. score each candidate by its broken-rule counts (TP, CP, PP off-node, PP rail, PP rail
+   group) and then by how much of each EP group it keeps inside a domain and how large
+   ``dp_in`` is; keep the best;
 4. check every rule on the chosen map and record the reasons.
 
 Expert axes (Megatron-Core "parallel folding"): inside one (pp, tp) slice the dp × cp ranks are
@@ -40,7 +41,6 @@ the same ep_idx: edp × tp ranks, edp outer.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -65,8 +65,8 @@ from moetrain.topology.cluster import (
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
 
-__all__ = ["MESH_AXES", "GROUP_AXES", "Rule", "RankMap", "build_rank_map", "map_ranks", "resolve_profile",
-           "resolve_allocation"]
+__all__ = ["MESH_AXES", "GROUP_AXES", "Rule", "RankMap", "build_rank_map", "map_ranks", "check_mesh",
+           "resolve_profile", "resolve_allocation"]
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 """Mesh axes in mesh order: world = pp × dp × cp × tp, tp fastest."""
@@ -125,7 +125,8 @@ class RankMap:
     """
 
     def __init__(self, sizes: dict[str, int], mesh_ranks: np.ndarray, tasks_per_node: int,
-                 allocation: Allocation, profile: ClusterProfile, placement: str, notes: list[str]):
+                 allocation: Allocation, profile: ClusterProfile, placement: str, notes: list[str],
+                 dp_block: int = 1):
         self.sizes = dict(sizes)
         self.mesh_ranks = mesh_ranks
         self.world = int(mesh_ranks.size)
@@ -133,6 +134,7 @@ class RankMap:
         self.allocation = allocation
         self.profile = profile
         self.placement = placement
+        self.dp_block = dp_block  # data-parallel ranks kept together inside a domain (dp_in)
         self.notes = list(notes)
         n = self.world
         coords = np.indices(mesh_ranks.shape).reshape(4, -1)
@@ -473,6 +475,7 @@ class _Stats:
     rail_bad: int
     group_bad: int
     ep_in_domain: int
+    ep_local: int
 
 
 def _stats(mesh: np.ndarray, geo: _Geometry, ep: int) -> _Stats:
@@ -496,14 +499,16 @@ def _stats(mesh: np.ndarray, geo: _Geometry, ep: int) -> _Stats:
         pairs, cross = int(a.size), int(xdom.sum())
     else:
         same_node = rail_bad = group_bad = pairs = cross = 0
-    # EP groups inside a domain
+    # EP groups inside a domain, and EP neighbours sharing one (the all-to-all's NVLink share)
     if ep > 1:
         epg = _group_array(mesh, "ep", ep)
         _, dom, _, _ = geo.parts(epg)
         ep_in = int((dom == dom[:, :1]).all(axis=1).sum())
+        ep_local = int((dom[:, 1:] == dom[:, :-1]).sum())
     else:
-        ep_in = 0
-    return _Stats(tp_bad, tpg.shape[0], cp_bad, tcg.shape[0], pairs, same_node, cross, rail_bad, group_bad, ep_in)
+        ep_in = ep_local = 0
+    return _Stats(tp_bad, tpg.shape[0], cp_bad, tcg.shape[0], pairs, same_node, cross, rail_bad, group_bad, ep_in,
+                  ep_local)
 
 
 def _check_rules(rm: RankMap, st: _Stats) -> list[Rule]:
@@ -557,7 +562,7 @@ def _check_rules(rm: RankMap, st: _Stats) -> list[Rule]:
                           f"{st.cp_bad} of {st.cp_total} TP×CP blocks straddle NVSwitch domains: {why}"))
     # 3-5. PP
     block = s["dp"] * s["cp"] * s["tp"]  # ranks per stage
-    pipe_nodes = s["pp"] * s["tp"] * s["cp"] * _dp_in_of(rm) / gpn  # nodes of one pipeline replica
+    pipe_nodes = s["pp"] * s["tp"] * s["cp"] * rm.dp_block / gpn  # nodes of one pipeline replica
     for name in ("pp_cross_node", "pp_same_rail", "pp_in_rail_group"):
         if s["pp"] == 1:
             rules.append(Rule(name, RULE_TEXT[name], "n/a", "pp = 1"))
@@ -621,10 +626,6 @@ def _check_rules(rm: RankMap, st: _Stats) -> list[Rule]:
     return rules
 
 
-def _dp_in_of(rm: RankMap) -> int:
-    return getattr(rm, "_dp_in", 1)
-
-
 def _crosses_groups(rm: RankMap, axis: str) -> bool:
     arr = rm.group_array(axis)
     if arr.shape[1] <= 1:
@@ -658,22 +659,41 @@ def map_ranks(sizes: dict[str, int], allocation: Allocation, profile: ClusterPro
     domain_gpus = profile.domain_nodes * gpn
     geo = _Geometry(allocation, profile, tasks_per_node)
 
-    # 2-3. candidates, scored by broken rules, then EP on NVLink, then the DP block size
+    # 2-3. candidates, scored by broken rules in the order of the rules (TP, CP, PP neighbours
+    # off-node, on one rail, in one rail group), then EP on NVLink, then the DP block size
     best: tuple[tuple, _Candidate, _Stats] | None = None
     for dp_in in _divisors(dp):
         if dp_in > 1 and tp * cp * dp_in > max(domain_gpus, gpn):
             continue
         cand = _place(full, gpn, allocation, domain_gpus, dp_in)
         st = _stats(cand.mesh, geo, ep)
-        score = (st.tp_bad, st.cp_bad, st.rail_bad, st.group_bad, -st.ep_in_domain, -dp_in)
+        score = (st.tp_bad, st.cp_bad, st.same_node, st.rail_bad, st.group_bad, -st.ep_in_domain, -st.ep_local,
+                 -dp_in)
         if best is None or score < best[0]:
             best = (score, cand, st)
     assert best is not None
     _, cand, st = best
-    rm = RankMap(full, cand.mesh, tasks_per_node, allocation, profile, cand.placement, notes or [])
-    rm._dp_in = cand.dp_in  # type: ignore[attr-defined]
+    rm = RankMap(full, cand.mesh, tasks_per_node, allocation, profile, cand.placement, notes or [], cand.dp_in)
     # 4. rules on the chosen map
     rm.rules = _check_rules(rm, st)
+    return rm
+
+
+def check_mesh(mesh_ranks: np.ndarray, ep: int, allocation: Allocation, profile: ClusterProfile,
+               tasks_per_node: int, placement: str = "given") -> RankMap:
+    """A :class:`RankMap` for a rank tensor chosen elsewhere (e.g. the identity order), with
+    the placement rules checked on it: to compare a hand-picked order with the mapper's.
+
+    Raises:
+        ValueError: the tensor is not a permutation of the allocation's ranks.
+    """
+    mesh = np.asarray(mesh_ranks, dtype=np.int64)
+    pp, dp, cp, tp = mesh.shape
+    if sorted(mesh.reshape(-1).tolist()) != list(range(len(allocation) * tasks_per_node)):
+        raise ValueError(f"mesh_ranks is not a permutation of 0..{len(allocation) * tasks_per_node - 1}")
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, "edp": dp * cp // ep}
+    rm = RankMap(sizes, mesh, tasks_per_node, allocation, profile, placement, [])
+    rm.rules = _check_rules(rm, _stats(mesh, rm._geo, ep))
     return rm
 
 

@@ -1,0 +1,154 @@
+"""Rank parallel layouts for a model on a cluster by predicted speed, within memory.
+
+    python -m moetrain.plan --config configs/mixtral-8x7b.yaml --nodes 64 [--profile h100-superpod]
+        [--top K] [--format table|json] [--layout tp=8,pp=4,...] [--set section.key=value ...]
+    python -m moetrain.plan --published [--format table|json]
+
+The model, global batch and sequence length come from the config; the layout (tp, pp, virtual
+stages, dp, cp, ep, ZeRO stage, micro-batch, activation checkpointing, schedule) is searched.
+``--layout`` fixes some or all of those keys (``tp, pp, dp, cp, ep, vpp, zero, mbs, ac,
+schedule, sp``); with all of them it evaluates that one layout, fitting or not.
+``--published`` prints the comparison with published training results (docs/topology.md).
+Every number is a prediction from stated physical assumptions (moetrain/planner/*.py,
+slurm/profiles/*.yaml), not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from moetrain.config import ConfigError, load_config
+from moetrain.planner.layout import LayoutError, parse_layout_spec
+from moetrain.planner.search import Planner, explain
+from moetrain.topology.cluster import ProfileError, expand_nodelist, load_profile
+from moetrain.topology.mapper import resolve_allocation
+
+__all__ = ["main"]
+
+
+def _published(fmt: str) -> int:
+    from moetrain.planner.published import TOLERANCE, compare_all
+
+    rows = compare_all()
+    if fmt == "json":
+        print(json.dumps({"tolerance": TOLERANCE, "results": rows}, indent=1))
+        return 0
+    print(f"{'entry':28s} {'GPUs':>6} {'metric':18s} {'published':>9} {'predicted':>9} {'error':>7}  layout chosen")
+    for r in rows:
+        err = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
+        flag = "" if r["held"] else "  (not held: " + r["note"] + ")"
+        print(f"{r['key']:28s} {r.get('gpus', 0):>6} {r.get('metric', ''):18s} {r['published']:>9} "
+              f"{r['predicted'] if r['predicted'] is not None else '-':>9} {err:>7}  {r['layout']}{flag}")
+        if "predicted_causal_convention" in r:
+            print(f"{'':28s} {'':>6} {'  causal counting':18s} {'':>9} {r['predicted_causal_convention']:>9}")
+    held = [abs(r["error"]) for r in rows if r["held"] and r["error"] is not None]
+    print(f"\nheld rows: {len(held)}, mean |error| {sum(held) / len(held):.1%}, max |error| {max(held):.1%}, "
+          f"tolerance ±{TOLERANCE:.0%}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moetrain.plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="run config (YAML): model, global batch, sequence length")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--nodes", type=int, help="number of nodes")
+    where.add_argument("--nodelist", help="SLURM host list of the allocation (with --topology)")
+    ap.add_argument("--topology", help="topology.conf or saved `scontrol show topology` output")
+    ap.add_argument("--profile", help="cluster profile name or YAML path (default: launch.profile)")
+    ap.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    ap.add_argument("--format", choices=("table", "json"), default="table")
+    ap.add_argument("--layout", help="fix layout keys, e.g. tp=8,pp=4,zero=1,ac=full")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value (repeatable), as for submit")
+    ap.add_argument("--published", action="store_true", help="compare with published training results")
+    args = ap.parse_args(argv)
+    if args.published:
+        return _published(args.format)
+    if not args.config:
+        ap.error("--config is required (or --published)")
+    try:
+        cfg = load_config(args.config, args.sets)
+        prof_name = args.profile or cfg.launch.profile
+        if prof_name is None:
+            raise ProfileError("no cluster profile: pass --profile (e.g. h100-superpod) or set launch.profile")
+        prof = load_profile(prof_name)
+        names = expand_nodelist(args.nodelist) if args.nodelist else None
+        n_nodes = args.nodes if args.nodes is not None else (len(names) if names else cfg.launch.nodes)
+        alloc = resolve_allocation(names if names is not None else n_nodes, cfg, prof, args.topology)
+        fixed: dict[str, Any] = parse_layout_spec(args.layout) if args.layout else {}
+        planner = Planner.from_config(cfg, prof, n_nodes, allocation=alloc)
+    except (ConfigError, ProfileError, LayoutError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    full_keys = {"tp", "pp", "dp", "cp", "ep", "vpp", "zero", "mbs", "ac"}
+    single = full_keys <= set(fixed) or (full_keys - {"ep"} <= set(fixed) and not planner.shape.is_moe)
+    if single:
+        from moetrain.planner.layout import Layout
+
+        lay = Layout(**{k: fixed[k] for k in full_keys if k in fixed},
+                     schedule=fixed.get("schedule", "interleaved_1f1b" if fixed.get("vpp", 1) > 1 else "1f1b"),
+                     sp=fixed.get("sp", fixed["tp"] > 1))
+        try:
+            plans = [planner.evaluate(lay)]
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        result = None
+    else:
+        result = planner.search(fixed, top=args.top)
+        plans = result.ranked
+    header = {"config": args.config, "profile": prof.name, "nodes": planner.n_nodes, "gpus": planner.world,
+              "allocation": planner.allocation.summary(), "model_params": planner.shape.total_params,
+              "active_params": planner.shape.active_params, "global_batch": planner.global_batch,
+              "seq_len": planner.shape.seq_len, "capacity_gib": planner.capacity,
+              "enumerated": result.enumerated if result else 1, "fitting": result.fitting if result else None}
+    if planner.shape.vocab_assumed:
+        header["note"] = f"model.vocab_size is null: assumed {planner.shape.vocab}"
+    if args.format == "json":
+        out = dict(header, layouts=[p.to_dict() for p in plans])
+        if result and not plans:
+            out["reason"] = result.empty_reason or (
+                f"nothing fits; closest: {result.smallest_miss.layout.short()} at "
+                f"{result.smallest_miss.memory_gib:.1f} GiB" if result.smallest_miss else "no layout")
+        print(json.dumps(out, indent=1, default=float))
+        return 0 if plans else 1
+    print(f"moetrain plan — {args.config}: {planner.shape.total_params / 1e9:.1f}B parameters "
+          f"({planner.shape.active_params / 1e9:.1f}B active), batch {planner.global_batch} × {planner.shape.seq_len} "
+          f"tokens, on {planner.n_nodes} nodes × {planner.gpn} ({prof.name}: {prof.peak_tflops:g} TFLOP/s peak, "
+          f"{planner.capacity:.1f} GiB usable)")
+    print(f"allocation: {planner.allocation.summary()}")
+    if "note" in header:
+        print(f"note: {header['note']}")
+    if result is not None:
+        print(f"{result.enumerated} layouts evaluated for memory, {result.fitting} fit")
+        if not plans:
+            if result.empty_reason:
+                print(f"no layout: {result.empty_reason}")
+            elif result.smallest_miss:
+                sm = result.smallest_miss
+                print(f"nothing fits: the closest is {sm.layout.short()} at {sm.memory_gib:.1f} GiB "
+                      f"(weights+grads+optimizer {sum(v for k, v in sm.memory.gib().items() if k in ('params', 'grads', 'optimizer')):.1f}, "
+                      f"activations {sm.memory.gib()['activations']:.1f}); add nodes or raise ZeRO / recomputation")
+            return 1
+    print()
+    if plans:
+        print(f"{'#':>2} {'layout':52s} {'GiB':>6} {'s/step':>8} {'TFLOP/s':>8} {'MFU':>6} {'tokens/s':>12}")
+        for i, p in enumerate(plans):
+            fit = "" if p.fits else " (does not fit)"
+            print(f"{i + 1:>2} {p.layout.short():52s} {p.memory_gib:>6.1f} {p.step_s:>8.3f} {p.tflops_per_gpu:>8.0f} "
+                  f"{p.mfu:>6.1%} {p.tokens_per_s:>12,.0f}{fit}")
+        print()
+        for i, p in enumerate(plans[:3]):
+            for line in explain(p, i + 1, plans[i + 1] if i + 1 < len(plans) else None):
+                print(line)
+        best = plans[0]
+        print(f"\nto use #1: --set " + " --set ".join(best.layout.overrides()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
