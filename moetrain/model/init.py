@@ -45,20 +45,31 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             for pname in ("w1", "w3", "w2"):
                 p = getattr(module, pname)
                 s = out_std if pname == "w2" else std
-                local = _local(p)
+                local, offset = _local_and_offset(p)
                 for e in range(local.shape[0]):
-                    g = module.expert_offset + e
-                    local[e].copy_(_normal(local[e].shape, s, seed, f"{full}.{pname}.{g}").to(local.dtype))
+                    # Global expert id: the module's first expert (expert parallelism) plus this
+                    # shard's first row of the module's [El, ...] tensor (FSDP shards dim 0).
+                    g = module.expert_offset + offset[0] + e
+                    one = _normal(p.shape[1:], s, seed, f"{full}.{pname}.{g}")
+                    for dim, (start, size) in enumerate(zip(offset[1:], local.shape[1:])):
+                        one = one.narrow(dim, start, size)
+                    local[e].copy_(one.to(local.dtype))
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             leaf = mod_name.rsplit(".", 1)[-1]
             s = out_std if leaf in ("wo", "w2") else std
             _fill_normal(module.weight, s, seed, f"{full}.weight")
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
+def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's piece of ``p`` and the index of its first element in the whole tensor (zeros
+    for a plain tensor)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return p.to_local() if isinstance(p, DTensor) else p
+    if not isinstance(p, DTensor):
+        return p, (0,) * p.ndim
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return p.to_local(), tuple(offset)
 
 
 def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:
@@ -66,7 +77,10 @@ def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:
 
     if isinstance(p, DTensor):
         full = _normal(p.shape, std, seed, name).to(p.dtype)
-        shard = distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+        # src_data_rank=None: every rank holds the same full tensor, so each takes its piece
+        # locally instead of receiving it from rank 0.
+        shard = distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements,
+                                  src_data_rank=None)
         p.to_local().copy_(shard.to_local())
     else:
         p.copy_(_normal(p.shape, std, seed, name).to(p.dtype))

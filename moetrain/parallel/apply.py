@@ -99,10 +99,20 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
     # to_empty (and a dtype change) may replace the parameter objects: carry over the
-    # ``_moetrain_*`` tags the parallelisation steps set on them (e.g. _moetrain_tp_partial).
+    # ``_moetrain_*`` tags the parallelisation steps set on them (e.g. _moetrain_tp_partial),
+    # and re-tie parameters shared by two modules (tied embeddings), which come back as two.
     tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_moetrain_")}
             for name, p in part.named_parameters()}
+    first_name: dict[int, str] = {}
+    aliases = []  # (alias, name of the first holder)
+    for name, p in part.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            aliases.append((name, first_name[id(p)]))
+        first_name.setdefault(id(p), name)
     part.to_empty(device=ps.device)
+    for alias, name in aliases:
+        holder, _, leaf = alias.rpartition(".")
+        setattr(part.get_submodule(holder), leaf, part.get_parameter(name))
     init_weights(part, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
     if cfg.train.dtype != "float32":
         part.to({"bfloat16": torch.bfloat16}[cfg.train.dtype])
@@ -129,10 +139,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
 
     # 2. pipeline split (pp > 1): one part per stage this rank holds, each a copy of the model
     #    with only that stage's blocks (names stay global); see moetrain.parallel.pipeline.
-    if ps.size(PP) > 1:
-        parts, stages = pipeline_parts(model, cfg, ps)
-    else:
-        parts = [model]
+    parts, stages = pipeline_parts(model, cfg, ps) if ps.size(PP) > 1 else ([model], [0])
 
     fsdp_modules: list = []  # [zero]
     for part in parts:
@@ -159,7 +166,8 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
 
     # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
     runner: StepRunner = PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1 else SingleStageRunner(parts[0], ps)
-    if cfg.parallel.zero_stage > 0:  # [zero] gradient sync / resharding per micro-batch
+    # [zero] gradient sync / resharding per micro-batch (under pp the schedule drives FSDP: pipeline.py)
+    if cfg.parallel.zero_stage > 0 and ps.size(PP) == 1:
         runner.before_micro_batch = ZeroMicroBatchSync(fsdp_modules, cfg.parallel.zero_stage)
     return parts, runner
 

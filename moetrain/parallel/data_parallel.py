@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from moetrain.model.moe import GroupedExperts
 from moetrain.parallel.state import DP_CP, EDP_TP, EP, PP, TP, ParallelState
@@ -73,6 +73,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _replicate_partial_grads(params: list[nn.Parameter]) -> None:
+    """Sum DTensor gradients that are ``Partial(sum)`` over their partial mesh axes and mark them
+    ``Replicate``. They come from replicated parameters applied to sharded activations: the norm
+    weights under sequence parallelism (each tp rank holds its sequence shard's part of the sum).
+    Without this the data-parallel reduction and the norm would see only this rank's part, and
+    the optimizer would mix Partial gradients into Replicate parameters."""
+    pending: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_partial())
+            for i in dims:
+                if getattr(g.placements[i], "reduce_op", "sum") != "sum":
+                    raise NotImplementedError(f"gradient placement {g.placements[i]} (only Partial(sum) is reduced)")
+            pending.setdefault((id(g.device_mesh), dims), []).append(p)
+    for (_, dims), ps_ in sorted(pending.items(), key=lambda kv: kv[0][1]):  # same order on every rank
+        mesh = ps_[0].grad.device_mesh
+        locals_ = [p.grad.to_local() for p in ps_]
+        for i in dims:
+            _allreduce_mean(locals_, mesh.get_group(i), 1.0)
+        for p, local in zip(ps_, locals_):
+            placements = [Replicate() if pl.is_partial() else pl for pl in p.grad.placements]
+            p.grad = DTensor.from_local(local, mesh, placements, run_check=False)
+
+
 def reduced_by_fsdp(p: nn.Parameter) -> bool:
     """True for parameters whose gradients FSDP (ZeRO) reduces itself."""
     return getattr(p, "_moetrain_fsdp", False)
@@ -86,18 +111,22 @@ def reduce_gradients(parts: list[nn.Module], ps: ParallelState) -> None:
     DTensor gradients (tensor parallelism) are reduced through their local shards; parameters
     under FSDP are skipped (FSDP reduce-scatters them itself). Parameters tagged
     ``_moetrain_tp_partial`` (plain parameters fed different tokens on each tp rank, e.g. the
-    router under sequence parallelism) are also summed over tp.
+    router under sequence parallelism) are also summed over tp, FSDP's shards of them included.
+    ``Partial(sum)`` DTensor gradients (norm weights under sequence parallelism) are first summed
+    over their partial axes and become ``Replicate``.
     """
-    dense, expert = split_expert_params(parts)
-    dense = [p for p in dense if not reduced_by_fsdp(p)]
+    all_dense, expert = split_expert_params(parts)
+    dense = [p for p in all_dense if not reduced_by_fsdp(p)]
     expert = [p for p in expert if not reduced_by_fsdp(p)]
-    for p in dense + expert:
+    # [zero] FSDP averages over dp_cp only: tp-partial parameters under FSDP still need the tp sum.
+    tp_partial = [p for p in all_dense if getattr(p, "_moetrain_tp_partial", False)]
+    for p in dense + expert + tp_partial:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    _replicate_partial_grads(dense)
     divisor = ps.size(DP_CP)
     if ps.size(DP_CP) > 1 and dense:
         _allreduce_mean([_local(p.grad) for p in dense], ps.group(DP_CP), divisor)
-    tp_partial = [p for p in dense if getattr(p, "_moetrain_tp_partial", False)]
     if ps.size(TP) > 1 and tp_partial:
         _allreduce_mean([_local(p.grad) for p in tp_partial], ps.group(TP), 1.0)
     if expert:
@@ -127,7 +156,10 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
             groups: tuple = ()
             if isinstance(g, DTensor):
                 mesh = g.device_mesh
-                groups = tuple((mesh.mesh_dim_names[i], mesh) for i, pl in enumerate(g.placements) if pl.is_shard())
+                # [zero] FSDP × TP shards dim 0 over dp_cp as _StridedShard, for which is_shard()
+                # is False (torch 2.13): count every placement that is neither Replicate nor Partial.
+                groups = tuple((mesh.mesh_dim_names[i], mesh) for i, pl in enumerate(g.placements)
+                               if not (pl.is_replicate() or pl.is_partial()))
             key = (is_expert, tuple(name for name, _ in groups))
             entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
             entry[0] += _local(g).detach().double().pow(2).sum().cpu()

@@ -17,7 +17,9 @@ a process left over from an earlier attempt can never complete a checkpoint of t
 Reading: the newest ``step_*`` whose manifest verifies (sizes and sha256) is loaded; a corrupt
 one is reported and skipped, never loaded. Expert weights and their optimizer states are saved
 as DTensors sharded over the expert axes, so a checkpoint written with one (dp, ep) layout loads
-into another: DCP reshards them.
+into another: DCP reshards them. Under ZeRO (FSDP) the dense parameters and states are saved as
+FSDP's DTensors, and the experts' FSDP shards are gathered to the same expert-axes layout, so
+a checkpoint loads into any zero stage.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from tqdm import tqdm
 
 from moetrain.model.moe import GroupedExperts
@@ -122,10 +124,21 @@ class Checkpointer:
 
     # -- state dict with layout-independent expert tensors ------------------------------------
 
-    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
-                     ) -> tuple[dict, dict, list[tuple[set, set]]]:
+    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], for_load: bool = False
+                     ) -> tuple[dict, dict, list[tuple[set, set]], dict[str, Callable[[DTensor], torch.Tensor]]]:
         """Merged model and optimizer state dicts of all model parts (their keys are the full
-        model's names, so they do not collide), and each part's key sets for loading back."""
+        model's names, so they do not collide), each part's key sets for loading back, and for
+        every expert tensor the function that turns its loaded global-layout DTensor back into
+        what the model or optimizer holds.
+
+        Expert tensors — this rank's [El, ...] experts — become DTensors on the expert mesh
+        (edp, ep, tp) with placements (Replicate, Shard(0), Replicate): global [E, ...], whatever
+        the layout. Under ZeRO (FSDP) the expert tensor is itself a DTensor holding a shard of
+        the [El, ...] tensor over ``edp_tp``: it is all-gathered to [El, ...] for saving (for
+        loading only its shape matters) and cut back to this rank's shard after loading, without
+        communication (the edp_tp ranks are replicas on the expert mesh, so each holds all of
+        [El, ...]). ``for_load``: skip that all-gather.
+        """
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         msd, osd, keys = {}, {}, []
         for part, opt in zip(parts, optimizers):
@@ -136,20 +149,33 @@ class Checkpointer:
         expert_names = {f"{n}.{p}" for part in parts for n, m in part.named_modules()
                         if isinstance(m, GroupedExperts) for p in ("w1", "w2", "w3")}
         placements = (Replicate(), Shard(0), Replicate())
+        unwrap: dict[str, Callable[[DTensor], torch.Tensor]] = {}
+
+        def to_global(key: str, value: torch.Tensor) -> DTensor:
+            if isinstance(value, DTensor):  # FSDP shard of [El, ...] over edp_tp
+                mesh, fsdp_placements = value.device_mesh, value.placements
+                local = torch.empty(value.shape, dtype=value.dtype, device=value.device) if for_load \
+                    else value.full_tensor()
+                unwrap[key] = lambda t: distribute_tensor(t.to_local(), mesh, fsdp_placements, src_data_rank=None)
+            else:
+                local = value
+                unwrap[key] = lambda t: t.to_local()
+            return DTensor.from_local(local, self._expert_mesh, placements, run_check=False)
+
         for key, value in list(msd.items()):
-            if key in expert_names and not isinstance(value, DTensor):
-                msd[key] = DTensor.from_local(value, self._expert_mesh, placements, run_check=False)
+            if key in expert_names:
+                msd[key] = to_global(key, value)
         for key, value in list(osd.items()):
             # Flattened optimizer keys look like "state.<param fqn>.exp_avg".
             if key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0:
                 fqn = key[len("state."):].rsplit(".", 1)[0]
-                if fqn in expert_names and not isinstance(value, DTensor):
-                    osd[key] = DTensor.from_local(value, self._expert_mesh, placements, run_check=False)
-        return msd, osd, keys
+                if fqn in expert_names:
+                    osd[key] = to_global(key, value)
+        return msd, osd, keys, unwrap
 
     @staticmethod
-    def _to_local(sd: dict) -> dict:
-        return {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in sd.items()}
+    def _unwrap(sd: dict, unwrap: dict[str, Callable[[DTensor], torch.Tensor]]) -> dict:
+        return {k: (unwrap[k](v) if k in unwrap else v) for k, v in sd.items()}
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -167,7 +193,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
-        msd, osd, _ = self._state_dicts(parts, optimizers)
+        msd, osd, _, _ = self._state_dicts(parts, optimizers)
         dcp.save({"model": msd, "optim": osd, "train": dict(train_state)}, checkpoint_id=str(tmp))
         torch.save({"cpu": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
@@ -226,12 +252,12 @@ class Checkpointer:
     def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
         """Load ``path`` into the model parts and optimizers in place; returns the train state."""
         t0 = time.time()
-        msd, osd, keys = self._state_dicts(parts, optimizers)
+        msd, osd, keys, unwrap = self._state_dicts(parts, optimizers, for_load=True)
         manifest = json.loads((path / "manifest.json").read_text())
         train_state = {k: v for k, v in manifest["train_state"].items()}
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         dcp.load(state, checkpoint_id=str(path))
-        loaded_m, loaded_o = self._to_local(state["model"]), self._to_local(state["optim"])
+        loaded_m, loaded_o = self._unwrap(state["model"], unwrap), self._unwrap(state["optim"], unwrap)
         for part, opt, (mkeys, okeys) in zip(parts, optimizers, keys):
             set_state_dict(part, opt, model_state_dict={k: loaded_m[k] for k in mkeys},
                            optim_state_dict={k: loaded_o[k] for k in okeys},
