@@ -1,0 +1,274 @@
+"""Pipeline parallelism: the model cut into stages of whole blocks, micro-batches run by a schedule.
+
+Shape legend: B micro-batch size, S sequence length held by this rank (seq_len / cp), D hidden,
+V vocabulary, n micro-batches per optimizer step on this rank, P = pp, v = virtual stages.
+
+Split and placement (``split_model``, ``stage_ids``):
+
+* the ``layers`` blocks are cut into P·v stages of ``layers / (P·v)`` consecutive blocks; stage 0
+  also holds the embedding, the last stage the final norm and the head;
+* the rank with pp coordinate r holds stages r, r + P, r + 2P, ... — the looped ("interleaved")
+  placement of Narayanan et al. 2021, §2.2, which every schedule here uses (with v = 1 it is
+  one stage per rank);
+* every stage is a deep copy of the meta-device model with the blocks it does not own deleted:
+  parameter names stay those of the full model, so initialisation (``moetrain.model.init``)
+  and checkpoints do not depend on the layout.
+
+Schedules (``parallel.pp_schedule``) map to ``torch.distributed.pipelining``: ``gpipe`` →
+``ScheduleGPipe`` (Huang et al. 2019), ``1f1b`` → ``Schedule1F1B`` (PipeDream-Flush, Narayanan et
+al. 2021 §2.2.1), ``interleaved_1f1b`` → ``ScheduleInterleaved1F1B`` (§2.2.2), ``zero_bubble`` →
+``ScheduleInterleavedZeroBubble`` (ZB-1P, Qi et al. 2024: backward split into input and weight
+gradients, the weight part filling the bubbles), looped placement for any v.
+
+One step (:meth:`PipelineRunner.forward_backward`):
+
+1. concatenate this rank's n micro-batches into one [n·B, S] batch; the schedule splits it
+   back along dim 0 into the same n chunks, in order (``torch.tensor_split``);
+2. the schedule runs forwards and backwards in its order, sending [B, S, D] activations and
+   their gradients to the neighbouring stages;
+3. the last stage's loss function returns lm_loss / n, so each micro-batch's backward is
+   exactly the single-process one (``scale_grads=False``: no division of the gradients
+   afterwards, which would also divide the MoE losses' gradients that the trainer already
+   scaled by 1/n through ``MoE.aux_loss_scale``);
+4. the MoE auxiliary losses need nothing here: :class:`moetrain.model.moe.AttachAuxLoss` hangs
+   them on the activations, so their gradients flow through every stage's backward.
+
+Composition with the other axes (each part goes through steps 3-8 of
+:func:`moetrain.parallel.apply.build_model_parts` like a whole model):
+
+* tensor parallelism: the residual stream between stages is a plain local tensor ([B, S/tp, D]
+  under sequence parallelism, [B, S, D] without) and the head's vocabulary-sharded logits never
+  leave the last stage, whose loss runs inside ``loss_parallel`` (forward and backward);
+* context parallelism: the stages exchange the rank's S = seq_len / cp tokens;
+* expert parallelism: the ep group lies inside one pipeline stage (expert mesh (pp, edp, ep,
+  tp)), so its all-to-alls pair up in the same schedule order on all its ranks;
+* ZeRO / FSDP: the schedule's stages drive FSDP themselves (gradient sync and resharding after
+  backward off for every micro-batch, one reduce-scatter per stage after the last one): that
+  is stage 1 of :mod:`moetrain.parallel.zero` exactly; stages 2 and 3 give the same gradients
+  but keep them unsharded (and stage 3 its parameters re-gathered in backward) until the
+  step's last backward instead of reduce-scattering after each micro-batch — ZeRO-1 memory
+  for gradients during accumulation. ZeRO-3 with ``zero_bubble`` is refused (wrong gradients,
+  :func:`check_pipeline_layout`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.tensor import DTensor
+
+from moetrain.config import Config, ConfigError
+from moetrain.data.loader import MicroBatch
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.state import CP, PP, TP, ParallelState
+from moetrain.train.loss import lm_loss
+
+__all__ = ["PipelineRunner", "SCHEDULES", "check_pipeline_layout", "pipeline_parts", "split_model", "stage_blocks",
+           "stage_ids"]
+
+# pp_schedule → (schedule class, runs several stages per rank)
+SCHEDULES: dict[str, tuple[type, bool]] = {
+    "gpipe": (ScheduleGPipe, False),
+    "1f1b": (Schedule1F1B, False),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
+    "zero_bubble": (ScheduleInterleavedZeroBubble, True),
+}
+
+
+def check_pipeline_layout(cfg: Config) -> None:
+    """Refuse pipeline layouts this version cannot run (call only when ``parallel.pp > 1``).
+
+    Raises:
+        ConfigError: naming the field, the value and the fix.
+    """
+    p, n = cfg.parallel, cfg.grad_accum_steps
+    if cfg.model.tie_embeddings:
+        # The tied weight would live on the first and the last stage; summing its two gradients
+        # over pp (Megatron's embedding group) is not implemented.
+        raise ConfigError(f"model.tie_embeddings = True: not supported with parallel.pp = {p.pp} yet. "
+                          f"Fix: set model.tie_embeddings=false or pp=1")
+    if p.zero_stage == 3 and p.pp_schedule == "zero_bubble":
+        # Measured: with parameters resharded after forward, the weight-gradient half of the split
+        # backward leaves the FSDP-managed gradients of every stage but the first at zero.
+        raise ConfigError(f"parallel.zero_stage = 3: gives wrong gradients with pp_schedule='zero_bubble' "
+                          f"(torch 2.13). Fix: use zero_stage 1 or 2, or another pp_schedule")
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
+        # torch's interleaved schedules run n in rounds of n // pp micro-batches (at least one round).
+        rounds = max(1, n // p.pp)
+        if n % rounds:
+            raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size}: gives {n} micro-batches per "
+                              f"step; pp_schedule={p.pp_schedule!r} needs a multiple of {rounds} "
+                              f"(rounds of n // pp). Fix: use a number of micro-batches that is < pp·2 or a "
+                              f"multiple of pp, e.g. {p.pp * rounds}")
+
+
+def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Stages held by the rank with pp coordinate ``pp_rank``: r, r + pp, ... (looped placement)."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def stage_blocks(stage: int, num_stages: int, layers: int) -> range:
+    """Global indices of the blocks of ``stage`` (``layers`` must divide by ``num_stages``)."""
+    per = layers // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def split_model(model: Transformer, stages: list[int], num_stages: int) -> list[Transformer]:
+    """One part per stage in ``stages``: a deep copy of the meta-device ``model`` without the blocks
+    (and embedding / norm / head) that the stage does not own. Names stay global."""
+    layers = len(model.layers)
+    parts = []
+    for s in stages:
+        part = copy.deepcopy(model)
+        keep = {str(i) for i in stage_blocks(s, num_stages, layers)}
+        for name in [k for k in part.layers.keys() if k not in keep]:
+            del part.layers[name]
+        if s != 0:
+            part.tok_embeddings = None
+        if s != num_stages - 1:
+            part.norm = None
+            part.output = None
+        parts.append(part)
+    return parts
+
+
+class _LMLoss:
+    """The last stage's loss function: ``lm_loss / divisor`` is back-propagated (the division
+    the single-stage runner does); the undivided values are kept, in call order, for the step's
+    reported loss."""
+
+    def __init__(self, divisor: int):
+        self.divisor = divisor
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(logits_BSV, targets_BS)
+        self.values.append(loss.detach())
+        return loss / self.divisor
+
+
+class PipelineRunner:
+    """Runs a step's micro-batches over this rank's pipeline stages (a ``StepRunner``).
+
+    Args:
+        parts: this rank's model parts, materialised, one per stage in ``stages`` (same order).
+        stages: their global stage indices (:func:`stage_ids`).
+        cfg, ps: the run config and parallel state (the pp group carries the activations).
+    """
+
+    def __init__(self, parts: list[Transformer], stages: list[int], cfg: Config, ps: ParallelState):
+        self.parts, self.stages, self.ps = parts, stages, ps
+        self.num_stages = ps.size(PP) * cfg.parallel.virtual_stages
+        self.n_micro = cfg.grad_accum_steps
+        self.has_first = 0 in stages
+        self.has_last = self.num_stages - 1 in stages
+        self.schedule_cls, self.multi = SCHEDULES[cfg.parallel.pp_schedule]
+        B, S = cfg.train.micro_batch_size, cfg.model.seq_len // ps.size(CP)
+        # Between blocks the residual stream is a plain local tensor; under sequence parallelism
+        # it holds this tp rank's S/tp rows (moetrain.parallel.tensor).
+        S_hidden = S // ps.size(TP) if cfg.parallel.sequence_parallel else S
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.dtype]
+        # Static stage metadata (no shape-inference pass, which would run an extra forward and
+        # backward on the first micro-batch and count it in the MoE statistics). The last
+        # stage's output (vocabulary-sharded under tp) is never sent; its entry only completes
+        # the stage's description.
+        with torch.device("meta"):
+            self._tokens = torch.empty(B, S, dtype=torch.long)
+            self._hidden = torch.empty(B, S_hidden, cfg.model.hidden, dtype=dtype, requires_grad=True)
+            self._logits = torch.empty(B, S, cfg.model.vocab_size, dtype=torch.float32, requires_grad=True)
+        self.train_loss = _LMLoss(self.n_micro)
+        self.schedule = self._build(self.schedule_cls, self.n_micro, self.train_loss)
+        # forward_only: one fill-drain schedule per number of micro-batches (validation may use
+        # another n than training), with its own stage objects (stages keep per-n buffers).
+        self._eval: dict[int, tuple[object, _LMLoss]] = {}
+
+    def _build(self, cls: type, n: int, loss_fn: Callable) -> object:
+        stages = []
+        for part, s in zip(self.parts, self.stages):
+            inp = self._tokens if s == 0 else self._hidden
+            out = self._logits if s == self.num_stages - 1 else self._hidden
+            stages.append(PipelineStage(part, s, self.num_stages, self.ps.device, input_args=(inp,),
+                                        output_args=(out,), group=self.ps.group(PP)))
+        if cls in (ScheduleGPipe, Schedule1F1B):
+            return cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _batch(self, micro_batches: list[MicroBatch]) -> tuple[tuple, torch.Tensor | None]:
+        """Step arguments: the [n·B, S] inputs where stage 0 lives, the [n·B, S] targets where the
+        last stage lives."""
+        sizes = {mb.inputs.shape[0] for mb in micro_batches}
+        if len(sizes) != 1:
+            # tensor_split would cut unequal micro-batches at other boundaries.
+            raise ValueError(f"micro-batches of different sizes {sorted(sizes)} cannot be pipelined")
+        dev = self.ps.device
+        args = (torch.cat([mb.inputs for mb in micro_batches]).to(dev),) if self.has_first else ()
+        target = torch.cat([mb.targets for mb in micro_batches]).to(dev) if self.has_last else None
+        return args, target
+
+    def _loss_context(self):
+        from moetrain.parallel.apply import loss_context  # apply imports this module
+
+        return loss_context(self.ps)
+
+    def _total(self, loss_fn: _LMLoss, n: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        if self.has_last:
+            if len(loss_fn.values) != n:
+                raise RuntimeError(f"the schedule computed {len(loss_fn.values)} losses for {n} micro-batches")
+            for v in loss_fn.values:
+                total += (v.full_tensor() if isinstance(v, DTensor) else v).double().cpu()
+        loss_fn.values.clear()
+        return total
+
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Back-propagate mean(lm)/n per micro-batch through the pipeline; returns the sum of the
+        micro-batches' LM losses (float64, CPU) on the rank of the last stage, 0 elsewhere.
+
+        Raises:
+            ValueError: not ``cfg.grad_accum_steps`` micro-batches, or of different sizes.
+        """
+        if len(micro_batches) != self.n_micro:
+            raise ValueError(f"{len(micro_batches)} micro-batches, the schedule was built for {self.n_micro}")
+        args, target = self._batch(micro_batches)
+        self.train_loss.values.clear()
+        with self._loss_context():  # the vocabulary-parallel loss's forward and backward, under tp
+            self.schedule.step(*args, target=target, return_outputs=False)
+        return self._total(self.train_loss, self.n_micro)
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Sum of the LM losses without gradients, forward through the pipeline (GPipe, or Looped
+        BFS with several stages per rank: a fill-drain order, any n)."""
+        n = len(micro_batches)
+        if n not in self._eval:
+            loss_fn = _LMLoss(1)
+            cls = ScheduleLoopedBFS if self.multi else ScheduleGPipe
+            schedule = self._build(cls, n, loss_fn)
+            # What ``schedule.eval()`` does (a loss function but no backward), set once: eval()
+            # has no return_outputs switch and would keep every micro-batch's [B, S, V] logits
+            # for a merged return value that is not used.
+            schedule._has_backward = False
+            self._eval[n] = (schedule, loss_fn)
+        schedule, loss_fn = self._eval[n]
+        args, target = self._batch(micro_batches)
+        loss_fn.values.clear()
+        with self._loss_context():
+            schedule.step(*args, target=target, return_outputs=False)
+        return self._total(loss_fn, n)
+
+
+def pipeline_parts(model: Transformer, cfg: Config, ps: ParallelState) -> tuple[list[Transformer], list[int]]:
+    """This rank's stages of the meta-device ``model`` and their global indices."""
+    stages = stage_ids(ps.coord(PP), ps.size(PP), cfg.parallel.virtual_stages)
+    return split_model(model, stages, ps.size(PP) * cfg.parallel.virtual_stages), stages
+
