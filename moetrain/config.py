@@ -560,12 +560,16 @@ def validate(cfg: Config) -> None:
                    f"pp_schedule={par.pp_schedule!r} runs one stage per rank",
                    "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
     seq_div = 2 * par.cp if par.cp > 1 else 1
-    if par.sequence_parallel:
+    # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence, with or without SP.
+    tp_splits_seq = par.tp > 1 and (par.sequence_parallel or moe.num_experts > 0)
+    if tp_splits_seq:
         seq_div *= par.tp
     if m.seq_len % seq_div:
         what = f"2 × cp ({2 * par.cp})" if par.cp > 1 else ""
-        if par.sequence_parallel:
-            what = (what + " × " if what else "") + f"tp ({par.tp}) with sequence parallelism"
+        if tp_splits_seq:
+            why = ("sequence parallelism" if par.sequence_parallel
+                   else "MoE layers (each tp rank routes 1/tp of the sequence)")
+            what = (what + " × " if what else "") + f"tp ({par.tp}) with {why}"
         raise _err("model.seq_len", m.seq_len, f"not divisible by {what}",
                    f"use a seq_len that is a multiple of {seq_div}, e.g. {max(seq_div, m.seq_len // seq_div * seq_div)}")
     if par.sequence_parallel and par.tp == 1:

@@ -72,6 +72,15 @@ def sacct_states(job_ids: list[str]) -> list[dict]:
     return rows
 
 
+def slurm_job_queued(job_id: str) -> bool:
+    """Whether SLURM still lists the job (pending, running, completing): a requeued job is."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (subprocess.SubprocessError, OSError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
 @dataclass
 class Status:
     run_dir: str
@@ -131,9 +140,15 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
     else:
         st.state = "running"
     if st.jobs and st.jobs[-1]["state"].split()[0] in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL") \
-            and st.state != "done":
-        st.state = "failing"
-        st.warnings.append(f"job {st.jobs[-1]['job_id']} is {st.jobs[-1]['state']}")
+            and st.state not in ("done", "gave_up"):
+        last = st.jobs[-1]
+        # sacct lists a requeued instance only once it starts: until then the failed one is last.
+        if slurm_job_queued(last["job_id"]):
+            st.warnings.append(f"job {last['job_id']} was {last['state']} on {last['nodes']}: requeued, "
+                               f"waiting to restart")
+        else:
+            st.state = "failing"
+            st.warnings.append(f"job {last['job_id']} is {last['state']}")
     live = [h for h in st.heartbeats if h.get("phase") not in ("done",)]
     if st.state == "running" and live:
         newest_attempt = max(h.get("attempt", 0) for h in live)

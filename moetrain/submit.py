@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 from moetrain.config import Config, ConfigError, load_config, save_config, to_dict
-from moetrain.monitor import collect, register_job
+from moetrain.monitor import collect, register_job, slurm_job_queued
 
 
 def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentParser:
@@ -96,14 +97,18 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
         RuntimeError: the job failed (the message holds the failing rank's error).
     """
     metrics = cfg.run_dir / "metrics.jsonl"
-    pos = 0
+    pos, inode, newest = 0, None, since
     last_print = time.time()
 
     def drain() -> None:
-        nonlocal pos, last_print
+        nonlocal pos, inode, newest, last_print
         if not metrics.is_file():
             return
         with open(metrics) as f:
+            if os.fstat(f.fileno()).st_ino != inode:
+                # A resumed attempt rewrote the file without the steps after its checkpoint: read
+                # it again, printing only records newer than the last one printed.
+                pos, inode = 0, os.fstat(f.fileno()).st_ino
             f.seek(pos)
             for line in f:
                 if not line.endswith("\n"):
@@ -113,13 +118,20 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if rec.get("time", 0) >= since:
+                if rec.get("time", 0) > newest:
+                    newest = rec["time"]
                     print(format_metrics(rec, cfg.train.steps), file=out, flush=True)
                     last_print = time.time()
 
+    def ended() -> bool:
+        # submitit calls a job done when a result file exists (a rank of a requeued attempt may
+        # have written its error) or when sacct once said NODE_FAIL (it caches that): on SLURM the
+        # run is over only once the job has left the queue, where a requeued job stays.
+        return job.done() and (cfg.launch.cluster != "slurm" or not slurm_job_queued(str(job.job_id)))
+
     warned: set[str] = set()
     last_health = time.time()
-    while not job.done():
+    while not ended():
         drain()
         if time.time() - last_health > 15:  # the monitor's view: stalls, hangs, requeues
             last_health = time.time()

@@ -9,7 +9,9 @@ rebuilt), to keep the file fast:
 * two: every schedule at pp=2, zero bubble with activation recomputation, a deliberately broken
   gradient scaling that must fail, a pp=2 checkpoint resumed at dp=2;
 * four: pp × dp, pp × dp × ep (with ZeRO-2 and ZeRO-3), pp × cp, pp × tp with sequence
-  parallelism, a pp × ep checkpoint resumed at dp=4 × ep=4.
+  parallelism, a pp × ep checkpoint resumed at dp=4 × ep=4, a tp × pp checkpoint resumed at dp=4;
+* eight: pp × tp × dp (SP, ZeRO-1) and the five-dimension pp × dp × cp with ep=2 folded over
+  dp × cp (ZeRO-2).
 
 Under tp the model's vocabulary is 260 (divisible by tp) and has its own reference.
 """
@@ -44,10 +46,12 @@ def run_layouts(rank: int, world: int, data: str, run_dir: str, cases: list[dict
     """Train each case's layout in turn in this one set of processes; a case is a dict with
     ``parallel`` and optionally ``model`` (overrides), ``steps`` (default STEPS), ``save``
     (checkpoint after the steps), ``resume`` (start from the latest checkpoint in ``run_dir``),
-    ``break_scaling`` (negative control: back-propagate the last stage's loss without its 1/n)."""
+    ``dir`` (a subdirectory of ``run_dir`` for its checkpoints), ``break_scaling`` (negative control: back-propagate the last stage's loss without its 1/n)."""
     out = []
     for case in cases:
-        cfg = _config(data, run_dir, case["parallel"], case.get("resume", False), case.get("model"))
+        # A case may keep its checkpoints in a subdirectory ("dir"), apart from the other cases'.
+        cfg = _config(data, f"{run_dir}/{case.get('dir', '')}", case["parallel"], case.get("resume", False),
+                      case.get("model"))
         trainer = Trainer(cfg, write_files=False)
         start = trainer.step
         # Validation before training too: the runner then switches from evaluation to training.
@@ -175,12 +179,20 @@ SAVE_EP = {"parallel": {"dp": 2, "ep": 2, "pp": 2, "pp_schedule": "1f1b"}, "step
 RESUME_EP = {"parallel": {"dp": 4, "ep": 4}, "steps": STEPS - SAVE_AT, "resume": True}
 
 
+# Tensor-parallel (DTensor) dense weights and pipeline stages in the checkpoint: save at
+# tp2·pp2 with SP, resume with neither at dp4.
+SAVE_TP = {"parallel": {"tp": 2, "sequence_parallel": True, "pp": 2, "pp_schedule": "1f1b"}, "model": TP_MODEL,
+           "steps": SAVE_AT, "save": True, "dir": "tp2pp2"}
+RESUME_TP = {"parallel": {"dp": 4}, "model": TP_MODEL, "steps": STEPS - SAVE_AT, "resume": True, "dir": "tp2pp2"}
+
+
 @pytest.fixture(scope="module")
 def four_procs(tiny_shards, tmp_path_factory) -> dict:
     cases = ([{"parallel": p, "model": TP_MODEL if "tp" in p else None} for p in PP2_COMPOSED.values()]
-             + [SAVE_EP, RESUME_EP])
+             + [SAVE_EP, RESUME_EP, SAVE_TP, RESUME_TP])
     res = _by_case(run_distributed(run_layouts, 4, str(tiny_shards), str(tmp_path_factory.mktemp("pp4")), cases))
-    return {**dict(zip(PP2_COMPOSED, res)), "saved": res[-2], "resumed": res[-1]}
+    return {**dict(zip(PP2_COMPOSED, res)), "saved": res[-4], "resumed": res[-3], "saved_tp": res[-2],
+            "resumed_tp": res[-1]}
 
 
 @pytest.mark.parametrize("layout", list(PP2_COMPOSED))
@@ -197,6 +209,37 @@ def test_pp2_ep2_checkpoint_resumes_at_dp4_ep4(four_procs, single):
     saved, resumed = four_procs["saved"], four_procs["resumed"]
     assert resumed["start"] == SAVE_AT, "did not resume from the pp=2 checkpoint"
     _close(saved["losses"] + resumed["losses"], single["ref"]["losses"], "loss after resume")
+
+
+def test_tp2_pp2_checkpoint_resumes_at_dp4(four_procs, single):
+    saved, resumed = four_procs["saved_tp"], four_procs["resumed_tp"]
+    assert saved["start"] == 0 and resumed["start"] == SAVE_AT, "did not resume from the tp2·pp2 checkpoint"
+    _close(saved["losses"] + resumed["losses"], single["ref_tp"]["losses"], "loss after resume")
+
+
+# --- eight processes: pp × tp × dp, and all five dimensions -------------------------------------
+
+PP2_EIGHT = {
+    "dp2-tp2-sp-pp2-1f1b-zero1": {"dp": 2, "tp": 2, "sequence_parallel": True, "pp": 2, "pp_schedule": "1f1b",
+                                  "zero_stage": 1},
+    # ep=2 folded over dp × cp = 4 (each ep group spans a dp pair of one cp rank); ZeRO-2 shards
+    # dense states over dp × cp and expert states over the expert-data-parallel ranks.
+    "dp2-cp2-ep2-pp2-1f1b-zero2": {"dp": 2, "cp": 2, "ep": 2, "pp": 2, "pp_schedule": "1f1b", "zero_stage": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def eight_procs(tiny_shards, tmp_path_factory) -> dict:
+    cases = [{"parallel": p, "model": TP_MODEL if "tp" in p else None} for p in PP2_EIGHT.values()]
+    res = _by_case(run_distributed(run_layouts, 8, str(tiny_shards), str(tmp_path_factory.mktemp("pp8")), cases,
+                                   timeout=600))
+    return dict(zip(PP2_EIGHT, res))
+
+
+@pytest.mark.parametrize("layout", list(PP2_EIGHT))
+def test_eight_process_layout_matches_single_process(layout, eight_procs, single):
+    tp = "tp" in PP2_EIGHT[layout]
+    _assert_same_run(eight_procs[layout], single["ref_tp" if tp else "ref"], same_val=False, moe_metrics=not tp)
 
 
 # --- no processes: split, placement, batch chunking, refusals ---------------------------------

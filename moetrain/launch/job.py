@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import zlib
 
 import submitit
@@ -103,12 +104,22 @@ class TrainJob(submitit.helpers.Checkpointable):
         hang = os.environ.get("MOETRAIN_TEST_HANG")  # "rank:step", fault injection for the tests
         if hang and int(hang.split(":")[0]) == denv.rank:
             trainer.hang_at_step = int(hang.split(":")[1])
+        # "seconds:attempts": attempts with SLURM_RESTART_COUNT < attempts idle that long before each
+        # step, so that a test's signal, preemption or node failure lands mid-run (fault injection).
+        slow = os.environ.get("MOETRAIN_TEST_SLOW")
+        if slow and restart < int(slow.split(":")[1]):
+            trainer.step_delay_s = float(slow.split(":")[0])
 
         def on_hang(nodes: list[str]) -> None:
             excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
             if on_slurm and restart < cfg.launch.max_restarts:
                 requeued = requeue_slurm_job(exclude=excluded)
                 append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
+                if requeued:
+                    # SLURM now ends every process of this attempt (SIGTERM, SIGKILL after KillWait).
+                    # Leaving first would make the other ranks fail on the closed connections and
+                    # report those errors as the job's result.
+                    time.sleep(600)
             else:
                 append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
                              reason="not on SLURM" if not on_slurm else "launch.max_restarts reached")
@@ -121,14 +132,24 @@ class TrainJob(submitit.helpers.Checkpointable):
         trainer.watchdog.stop()
         if status == "stopped" and on_slurm:
             dist.barrier()
+            give_up = restart >= cfg.launch.max_restarts
             if denv.rank == 0:
-                if restart < cfg.launch.max_restarts:
+                if not give_up:
                     ok = requeue_slurm_job(exclude=existing_excludes(cfg.run_dir) or None)
                     append_event(cfg.run_dir, trainer.fence, "requeue", cause=stop.reason, ok=ok)
                 else:
                     append_event(cfg.run_dir, trainer.fence, "gave_up", cause=stop.reason,
                                  reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
             dist.destroy_process_group()
+            if give_up:
+                # Fail with the reason, rather than end without a result ("has not produced any
+                # output" is all submitit and `submit` could say then).
+                msg = (f"stopped by {stop.reason} at step {trainer.step} (checkpoint saved) after {restart} "
+                       f"restart(s): launch.max_restarts={cfg.launch.max_restarts} reached, so the job is not "
+                       f"requeued; resubmit the same config to resume")
+                log.error(msg)
+                atexit.register(_exit_now, 1)
+                raise RestartsExhausted(msg)
             # Leave without a result: the requeued attempt will produce it (as submitit does).
             _exit_now(0)
         dist.destroy_process_group()

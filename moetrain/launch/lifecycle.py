@@ -44,6 +44,12 @@ def atomic_write_json(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def node_name() -> str:
+    """This process's node as SLURM names it (``SLURMD_NODENAME``), else the host name. The two
+    differ where hosts have FQDNs or several slurmds share a host; ``ExcNodeList`` needs the first."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def read_json(path: Path, default: object = None) -> object:
     try:
         return json.loads(path.read_text())
@@ -65,7 +71,7 @@ class Fence:
         old = read_json(path, {}) or {}
         seq = int(old.get("seq", -1)) + 1
         atomic_write_json(path, {"seq": seq, "job_id": job_id, "restart": restart, "time": time.time(),
-                                 "host": socket.gethostname()})
+                                 "host": node_name()})
         return seq
 
     def current(self) -> int:
@@ -108,7 +114,7 @@ class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, fence: Fence):
         self.path = Path(run_dir) / "heartbeats" / f"rank{rank:05d}.json"
         self.rank, self.fence = rank, fence
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid = node_name(), os.getpid()
         self.step, self.phase = 0, "start"
 
     def beat(self, step: int, phase: str) -> None:
@@ -133,23 +139,30 @@ def slurm_job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID")
 
 
+def _scontrol(*args: str) -> None:
+    # Requeueing sends SIGTERM to every process of the job, these scontrol commands included: they
+    # ignore it (the shell's ignore disposition survives exec). Otherwise the `release` that follows
+    # `requeuehold` can die before it is sent, and the job stays held forever.
+    subprocess.run(["sh", "-c", 'trap "" TERM; exec scontrol "$@"', "scontrol", *args], check=True, timeout=60,
+                   capture_output=True)
+
+
 def requeue_slurm_job(exclude: list[str] | None = None) -> bool:
     """Requeue this SLURM job, optionally excluding nodes first; returns True when requeued.
 
-    With ``exclude`` the job is requeued held, its ``ExcNodeList`` extended, then released, so the
-    scheduler cannot restart it on a suspected node in between.
+    With ``exclude`` the job is requeued held, its ``ExcNodeList`` extended (SLURM refuses it for a
+    running job), then released, so the scheduler cannot restart it on a suspected node in between.
     """
     job = slurm_job_id()
     if job is None:
         return False
     try:
         if exclude:
-            subprocess.run(["scontrol", "requeuehold", job], check=True, timeout=60, capture_output=True)
-            subprocess.run(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(sorted(set(exclude)))}"],
-                           check=True, timeout=60, capture_output=True)
-            subprocess.run(["scontrol", "release", job], check=True, timeout=60, capture_output=True)
+            _scontrol("requeuehold", job)
+            _scontrol("update", f"JobId={job}", f"ExcNodeList={','.join(sorted(set(exclude)))}")
+            _scontrol("release", job)
         else:
-            subprocess.run(["scontrol", "requeue", job], check=True, timeout=60, capture_output=True)
+            _scontrol("requeue", job)
         return True
     except (subprocess.SubprocessError, OSError) as e:
         err = getattr(e, "stderr", b"") or b""
@@ -227,12 +240,12 @@ class Watchdog:
         path = self.run_dir / "stacks" / f"attempt{self.fence.seq}-rank{self.rank:05d}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            f.write(f"# rank {self.rank} on {socket.gethostname()} pid {os.getpid()}, step {self.heartbeat.step} "
+            f.write(f"# rank {self.rank} on {node_name()} pid {os.getpid()}, step {self.heartbeat.step} "
                     f"phase {self.heartbeat.phase}, no progress for {time.time() - self.last_progress:.0f} s; "
                     f"main thread waiting on peers: {waiting}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        atomic_write_json(path.with_suffix(".json"), {"rank": self.rank, "host": socket.gethostname(),
+        atomic_write_json(path.with_suffix(".json"), {"rank": self.rank, "host": node_name(),
                                                       "waiting_on_peers": waiting, "time": time.time()})
         return path
 

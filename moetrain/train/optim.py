@@ -24,14 +24,20 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) with weight decay on matrices only (norm weights and
     other 1-D parameters are not decayed, as in GPT-3 / Megatron)."""
-    decay, no_decay, seen = [], [], set()
+    from torch.distributed.tensor import DTensor
+
+    # Keyed by (decay?, DTensor?): the foreach kernels refuse a group that mixes DTensor and plain
+    # parameters (tensor parallelism shards the dense layers but leaves the MoE ones plain).
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    seen = set()
     for p in model.parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, foreach=True)
+        groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
+    param_groups = [{"params": params, "weight_decay": tc.weight_decay if decay else 0.0}
+                    for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+    return torch.optim.AdamW(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, foreach=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

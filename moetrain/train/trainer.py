@@ -84,6 +84,7 @@ class Trainer:
         self.heartbeat: Heartbeat | None = None
         self.watchdog: Any = None  # set by the job (moetrain.launch.lifecycle.Watchdog)
         self.hang_at_step: int | None = None  # fault injection for tests (set by the job)
+        self.step_delay_s = 0.0  # fault injection for tests: idle seconds before each step (set by the job)
         if write_files:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             seq = [Fence.advance(cfg.run_dir, job_id, restart) if self.ps.rank == 0 else None]
@@ -121,20 +122,22 @@ class Trainer:
 
     def _resume(self) -> None:
         found = self.checkpointer.latest_valid()
-        if found is None:
-            return
-        _, path = found
-        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
-        self.step = int(state["step"])
-        self.loader.load_state_dict(state)
+        if found is not None:
+            _, path = found
+            state = self.checkpointer.load(path, self.model_parts, self.optimizers)
+            self.step = int(state["step"])
+            self.loader.load_state_dict(state)
         if self.ps.is_logging_rank:
-            log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
-                     self.loader.consumed_samples)
+            if found is not None:
+                log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
+                         self.loader.consumed_samples)
             if self.write_files:
-                # Steps after the checkpoint will run again: drop their old records so that no
-                # step appears twice in the metrics.
+                # Steps after the checkpoint (every step, when an earlier attempt ended before its
+                # first checkpoint) will run again: drop their old records so that no step appears
+                # twice in the metrics.
                 truncate_metrics(self.metrics_path, self.step, self.fence)
-                append_event(self.cfg.run_dir, self.fence, "resumed", step=self.step, checkpoint=str(path))
+                if found is not None:
+                    append_event(self.cfg.run_dir, self.fence, "resumed", step=self.step, checkpoint=str(path))
 
     def save_checkpoint(self) -> Path:
         p = self.cfg.parallel
@@ -267,6 +270,8 @@ class Trainer:
                 log.warning("fault injection: hanging at step %d", self.step + 1)
                 while True:
                     time.sleep(3600)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             res = self.train_step()
             if self.watchdog is not None:
                 self.watchdog.step_done(res.extra["step_time_s"])

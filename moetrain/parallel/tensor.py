@@ -1,0 +1,155 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Megatron-SP,
+Korthikanti et al. 2022), applied with DTensor's ``parallelize_module``.
+
+Shape legend: B batch, S sequence (the rank's part under context parallelism), D hidden,
+V vocabulary, t = tp.
+
+Placement plan (``seq`` = ``Shard(1)`` with sequence parallelism, ``Replicate()`` without; the
+residual stream between blocks is a plain local tensor: [B, S/t, D] with SP, [B, S, D] without):
+
+=====================  ===========================  =====================================================
+module                 style                        parameters / activations
+=====================  ===========================  =====================================================
+tok_embeddings         RowwiseParallel              weight [V, D] Shard(0) (vocabulary-parallel); token ids
+                                                    Replicate in, out ``seq`` (reduce-scatter with SP,
+                                                    all-reduce without)
+attention_norm,        SequenceParallel (SP only)   weight Replicate; [B, S/t, D] Shard(1) in and out
+ffn_norm, norm                                      (without SP: plain modules on replicated activations)
+attention              PrepareModuleInput           x: ``seq`` → Replicate (all-gather with SP), one DTensor
+                                                    for wq/wk/wv so their input gradients are reduced once
+attention.wq/wk/wv     ColwiseParallel              weight Shard(0): this rank's H/t query and G/t kv heads
+attention.wo           RowwiseParallel              weight Shard(1); out ``seq`` (reduce-scatter / all-reduce)
+feed_forward           PrepareModuleInput           as attention
+feed_forward.w1/w3     ColwiseParallel              weight Shard(0) over F
+feed_forward.w2        RowwiseParallel              weight Shard(1); out ``seq``
+moe                    PrepareModuleInputOutput     in ``seq`` → Shard(1) local, out Shard(1) → ``seq``
+                                                    (all-gather without SP): the MoE works on S/t tokens
+output                 ColwiseParallel              weight Shard(0) over V; in ``seq`` → Replicate, logits
+                                                    [B, S, V/t] Shard(2) kept as a DTensor for
+                                                    ``loss_parallel`` (vocabulary-parallel cross-entropy)
+=====================  ===========================  =====================================================
+
+What each redistribution does in forward and backward (DTensor implements them):
+
+* Shard(1) → Replicate (into a TP region): all-gather along the sequence; backward
+  reduce-scatter (Korthikanti et al. 2022 §4.2.2, operator g);
+* row-parallel output Partial → Shard(1) (out of a TP region): reduce-scatter; backward
+  all-gather (ibid., operator ḡ);
+* without SP, row-parallel output Partial → Replicate: all-reduce, backward identity; a
+  Replicate input of column-parallel layers: identity, backward one all-reduce of the summed
+  partial input gradients (Shoeybi et al. 2019 §3 Fig. 3, operators g and f);
+* Replicate → Shard(1) (the MoE's slice without SP): keep this rank's slice, no communication;
+  backward all-gather.
+
+MoE under tensor parallelism (expert-tensor-parallel = 1): the router, the experts and the
+shared experts stay plain parameters and are not split. Every tp rank routes and computes a
+different 1/t of the sequence, so no tp rank repeats another's expert work:
+
+1. with SP the MoE takes the SP region's local [B, S/t, D] shard as it is; without SP the
+   replicated [B, S, D] input is sliced to this rank's S/t (no communication);
+2. the MoE runs on the slice (expert parallelism, if any, dispatches from there);
+3. the output stays the local shard (SP) or is all-gathered back to [B, S, D] (no SP).
+
+Gradients then: the experts' are summed over ``edp_tp`` by
+:func:`moetrain.parallel.data_parallel.reduce_gradients` (tp ranks saw different tokens); the
+router and shared-expert parameters are tagged ``_moetrain_tp_partial`` so the same function sums
+them over tp. The per-sequence load-balancing counts are summed over ``cp_tp`` and the z-loss is
+scaled by 1/t by :func:`moetrain.parallel.expert.configure_sequence_split` (step 4b of
+:func:`moetrain.parallel.apply.build_model_parts`). Norm weights under SP get Partial(sum)
+gradients from DTensor; ``reduce_gradients`` sums them over tp and marks them Replicate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from moetrain.config import Config
+from moetrain.model.transformer import Transformer
+from moetrain.parallel.state import TP, ParallelState
+
+__all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "TP_PARTIAL"]
+
+# Attribute set on plain parameters that see different tokens on each tp rank: their gradients
+# are summed over tp by reduce_gradients.
+TP_PARTIAL = "_moetrain_tp_partial"
+
+
+def tensor_parallel_plan(model: Transformer, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan (module path → style) for ``model`` (a whole
+    :class:`Transformer` or a pipeline part of one: absent embedding / norm / head are left
+    out). See the module docstring for the placements."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    for name, block in model.layers.items():
+        prefix = f"layers.{name}"
+        if sequence_parallel:
+            plan[f"{prefix}.attention_norm"] = SequenceParallel()
+            plan[f"{prefix}.ffn_norm"] = SequenceParallel()
+        # (x, cos, sin): only x is distributed; RoPE tables are plain and cover the full sequence.
+        plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                                         desired_input_layouts=(Replicate(), None, None))
+        for proj in ("wq", "wk", "wv"):
+            plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
+        plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
+        if block.moe is not None:
+            plan[f"{prefix}.moe"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(seq,), use_local_output=True)
+        else:
+            plan[f"{prefix}.feed_forward"] = PrepareModuleInput(input_layouts=(seq,),
+                                                                desired_input_layouts=(Replicate(),))
+            plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
+            plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+    return plan
+
+
+def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) -> None:
+    """Shard ``model`` (on the meta device, before materialisation) over the tp axis of ``ps``,
+    with sequence parallelism when ``cfg.parallel.sequence_parallel``.
+
+    Besides the plan (:func:`tensor_parallel_plan`) it (1) ties the head to the embedding again
+    when ``model.tie_embeddings`` (both are [V, D] Shard(0), so the tie survives sharding);
+    (2) tags the MoE router and shared-expert parameters ``_moetrain_tp_partial``; (3) under SP
+    gives RoPE the positions 0..S-1 explicitly: ``Transformer.forward`` sees the embedding's
+    S/t local rows, but attention runs on the all-gathered S (context parallelism, applied
+    later, replaces them by its chunks' positions).
+
+    Raises:
+        ValueError: the model's attention heads, kv heads, ffn widths or vocabulary do not
+            divide by tp (``moetrain.config.validate`` refuses these before launch).
+    """
+    tp = ps.size(TP)
+    m = cfg.model
+    dense_mlp = any(block.feed_forward is not None for block in model.layers.values())
+    for what, n in (("model.heads", m.heads), ("model.kv_heads", m.kv_heads),
+                    ("model.ffn_hidden", m.ffn_hidden if dense_mlp else 0), ("model.vocab_size", m.vocab_size)):
+        if n % tp:
+            raise ValueError(f"{what} = {n} is not divisible by tp = {tp}")
+    sp = cfg.parallel.sequence_parallel
+    parallelize_module(model, ps.submesh(TP), tensor_parallel_plan(model, sp))
+    if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+    for moe in model.moe_layers().values():
+        partial = list(moe.router.parameters()) + (list(moe.shared.parameters()) if moe.shared is not None else [])
+        for p in partial:
+            setattr(p, TP_PARTIAL, True)
+    if sp:
+        model.positions = torch.arange(m.seq_len)
+
