@@ -129,7 +129,13 @@ class ParallelConfig:
     of the dp × cp ranks of one pipeline stage ("parallel folding", Megatron-Core); the remaining
     dp·cp/ep ranks (times tp) hold expert replicas (the expert-data-parallel axis).
     ``zero_stage``: 0 plain data parallel, 1 sharded optimizer states, 2 + sharded gradients,
-    3 + sharded parameters. ``backend``: ``auto`` is nccl on CUDA, gloo on CPU."""
+    3 + sharded parameters. ``backend``: ``auto`` is nccl on CUDA, gloo on CPU.
+    ``pp_first_stage_layers`` / ``pp_last_stage_layers``: blocks on the first pipeline stage
+    (which also holds the embedding) and on the last (which also holds the final norm, the head
+    and the loss); the other blocks split evenly over the remaining stages (Megatron-Core's
+    ``decoder_first/last_pipeline_num_layers``). ``None`` splits evenly; giving the end stages
+    fewer blocks balances the embedding and, above all, the head: see
+    :func:`pipeline_stage_layers`."""
 
     dp: int = 1
     tp: int = 1
@@ -140,6 +146,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     virtual_stages: int = 1
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
@@ -477,6 +485,43 @@ def _nearest(n: int, allowed: list[int]) -> str:
     return ", ".join(str(b) for b in sorted(best))
 
 
+def pipeline_stage_layers(layers: int, num_stages: int, first: int | None = None,
+                          last: int | None = None) -> list[int]:
+    """Transformer blocks per pipeline stage, in stage order (``num_stages`` = pp × virtual
+    stages; stage 0 holds the embedding, stage ``num_stages - 1`` the head).
+
+    ``first`` / ``last`` fix the block count of the end stages (0 allowed: a stage of only the
+    embedding, or only the head); the other stages share the remaining blocks evenly. Per token,
+    the head's forward FLOPs (2·D·V) are about V / (4·D + 3·F + 2·S) dense SwiGLU blocks of
+    hidden D, MLP width F and sequence S (4·D² projections, 3·D·F MLP, 2·S·D attention scores,
+    ×2 FLOPs per multiply-add): ≈ 1.7 blocks for Llama-3-8B's 128k vocabulary, plus the memory of
+    its logits — the imbalance that Megatron-Core's uneven first/last stage options remove.
+
+    Raises:
+        ValueError: the blocks do not split that way (the message says why and what would).
+    """
+    if num_stages == 1:
+        if first is not None or last is not None:
+            raise ValueError("pp_first_stage_layers / pp_last_stage_layers need pp × virtual_stages > 1")
+        return [layers]
+    fixed = {i: n for i, n in ((0, first), (num_stages - 1, last)) if n is not None}
+    for n in fixed.values():
+        if n < 0:
+            raise ValueError(f"a stage cannot hold {n} blocks")
+    others = num_stages - len(fixed)
+    rest = layers - sum(fixed.values())
+    if others == 0 and rest != 0:
+        raise ValueError(f"with only two stages the end stages' blocks ({sum(fixed.values())}) must add up to "
+                         f"all {layers}")
+    if rest < 0:
+        raise ValueError(f"the end stages' blocks ({sum(fixed.values())}) are more than the {layers} there are")
+    if others and (rest % others or rest == 0):
+        raise ValueError(f"the {rest} remaining blocks do not split evenly (at least one each) over the other "
+                         f"{others} stage(s)")
+    per = rest // others if others else 0
+    return [fixed.get(i, per) for i in range(num_stages)]
+
+
 def validate(cfg: Config) -> None:
     """Check every cross-field rule; raises :class:`ConfigError` on the first violation."""
     m, moe, par, tr, ln = cfg.model, cfg.moe, cfg.parallel, cfg.train, cfg.launch
@@ -551,10 +596,20 @@ def validate(cfg: Config) -> None:
         raise _err("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
                    f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
     stages = par.pp * par.virtual_stages
-    if m.layers % stages:
+    uneven = par.pp_first_stage_layers is not None or par.pp_last_stage_layers is not None
+    if not uneven and m.layers % stages:
         raise _err("parallel.pp", par.pp,
                    f"model.layers={m.layers} is not divisible by pp × virtual_stages = {stages}",
-                   f"choose pp × virtual_stages among {_nearest(stages, _divisors(m.layers))}")
+                   f"choose pp × virtual_stages among {_nearest(stages, _divisors(m.layers))}, or set "
+                   f"parallel.pp_first_stage_layers / pp_last_stage_layers for an uneven split")
+    if uneven:
+        try:
+            pipeline_stage_layers(m.layers, stages, par.pp_first_stage_layers, par.pp_last_stage_layers)
+        except ValueError as e:
+            field = "pp_first_stage_layers" if par.pp_first_stage_layers is not None else "pp_last_stage_layers"
+            raise _err(f"parallel.{field}", getattr(par, field),
+                       f"{e} (model.layers={m.layers}, pp × virtual_stages={stages})",
+                       "choose end-stage block counts that leave a multiple of the other stages' count") from None
     if par.virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
         raise _err("parallel.virtual_stages", par.virtual_stages,
                    f"pp_schedule={par.pp_schedule!r} runs one stage per rank",

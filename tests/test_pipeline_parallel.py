@@ -101,6 +101,11 @@ PP2_SCHEDULES = {
     "zero_bubble": {"pp": 2, "pp_schedule": "zero_bubble"},
     "interleaved_1f1b-v2": {"pp": 2, "virtual_stages": 2, "pp_schedule": "interleaved_1f1b"},
     "zero_bubble-v2": {"pp": 2, "virtual_stages": 2, "pp_schedule": "zero_bubble"},
+    # Uneven splits (Megatron's first / last stage layers): blocks [1, 3]; and [2, 1, 1, 0] over
+    # 2 × 2 virtual stages, the last stage holding only the final norm and the head.
+    "1f1b-first1": {"pp": 2, "pp_schedule": "1f1b", "pp_first_stage_layers": 1},
+    "interleaved_1f1b-v2-first2-last0": {"pp": 2, "virtual_stages": 2, "pp_schedule": "interleaved_1f1b",
+                                         "pp_first_stage_layers": 2, "pp_last_stage_layers": 0},
     # Recomputation inside the split (input / weight) backward: MoE statistics counted once.
     "zero_bubble-v2-ac_full": {"pp": 2, "virtual_stages": 2, "pp_schedule": "zero_bubble",
                                "activation_checkpointing": "full"},
@@ -259,6 +264,25 @@ def test_stages_hold_their_blocks_with_global_names(tiny_shards, tmp_path):
     assert last.output is not None and last.norm is not None
     names = {n for part in split_model(model, [0, 1, 2, 3], 4) for n, _ in part.named_parameters()}
     assert names == {n for n, _ in model.named_parameters()}, "a parameter was lost or renamed by the split"
+
+
+def test_uneven_stage_split(tiny_shards, tmp_path):
+    from moetrain.config import pipeline_stage_layers
+
+    assert pipeline_stage_layers(32, 4) == [8, 8, 8, 8]
+    assert pipeline_stage_layers(32, 4, first=7, last=5) == [7, 10, 10, 5]
+    assert pipeline_stage_layers(9, 4, first=0) == [0, 3, 3, 3]
+    assert list(stage_blocks(1, 4, 8, first=2, last=0)) == [2, 3, 4]
+    assert list(stage_blocks(3, 4, 8, first=2, last=0)) == []
+    with pytest.raises(ValueError, match="add up to all 4"):
+        pipeline_stage_layers(4, 2, first=1, last=1)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        pipeline_stage_layers(5, 3, first=2)
+    # Refused before launch, naming the field.
+    with pytest.raises(ConfigError, match="parallel.pp_first_stage_layers = 3"):
+        _config(str(tiny_shards), str(tmp_path), {"pp": 2, "pp_first_stage_layers": 3, "pp_last_stage_layers": 3})
+    with pytest.raises(ConfigError, match="pp_first_stage_layers / pp_last_stage_layers"):
+        tiny_config(str(tiny_shards), str(tmp_path), model={"layers": 5}, parallel={"pp": 2})
 
 
 def test_schedule_splits_the_batch_into_the_micro_batches():

@@ -21,6 +21,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -140,11 +141,17 @@ def slurm_job_id() -> str | None:
 
 
 def _scontrol(*args: str) -> None:
-    # Requeueing sends SIGTERM to every process of the job, these scontrol commands included: they
-    # ignore it (the shell's ignore disposition survives exec). Otherwise the `release` that follows
-    # `requeuehold` can die before it is sent, and the job stays held forever.
-    subprocess.run(["sh", "-c", 'trap "" TERM; exec scontrol "$@"', "scontrol", *args], check=True, timeout=60,
-                   capture_output=True)
+    # Requeueing sends SIGTERM to every process of the job, and to these scontrol commands too if
+    # they have not ended. SIGTERM is blocked in this thread while they are spawned: the child
+    # inherits the mask from fork through exec, so no window is left (a `trap "" TERM` in a
+    # shell left one: the signal could land before the trap ran). Otherwise the `release` that
+    # follows `requeuehold` can die before it is sent, and the job stays held forever. The
+    # process-directed SIGTERM still reaches this process's other threads (the stop flag).
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        subprocess.run(["scontrol", *args], check=True, timeout=60, capture_output=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def requeue_slurm_job(exclude: list[str] | None = None) -> bool:

@@ -67,7 +67,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from moetrain.config import Config, ConfigError
+from moetrain.config import Config, ConfigError, pipeline_stage_layers
 from moetrain.data.loader import MicroBatch
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import CP, PP, TP, ParallelState
@@ -117,20 +117,28 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
-def stage_blocks(stage: int, num_stages: int, layers: int) -> range:
-    """Global indices of the blocks of ``stage`` (``layers`` must divide by ``num_stages``)."""
-    per = layers // num_stages
-    return range(stage * per, (stage + 1) * per)
+def stage_blocks(stage: int, num_stages: int, layers: int, first: int | None = None,
+                 last: int | None = None) -> range:
+    """Global indices of the blocks of ``stage``: an even split, or the uneven one of
+    :func:`moetrain.config.pipeline_stage_layers` when ``first`` / ``last`` are given.
+
+    Raises:
+        ValueError: the blocks do not split over ``num_stages`` stages that way.
+    """
+    counts = pipeline_stage_layers(layers, num_stages, first, last)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
-def split_model(model: Transformer, stages: list[int], num_stages: int) -> list[Transformer]:
+def split_model(model: Transformer, stages: list[int], num_stages: int, first: int | None = None,
+                last: int | None = None) -> list[Transformer]:
     """One part per stage in ``stages``: a deep copy of the meta-device ``model`` without the blocks
     (and embedding / norm / head) that the stage does not own. Names stay global."""
     layers = len(model.layers)
     parts = []
     for s in stages:
         part = copy.deepcopy(model)
-        keep = {str(i) for i in stage_blocks(s, num_stages, layers)}
+        keep = {str(i) for i in stage_blocks(s, num_stages, layers, first, last)}
         for name in [k for k in part.layers.keys() if k not in keep]:
             del part.layers[name]
         if s != 0:
@@ -270,5 +278,7 @@ class PipelineRunner:
 def pipeline_parts(model: Transformer, cfg: Config, ps: ParallelState) -> tuple[list[Transformer], list[int]]:
     """This rank's stages of the meta-device ``model`` and their global indices."""
     stages = stage_ids(ps.coord(PP), ps.size(PP), cfg.parallel.virtual_stages)
-    return split_model(model, stages, ps.size(PP) * cfg.parallel.virtual_stages), stages
+    p = cfg.parallel
+    return split_model(model, stages, ps.size(PP) * p.virtual_stages, p.pp_first_stage_layers,
+                       p.pp_last_stage_layers), stages
 

@@ -61,8 +61,11 @@ class StopFlag:
         self.reason = ""
 
     def set(self, reason: str) -> None:
+        # The first signal is the cause: requeueing the job sends SIGTERM to every task, this
+        # one included, after the USR2 (time limit, preemption) that started the stop.
+        if not self.requested:
+            self.reason = reason
         self.requested = True
-        self.reason = reason
 
 
 class Trainer:
