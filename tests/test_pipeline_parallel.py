@@ -84,11 +84,10 @@ def _close(a: list[float], b: list[float], what: str) -> None:
         assert abs(x - y) <= 1e-5 * abs(y), f"step {step}: {what} {x} vs single-process {y}"
 
 
-def _assert_same_run(res: dict, ref: dict, same_val: bool = True, moe_metrics: bool = True) -> None:
+def _assert_same_run(res: dict, ref: dict, same_val: bool = True) -> None:
     assert_matches(res, ref)  # LM losses and gradients
-    if moe_metrics:
-        _close(res["aux"], ref["aux"], "aux loss")
-        _close(res["z"], ref["z"], "z loss")
+    _close(res["aux"], ref["aux"], "aux loss")  # logged MoE losses: summed over stages and tp
+    _close(res["z"], ref["z"], "z loss")
     if same_val:  # the validation batches are split over dp: comparable at dp = 1
         _close(res["val"], ref["val"], "validation loss (before, after training)")
 
@@ -203,11 +202,8 @@ def four_procs(tiny_shards, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", list(PP2_COMPOSED))
 def test_composed_layout_matches_single_process(layout, four_procs, single):
     parallel = PP2_COMPOSED[layout]
-    tp = "tp" in parallel
-    # Under tp the logged aux / z losses are one tp rank's part also without pp (the trainer
-    # does not sum them over tp); the gradients, which include them, are compared.
-    _assert_same_run(four_procs[layout], single["ref_tp" if tp else "ref"], same_val="dp" not in parallel,
-                     moe_metrics=not tp)
+    _assert_same_run(four_procs[layout], single["ref_tp" if "tp" in parallel else "ref"],
+                     same_val="dp" not in parallel)
 
 
 def test_pp2_ep2_checkpoint_resumes_at_dp4_ep4(four_procs, single):
@@ -244,7 +240,7 @@ def eight_procs(tiny_shards, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", list(PP2_EIGHT))
 def test_eight_process_layout_matches_single_process(layout, eight_procs, single):
     tp = "tp" in PP2_EIGHT[layout]
-    _assert_same_run(eight_procs[layout], single["ref_tp" if tp else "ref"], same_val=False, moe_metrics=not tp)
+    _assert_same_run(eight_procs[layout], single["ref_tp" if tp else "ref"], same_val=False)
 
 
 # --- no processes: split, placement, batch chunking, refusals ---------------------------------

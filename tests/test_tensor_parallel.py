@@ -42,7 +42,8 @@ def capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, n_st
     if save:
         trainer.save_checkpoint()
     return {"start": start, "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "grads": captured}
+            "aux": [r.aux_loss for r in results], "z": [r.z_loss for r in results],
+            "load": [r.extra["expert_load"] for r in results], "grads": captured}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,11 @@ def assert_matches_with_norms(results: list[dict], ref: dict) -> None:
     # leaves the update right (DTensor's optimizer ops reduce Partial gradients) but not the norm.
     for step, (a, b) in enumerate(zip(results[0]["grad_norms"], ref["grad_norms"]), 1):
         assert abs(a - b) <= 1e-5 * b, f"step {step}: grad norm {a} vs single-process {b}"
+    # The logged MoE metrics add up over the tp ranks (each routes its own tokens).
+    for key in ("aux", "z"):
+        for step, (a, b) in enumerate(zip(results[0][key], ref[key]), 1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {key} loss {a} vs single-process {b}"
+    assert results[0]["load"] == ref["load"], "tokens per expert differ from one process"
 
 
 def _world(parallel: dict) -> int:

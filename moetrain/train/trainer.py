@@ -33,7 +33,7 @@ from moetrain.data.shards import TokenShards
 from moetrain.launch.lifecycle import Fence, Heartbeat, append_event
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
-from moetrain.parallel.state import CP, DP, DP_CP, PP, ParallelState, init_distributed
+from moetrain.parallel.state import CP, DP, DP_CP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
 from moetrain.train.loss import lm_loss
@@ -193,6 +193,13 @@ class Trainer:
         scalars = torch.stack([lm_sum, aux_sum, z_sum, dropped, n_moe])
         if self.ps.size(PP) > 1:
             dist.all_reduce(scalars, group=self.ps.group(PP))
+        if self.ps.size(TP) > 1:
+            # Each tp rank routes its own 1/tp of the tokens: its aux / z parts (already scaled
+            # by configure_sequence_split), dropped fractions and expert loads add up over tp.
+            dist.all_reduce(scalars, group=self.ps.group(TP))
+            scalars[0] /= self.ps.size(TP)  # the LM loss is the whole loss on every tp rank
+            scalars[3] /= self.ps.size(TP)
+            scalars[4] /= self.ps.size(TP)
         n_layers = max(1.0, float(scalars[4]))
         scalars = torch.stack([scalars[0], scalars[1] / n_layers, scalars[2] / n_layers, scalars[3] / n_layers]) / accum
         dp_group = self.ps.group(DP_CP)
@@ -202,6 +209,8 @@ class Trainer:
         load_t = torch.stack(list(loads.values())) if loads else torch.zeros(0)
         if loads and self.ps.size(DP_CP) > 1:
             dist.all_reduce(load_t, group=dp_group)
+        if loads and self.ps.size(TP) > 1:
+            dist.all_reduce(load_t, group=self.ps.group(TP))
         dt = time.perf_counter() - t0
         extra: dict[str, Any] = {
             "tokens_per_s": self.tokens_per_step / dt,
