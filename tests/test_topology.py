@@ -4,7 +4,6 @@ allocations that break rules, and (multi-process) the trainer's groups equal the
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -189,13 +188,12 @@ def test_nvl72_shapes(nodes, sizes):
         assert set(rm.tiers("ep")) == {"nvlink"}  # the rest of the rack holds dp, so EP stays on NVLink
 
 
-def test_rank_map_of_16384_gpus_is_fast():
+def test_rank_map_of_16384_gpus():
+    # Its speed is measured by benchmarks/bench_rank_map.py, not asserted here.
     cfg = _cfg(pp=16, dp=128, cp=1, tp=8, ep=1, nodes=2048)
-    t0 = time.perf_counter()
     rm = build_rank_map(cfg, profile=H100)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0  # loose sanity bound; benchmarks/bench_rank_map.py measures it
     assert rm.world == 16384 and not rm.broken_rules
+    assert sorted(r for g in rm.groups("tp") for r in g) == list(range(16384)), "tp groups partition the ranks"
 
 
 # ---------------------------------------------------------------------------------------------
