@@ -18,7 +18,7 @@ from moetrain.train.trainer import Trainer
 
 from multiproc import run_distributed
 from test_equivalence import assert_matches, merged, train_and_capture
-from test_resume import train_steps
+from test_resume import assert_resumed_like_uninterrupted, train_steps
 from test_tensor_parallel import capture as tp_capture
 
 
@@ -151,16 +151,16 @@ def test_resume_across_stages(second, zero3_checkpoint, uninterrupted, tiny_shar
     shutil.copytree(src / "checkpoints", tmp_path / "checkpoints")
     resumed = run_distributed(train_steps, second["dp"], str(tiny_shards), str(tmp_path), second, TOTAL - STOP,
                               False)[0]
-    assert resumed["start"] == STOP, "did not resume from the checkpoint"
-    losses = first["losses"] + resumed["losses"]
-    for step, (a, b) in enumerate(zip(losses, uninterrupted["losses"]), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} after resume vs {b} uninterrupted"
-    assert resumed["consumed"] == uninterrupted["consumed"]
+    assert_resumed_like_uninterrupted(first, resumed, uninterrupted, STOP)
 
 
-def test_zero_stage_is_accepted_by_preflight(tiny_shards, tmp_path):
+def test_zero_stages_accepted_before_launch_and_others_refused(tiny_shards, tmp_path):
     from conftest import tiny_config
-    from moetrain.launch.preflight import supported_now
+    from moetrain.config import ConfigError
+    from moetrain.launch.preflight import preflight
 
     for stage in (1, 2, 3):
-        supported_now(tiny_config(tiny_shards, tmp_path, parallel={"dp": 2, "zero_stage": stage}))
+        cfg = preflight(tiny_config(tiny_shards, tmp_path, parallel={"dp": 2, "zero_stage": stage}))
+        assert cfg.parallel.zero_stage == stage
+    with pytest.raises(ConfigError, match=r"parallel.zero_stage = 4: .* Fix: use 0, 1, 2 or 3"):
+        tiny_config(tiny_shards, tmp_path, parallel={"dp": 2, "zero_stage": 4})
