@@ -195,7 +195,8 @@ class Trainer:
             dist.all_reduce(scalars, group=self.ps.group(PP))
         if self.ps.size(TP) > 1:
             # Each tp rank routes its own 1/tp of the tokens: its aux / z parts (already scaled
-            # by configure_sequence_split), dropped fractions and expert loads add up over tp.
+            # by configure_sequence_split) and expert loads add up over tp; the LM loss, the
+            # MoE-layer count and (as a mean) the dropped fraction are taken once.
             dist.all_reduce(scalars, group=self.ps.group(TP))
             scalars[0] /= self.ps.size(TP)  # the LM loss is the whole loss on every tp rank
             scalars[3] /= self.ps.size(TP)
