@@ -24,6 +24,7 @@ import yaml
 
 __all__ = [
     "ConfigError",
+    "field_error",
     "RunConfig",
     "ModelConfig",
     "MoEConfig",
@@ -44,7 +45,8 @@ class ConfigError(ValueError):
     """A config field has a wrong name, type or value; the message says which and how to fix it."""
 
 
-def _err(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
+def field_error(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
+    """The one shape of every config message: ``<field> = <value>: <problem>. Fix: <fix>``."""
     return ConfigError(f"{field_name} = {value!r}: {problem}. Fix: {fix}")
 
 
@@ -326,31 +328,31 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
                 return _coerce(name, value, a)
             except ConfigError:
                 continue
-        raise _err(name, value, f"expected {_type_name(tp)}", f"give a value of type {_type_name(tp)}")
+        raise field_error(name, value, f"expected {_type_name(tp)}", f"give a value of type {_type_name(tp)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices:
             return value
-        raise _err(name, value, f"not one of {', '.join(repr(c) for c in choices)}",
+        raise field_error(name, value, f"not one of {', '.join(repr(c) for c in choices)}",
                    f"choose one of {', '.join(repr(c) for c in choices)}")
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise _err(name, value, "expected true or false", "write true or false")
+        raise field_error(name, value, "expected true or false", "write true or false")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _err(name, value, "expected an integer", "write a whole number such as 4")
+        raise field_error(name, value, "expected an integer", "write a whole number such as 4")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise _err(name, value, "expected a number", "write a number such as 1e-3")
+        raise field_error(name, value, "expected a number", "write a number such as 1e-3")
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        raise _err(name, value, "expected a string", "quote the value")
+        raise field_error(name, value, "expected a string", "quote the value")
     raise TypeError(f"unsupported annotation {tp!r} for {name}")
 
 
@@ -359,7 +361,7 @@ def _build_section(section: str, raw: Any) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise _err(section, raw, "a section must be a mapping of keys to values",
+        raise field_error(section, raw, "a section must be a mapping of keys to values",
                    f"write `{section}:` followed by indented `key: value` lines")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
@@ -368,7 +370,7 @@ def _build_section(section: str, raw: Any) -> Any:
         if key not in known:
             close = _closest(key, known)
             hint = f"did you mean {section}.{close}?" if close else f"valid keys: {', '.join(sorted(known))}"
-            raise _err(f"{section}.{key}", value, "unknown key", hint)
+            raise field_error(f"{section}.{key}", value, "unknown key", hint)
         kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
     return cls(**kwargs)
 
@@ -394,7 +396,7 @@ def config_from_dict(data: dict[str, Any], *, validate_config: bool = True) -> C
     for section in data:
         if section not in _SECTION_TYPES:
             close = _closest(section, set(_SECTION_TYPES))
-            raise _err(section, data[section], "unknown section",
+            raise field_error(section, data[section], "unknown section",
                        f"did you mean `{close}`?" if close else f"sections are {', '.join(_SECTION_TYPES)}")
     cfg = Config(**{name: _build_section(name, data.get(name)) for name in _SECTION_TYPES})
     if validate_config:
@@ -424,11 +426,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         section, key, value = parse_override(text)
         if section not in _SECTION_TYPES:
             close = _closest(section, set(_SECTION_TYPES))
-            raise _err(section, value, "unknown section in --set",
+            raise field_error(section, value, "unknown section in --set",
                        f"did you mean `{close}`?" if close else f"sections are {', '.join(_SECTION_TYPES)}")
         sec = out.setdefault(section, {}) or {}
         if not isinstance(sec, dict):
-            raise _err(section, sec, "a section must be a mapping", "fix the YAML file")
+            raise field_error(section, sec, "a section must be a mapping", "fix the YAML file")
         sec[key] = value
         out[section] = sec
     return out
@@ -528,7 +530,7 @@ def validate(cfg: Config) -> None:
 
     def positive(name: str, value: int | float) -> None:
         if value <= 0:
-            raise _err(name, value, "must be positive", "use a value greater than 0")
+            raise field_error(name, value, "must be positive", "use a value greater than 0")
 
     for name, value in [
         ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
@@ -549,19 +551,19 @@ def validate(cfg: Config) -> None:
                         ("moe.first_dense", moe.first_dense), ("train.min_lr", tr.min_lr),
                         ("data.val_batches", cfg.data.val_batches)]:
         if value < 0:
-            raise _err(name, value, "must not be negative", "use 0 or a positive value")
+            raise field_error(name, value, "must not be negative", "use 0 or a positive value")
     if m.vocab_size is not None:
         positive("model.vocab_size", m.vocab_size)
 
     # Model shape.
     if m.hidden % m.heads:
-        raise _err("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
+        raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
                    f"choose heads among {_nearest(m.heads, _divisors(m.hidden))} or change hidden")
     if (m.hidden // m.heads) % 2:
-        raise _err("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
+        raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
                    "choose heads so that hidden / heads is even")
     if m.heads % m.kv_heads:
-        raise _err("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
+        raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                    f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
 
     # MoE.
@@ -570,35 +572,35 @@ def validate(cfg: Config) -> None:
         positive("moe.every", moe.every)
         positive("moe.ffn_hidden", moe.ffn_hidden)
         if moe.top_k > moe.num_experts:
-            raise _err("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
+            raise field_error("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
                        f"use top_k <= {moe.num_experts}")
         if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-            raise _err("moe.capacity_factor", moe.capacity_factor, "must be positive",
+            raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
                        "use null for dropless or a value such as 1.25")
         if moe.num_experts % par.ep:
-            raise _err("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
+            raise field_error("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
                        f"choose ep among {_nearest(par.ep, [d for d in _divisors(moe.num_experts) if (par.dp * par.cp) % d == 0])}")
     elif par.ep != 1:
-        raise _err("parallel.ep", par.ep, "expert parallelism needs experts but moe.num_experts = 0",
+        raise field_error("parallel.ep", par.ep, "expert parallelism needs experts but moe.num_experts = 0",
                    "set parallel.ep=1 or give moe.num_experts")
     if (par.dp * par.cp) % par.ep:
-        raise _err("parallel.ep", par.ep,
+        raise field_error("parallel.ep", par.ep,
                    f"ep is carved out of dp × cp = {par.dp} × {par.cp} = {par.dp * par.cp} ranks and must divide it",
                    f"choose ep among {_nearest(par.ep, _divisors(par.dp * par.cp))} or raise dp/cp")
 
     # Parallel layout.
     if par.zero_stage not in (0, 1, 2, 3):
-        raise _err("parallel.zero_stage", par.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3")
+        raise field_error("parallel.zero_stage", par.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3")
     if m.heads % par.tp:
-        raise _err("parallel.tp", par.tp, f"model.heads={m.heads} is not divisible by it",
+        raise field_error("parallel.tp", par.tp, f"model.heads={m.heads} is not divisible by it",
                    f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
     if m.kv_heads % par.tp:
-        raise _err("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
+        raise field_error("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
                    f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
     stages = par.pp * par.virtual_stages
     uneven = par.pp_first_stage_layers is not None or par.pp_last_stage_layers is not None
     if not uneven and m.layers % stages:
-        raise _err("parallel.pp", par.pp,
+        raise field_error("parallel.pp", par.pp,
                    f"model.layers={m.layers} is not divisible by pp × virtual_stages = {stages}",
                    f"choose pp × virtual_stages among {_nearest(stages, _divisors(m.layers))}, or set "
                    f"parallel.pp_first_stage_layers / pp_last_stage_layers for an uneven split")
@@ -607,11 +609,11 @@ def validate(cfg: Config) -> None:
             pipeline_stage_layers(m.layers, stages, par.pp_first_stage_layers, par.pp_last_stage_layers)
         except ValueError as e:
             field = "pp_first_stage_layers" if par.pp_first_stage_layers is not None else "pp_last_stage_layers"
-            raise _err(f"parallel.{field}", getattr(par, field),
+            raise field_error(f"parallel.{field}", getattr(par, field),
                        f"{e} (model.layers={m.layers}, pp × virtual_stages={stages})",
                        "choose end-stage block counts that leave a multiple of the other stages' count") from None
     if par.virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
-        raise _err("parallel.virtual_stages", par.virtual_stages,
+        raise field_error("parallel.virtual_stages", par.virtual_stages,
                    f"pp_schedule={par.pp_schedule!r} runs one stage per rank",
                    "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
     seq_div = 2 * par.cp if par.cp > 1 else 1
@@ -625,51 +627,51 @@ def validate(cfg: Config) -> None:
             why = ("sequence parallelism" if par.sequence_parallel
                    else "MoE layers (each tp rank routes 1/tp of the sequence)")
             what = (what + " × " if what else "") + f"tp ({par.tp}) with {why}"
-        raise _err("model.seq_len", m.seq_len, f"not divisible by {what}",
+        raise field_error("model.seq_len", m.seq_len, f"not divisible by {what}",
                    f"use a seq_len that is a multiple of {seq_div}, e.g. {max(seq_div, m.seq_len // seq_div * seq_div)}")
     if par.sequence_parallel and par.tp == 1:
-        raise _err("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
+        raise field_error("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
                    "set parallel.sequence_parallel=false or tp >= 2")
     if m.vocab_size is not None and m.vocab_size % par.tp:
-        raise _err("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel embedding)",
+        raise field_error("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel embedding)",
                    "pad the vocabulary to a multiple of tp or set vocab_size: null")
 
     # Batch arithmetic.
     if tr.global_batch_size % (tr.micro_batch_size * par.dp):
         q = tr.micro_batch_size * par.dp
-        raise _err("train.global_batch_size", tr.global_batch_size,
+        raise field_error("train.global_batch_size", tr.global_batch_size,
                    f"not divisible by micro_batch_size × dp = {tr.micro_batch_size} × {par.dp} = {q}",
                    f"use a multiple of {q}, e.g. {max(q, tr.global_batch_size // q * q)}")
     if par.pp > 1 and cfg.grad_accum_steps < par.pp and par.pp_schedule != "gpipe":
-        raise _err("train.global_batch_size", tr.global_batch_size,
+        raise field_error("train.global_batch_size", tr.global_batch_size,
                    f"gives {cfg.grad_accum_steps} micro-batches per step but pp_schedule={par.pp_schedule!r} "
                    f"needs at least pp = {par.pp}",
                    f"use global_batch_size >= {par.pp * tr.micro_batch_size * par.dp}")
     if tr.min_lr > tr.lr:
-        raise _err("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
+        raise field_error("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
 
     # Launch.
     world = par.world_size
     tpn = ln.resolved_tasks_per_node(world)
     if ln.tasks_per_node is None and world % ln.nodes:
-        raise _err("launch.nodes", ln.nodes,
+        raise field_error("launch.nodes", ln.nodes,
                    f"world size pp·dp·cp·tp = {world} does not split evenly over the nodes",
                    f"choose nodes among {_nearest(ln.nodes, _divisors(world))} or set launch.tasks_per_node")
     if ln.nodes * tpn != world:
-        raise _err("launch.tasks_per_node", ln.tasks_per_node,
+        raise field_error("launch.tasks_per_node", ln.tasks_per_node,
                    f"nodes × tasks_per_node = {ln.nodes} × {tpn} = {ln.nodes * tpn} processes, but the world size "
                    f"pp × dp × cp × tp = {par.pp} × {par.dp} × {par.cp} × {par.tp} = {world}",
                    f"set launch.tasks_per_node={world // ln.nodes if world % ln.nodes == 0 else 'null'} "
                    f"or change the parallel sizes so their product is {ln.nodes * tpn}")
     if ln.cluster == "local" and ln.nodes != 1:
-        raise _err("launch.nodes", ln.nodes, "the local executor runs on this one machine",
+        raise field_error("launch.nodes", ln.nodes, "the local executor runs on this one machine",
                    "use launch.nodes=1 or launch.cluster=slurm")
     if ln.gpus_per_node and ln.gpus_per_node < tpn and ln.cluster == "slurm":
-        raise _err("launch.gpus_per_node", ln.gpus_per_node,
+        raise field_error("launch.gpus_per_node", ln.gpus_per_node,
                    f"fewer GPUs than tasks per node ({tpn}); one task drives one GPU",
                    f"set launch.gpus_per_node={tpn} or 0 for CPU runs")
     if ln.heartbeat_timeout_factor <= 1:
-        raise _err("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
+        raise field_error("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
                    "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")
 
 

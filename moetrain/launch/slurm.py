@@ -30,7 +30,7 @@ import submitit
 import yaml
 from submitit.slurm.slurm import SlurmExecutor
 
-from moetrain.config import Config, ConfigError
+from moetrain.config import Config, ConfigError, field_error
 
 __all__ = [
     "ClusterInfo",
@@ -50,11 +50,6 @@ __all__ = [
 
 class SlurmUnavailableError(RuntimeError):
     """SLURM's commands are missing, or slurmctld does not answer."""
-
-
-def _err(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
-    # Same shape as moetrain.config's messages: "<field> = <value>: <problem>. Fix: <fix>".
-    return ConfigError(f"{field_name} = {value!r}: {problem}. Fix: {fix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +87,7 @@ def _check_safe(kind: str, field_name: str, value: str) -> None:
         bad = sorted({c for c in value if not re.fullmatch(chars, c)})
         problem = (f"may only contain {allowed} and must start with a letter, digit or _"
                    + (f"; found {', '.join(repr(c) for c in bad)}" if bad else ""))
-    raise _err(field_name, value, problem + " (it is written into the sbatch script)", f"use {example}")
+    raise field_error(field_name, value, problem + " (it is written into the sbatch script)", f"use {example}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,12 +153,12 @@ def profile_gpus_per_node(profile: str) -> int | None:
         candidates += [base / f"{profile}.yaml", base / f"{profile}.yml"]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise _err("launch.profile", profile, "no such cluster profile",
+        raise field_error("launch.profile", profile, "no such cluster profile",
                    f"name a file in slurm/profiles/ (looked for {', '.join(str(c) for c in candidates)})")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise _err("launch.profile", profile, f"{path} is not valid YAML ({e})", "fix the profile file") from e
+        raise field_error("launch.profile", profile, f"{path} is not valid YAML ({e})", "fix the profile file") from e
     if not isinstance(data, dict):
         return None
     found = data.get("gpus_per_node")
@@ -173,7 +168,7 @@ def profile_gpus_per_node(profile: str) -> int | None:
     if found is None:
         return None
     if not isinstance(found, int) or isinstance(found, bool) or found <= 0:
-        raise _err("launch.profile", profile, f"{path} gives gpus_per_node = {found!r}",
+        raise field_error("launch.profile", profile, f"{path} gives gpus_per_node = {found!r}",
                    "write a positive integer in the profile")
     return found
 
@@ -190,7 +185,7 @@ def check_launch(cfg: Config, *, job_name: str) -> None:
     if ln.profile is not None:
         limit = profile_gpus_per_node(ln.profile)
         if limit is not None and ln.gpus_per_node > limit:
-            raise _err("launch.gpus_per_node", ln.gpus_per_node,
+            raise field_error("launch.gpus_per_node", ln.gpus_per_node,
                        f"cluster profile {ln.profile!r} has {limit} GPUs per node",
                        f"use launch.gpus_per_node <= {limit} (and fewer tasks per node), or another profile")
 
@@ -293,36 +288,36 @@ def check_against_cluster(cfg: Config, cluster: ClusterInfo) -> None:
     known = ", ".join(cluster.partitions) or "none"
     if ln.partition is None:
         if cluster.default_partition is None:
-            raise _err("launch.partition", None, "this cluster has no default partition",
+            raise field_error("launch.partition", None, "this cluster has no default partition",
                        f"set launch.partition to one of {known}")
         wanted = [cluster.default_partition]
     else:
         wanted = ln.partition.split(",")
         for p in wanted:
             if p not in cluster.partitions:
-                raise _err("launch.partition", ln.partition, f"no partition {p!r} on this cluster (it has {known})",
+                raise field_error("launch.partition", ln.partition, f"no partition {p!r} on this cluster (it has {known})",
                            f"set launch.partition to one of {known}, or null for the default "
                            f"({cluster.default_partition or 'none'})")
     where = f"partition {','.join(wanted)}"
     nodes = cluster.nodes_in(wanted)
     if ln.nodes > len(nodes):
-        raise _err("launch.nodes", ln.nodes, f"{where} has {len(nodes)} nodes",
+        raise field_error("launch.nodes", ln.nodes, f"{where} has {len(nodes)} nodes",
                    f"use launch.nodes <= {len(nodes)} or another partition")
     if ln.gpus_per_node:
         most = max((n.gpus for n in nodes), default=0)
         fit = [n for n in nodes if n.gpus >= ln.gpus_per_node]
         if not fit:
-            raise _err("launch.gpus_per_node", ln.gpus_per_node,
+            raise field_error("launch.gpus_per_node", ln.gpus_per_node,
                        f"the nodes of {where} have at most {most} GPUs each",
                        f"use launch.gpus_per_node <= {most} (with as many tasks per node), or another partition")
         if len(fit) < ln.nodes:
-            raise _err("launch.nodes", ln.nodes,
+            raise field_error("launch.nodes", ln.nodes,
                        f"only {len(fit)} nodes of {where} have {ln.gpus_per_node} GPUs",
                        f"use launch.nodes <= {len(fit)}, fewer GPUs per node, or another partition")
     cpus = ln.resolved_tasks_per_node(cfg.world_size) * ln.cpus_per_task
     most_cpus = max((n.cpus for n in nodes), default=0)
     if cpus > most_cpus:
-        raise _err("launch.cpus_per_task", ln.cpus_per_task,
+        raise field_error("launch.cpus_per_task", ln.cpus_per_task,
                    f"tasks_per_node × cpus_per_task = {cpus} CPUs, but the nodes of {where} have at most {most_cpus}",
                    f"use launch.cpus_per_task <= {max(1, most_cpus // ln.resolved_tasks_per_node(cfg.world_size))}")
 
