@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
@@ -103,8 +103,11 @@ class MoEConfig:
     ST-MoE eq. 5). ``norm_topk_prob``: renormalise the top-k probabilities to sum to 1 (Mixtral).
     ``capacity_factor``: ``null`` is dropless; a number caps each expert at
     capacity_factor·tokens·top_k/experts tokens and drops the rest (a deviation from dropless,
-    the dropped fraction is logged). ``expert_backend``: ``grouped`` is the pure-PyTorch path,
-    ``megablocks`` uses megablocks on CUDA when installed."""
+    the dropped fraction is logged). ``expert_backend``: how the experts compute —
+    ``loop`` one GEMM per expert (the reference path; the faster one on CPU), ``grouped_mm``
+    ``torch.nn.functional.grouped_mm`` (all experts in one kernel, no host read; the fast path
+    on CUDA in bf16), ``auto`` the faster for the device and precision (logged at start),
+    ``megablocks`` not available yet."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -116,7 +119,7 @@ class MoEConfig:
     z_loss_coef: float = 0.001
     capacity_factor: float | None = None
     norm_topk_prob: bool = True
-    expert_backend: Literal["grouped", "megablocks"] = "grouped"
+    expert_backend: Literal["auto", "loop", "grouped_mm", "megablocks"] = "auto"
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when block ``layer`` (0-based) carries an MoE layer instead of a dense MLP."""
@@ -183,7 +186,9 @@ class TrainConfig:
     (= micro_batch_size × accumulation × dp). ``lr``: peak learning rate after linear warm-up of
     ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps`` (Loshchilov & Hutter 2017).
     ``grad_clip``: max global L2 norm (0 disables). ``log_every`` / ``val_every`` in steps
-    (``val_every: 0`` disables validation)."""
+    (``val_every: 0`` disables validation). ``precision``: ``fp32``, or ``bf16`` — bf16 matmuls
+    and activations with fp32 master weights, gradients, gradient reduction and AdamW states, the
+    router and every loss in fp32 (see :mod:`moetrain.parallel.precision`)."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -198,7 +203,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     log_every: int = 1
     val_every: int = 25
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 @dataclass(frozen=True)
@@ -221,13 +226,16 @@ class LaunchConfig:
     the parallel sizes (world size / nodes). ``gpus_per_node``: 0 on CPU. ``time_min``: SLURM
     time limit in minutes. ``signal_delay_s``: seconds before the time limit at which SLURM sends
     the pre-timeout signal. ``max_restarts``: requeues (time-outs, preemptions, failures) before
-    the run gives up. ``profile``: cluster profile name or path (see slurm/)."""
+    the run gives up. ``profile``: cluster profile name or path (see slurm/).
+    ``cpus_per_task``: CPU cores per process, asked of SLURM and used as the process's torch
+    threads; ``null`` (default) asks SLURM for nothing and uses the cores the launcher gives the
+    task: SLURM's ``SLURM_CPUS_PER_TASK`` or the task's CPU affinity, shared by the local ranks."""
 
     cluster: Literal["local", "slurm"] = "local"
     nodes: int = 1
     tasks_per_node: int | None = None
     gpus_per_node: int = 0
-    cpus_per_task: int = 1
+    cpus_per_task: int | None = None
     mem_gb: float | None = None
     time_min: int = 60
     partition: str | None = None
@@ -367,12 +375,27 @@ def _build_section(section: str, raw: Any) -> Any:
     known = {f.name for f in fields(cls)}
     kwargs = {}
     for key, value in raw.items():
+        if f"{section}.{key}" in REMOVED_KEYS:
+            problem, fix = REMOVED_KEYS[f"{section}.{key}"](value)
+            raise field_error(f"{section}.{key}", value, problem, fix)
         if key not in known:
             close = _closest(key, known)
             hint = f"did you mean {section}.{close}?" if close else f"valid keys: {', '.join(sorted(known))}"
             raise field_error(f"{section}.{key}", value, "unknown key", hint)
         kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
     return cls(**kwargs)
+
+
+def _removed_dtype(value: Any) -> tuple[str, str]:
+    new = {"float32": "fp32", "bfloat16": "bf16"}.get(value, "fp32 or bf16")
+    return ("removed: it cast the whole model, gradients and optimizer states to that dtype; "
+            "train.precision trains in bf16 with fp32 master weights"), f"write `precision: {new}` in the train section"
+
+
+# Keys of earlier versions: (value) -> (problem, fix), so an old config fails with the way forward.
+REMOVED_KEYS: dict[str, Callable[[Any], tuple[str, str]]] = {
+    "train.dtype": _removed_dtype,
+}
 
 
 def _closest(key: str, known: set[str]) -> str | None:
@@ -540,7 +563,7 @@ def validate(cfg: Config) -> None:
         ("parallel.ep", par.ep), ("parallel.virtual_stages", par.virtual_stages),
         ("train.steps", tr.steps), ("train.micro_batch_size", tr.micro_batch_size),
         ("train.global_batch_size", tr.global_batch_size), ("train.lr", tr.lr),
-        ("launch.nodes", ln.nodes), ("launch.cpus_per_task", ln.cpus_per_task), ("launch.time_min", ln.time_min),
+        ("launch.nodes", ln.nodes), ("launch.time_min", ln.time_min),
         ("checkpoint.keep", cfg.checkpoint.keep), ("train.log_every", tr.log_every),
     ]:
         positive(name, value)
@@ -554,6 +577,8 @@ def validate(cfg: Config) -> None:
             raise field_error(name, value, "must not be negative", "use 0 or a positive value")
     if m.vocab_size is not None:
         positive("model.vocab_size", m.vocab_size)
+    if ln.cpus_per_task is not None:
+        positive("launch.cpus_per_task", ln.cpus_per_task)
 
     # Model shape.
     if m.hidden % m.heads:

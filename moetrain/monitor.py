@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from moetrain.launch.lifecycle import read_events, read_heartbeats, read_json
+from moetrain.train.records import read_events, read_heartbeats, read_json
 
 
 def registry_path() -> Path:

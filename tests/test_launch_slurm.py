@@ -96,7 +96,7 @@ def test_dry_run_script_has_sbatch_lines(tmp_path):
     assert lines[0] == "#!/bin/bash"
     for line in ["#SBATCH --job-name=moe-demo", "#SBATCH --partition=gpu", "#SBATCH --account=proj1",
                  "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=2",
-                 "#SBATCH --cpus-per-task=1", "#SBATCH --mem=16GB", "#SBATCH --time=45",
+                 "#SBATCH --mem=16GB", "#SBATCH --time=45",
                  "#SBATCH --signal=USR2@100", "#SBATCH --requeue"]:
         assert line in lines, line
     assert any(line.startswith("srun ") and "submitit.core._submit" in line for line in lines)

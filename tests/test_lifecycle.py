@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from moetrain.launch.lifecycle import Fence, Heartbeat, StaleAttemptError, Watchdog, read_events
+from moetrain.launch.lifecycle import Watchdog
+from moetrain.train.records import Fence, Heartbeat, StaleAttemptError, read_events
 from moetrain.train.checkpoint import list_checkpoints
 from moetrain.train.trainer import Trainer
 

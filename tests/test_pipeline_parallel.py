@@ -23,7 +23,7 @@ import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
 from moetrain.config import ConfigError
-from moetrain.launch.preflight import supported_now
+from moetrain.parallel.support import check_supported
 from moetrain.parallel.pipeline import split_model, stage_blocks, stage_ids
 from moetrain.train.trainer import Trainer
 
@@ -299,4 +299,4 @@ def test_schedule_splits_the_batch_into_the_micro_batches():
 def test_unsupported_pipeline_layouts_are_refused(override, field, tiny_shards, tmp_path):
     cfg = tiny_config(str(tiny_shards), str(tmp_path), **{"model": LAYERS, **override})
     with pytest.raises(ConfigError, match=field):
-        supported_now(cfg)
+        check_supported(cfg)

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from moetrain.config import to_dict
-from moetrain.launch.lifecycle import read_events
+from moetrain.train.records import read_events
 from moetrain.launch.slurm import SlurmUnavailableError, query_cluster
 from moetrain.train.checkpoint import list_checkpoints, verify_checkpoint
 

@@ -7,9 +7,8 @@ global batch of optimizer step ``s`` is the ``global_batch`` samples at position
 contiguous slice of it and cuts it into micro-batches. The whole position is therefore one
 number, ``consumed_samples`` (Megatron's name), saved with every checkpoint.
 
-Under context parallelism each cp rank of a dp slice gets the same samples cut to its two
-sequence chunks (:func:`moetrain.parallel.context.cp_shard`): chunk r and chunk 2·cp−1−r of the
-inputs and of the targets.
+Under context parallelism every cp rank of a dp slice loads the same samples; the trainer cuts
+them to the rank's two sequence chunks (``moetrain.parallel.context.cp_shard``).
 
 Because the global batch does not depend on dp or cp, any layout sees the same samples in the
 same optimizer step as one process does.
@@ -27,7 +26,8 @@ from moetrain.data.shards import TokenShards
 
 @dataclass
 class MicroBatch:
-    """inputs, targets: [micro_batch, seq_len / cp] int64 token ids."""
+    """inputs, targets: [micro_batch, seq_len] int64 token ids ([micro_batch, seq_len / cp] once
+    the trainer has cut them for context parallelism)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -39,7 +39,7 @@ class BatchLoader:
     Args:
         shards: the memory-mapped split. seq_len: S. global_batch: samples per optimizer step
         over all dp ranks. micro_batch: samples per forward. dp_rank, dp_size: this rank's slice.
-        seed: permutation seed. cp_rank, cp_size: this rank's context-parallel chunks.
+        seed: permutation seed.
 
     Raises:
         ValueError: the split holds fewer samples than one global batch, or the batch arithmetic
@@ -47,13 +47,12 @@ class BatchLoader:
     """
 
     def __init__(self, shards: TokenShards, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, shuffle: bool = True, cp_rank: int = 0, cp_size: int = 1):
+                 dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} not divisible by micro_batch × dp = {micro_batch * dp_size}")
         self.shards, self.seq_len = shards, seq_len
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
-        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.num_samples = shards.num_samples(seq_len)
         if self.num_samples < global_batch:
             raise ValueError(f"{shards.split} split has {self.num_samples} samples of {seq_len + 1} tokens, "
@@ -78,7 +77,7 @@ class BatchLoader:
         rows = [self.shards.sample(self._sample_id(start + i), self.seq_len) for i in range(per_rank)]
         self.consumed_samples += self.global_batch
         tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return _micro_batches(tokens, self.micro_batch, self.cp_rank, self.cp_size)
+        return _micro_batches(tokens, self.micro_batch)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len}
@@ -87,19 +86,15 @@ class BatchLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def _micro_batches(tokens: torch.Tensor, micro_batch: int, cp_rank: int, cp_size: int) -> list[MicroBatch]:
-    """[n, S+1] samples → micro-batches of (inputs, targets), each cut to this cp rank's chunks."""
+def _micro_batches(tokens: torch.Tensor, micro_batch: int) -> list[MicroBatch]:
+    """[n, S+1] samples → micro-batches of (inputs, targets)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    if cp_size > 1:
-        from moetrain.parallel.context import cp_shard
-
-        inputs, targets = cp_shard(inputs, cp_rank, cp_size, 1), cp_shard(targets, cp_rank, cp_size, 1)
     return [MicroBatch(i.contiguous(), t.contiguous())
             for i, t in zip(inputs.split(micro_batch), targets.split(micro_batch))]
 
 
 def validation_batches(shards: TokenShards, seq_len: int, micro_batch: int, batches: int,
-                       dp_rank: int, dp_size: int, cp_rank: int = 0, cp_size: int = 1) -> list[MicroBatch]:
+                       dp_rank: int, dp_size: int) -> list[MicroBatch]:
     """The first ``batches × micro_batch × dp_size`` validation samples (capped by the split's
     size), in order, split over dp ranks: a fixed set, so every evaluation is comparable."""
     total = min(shards.num_samples(seq_len), batches * micro_batch * dp_size)
@@ -108,4 +103,4 @@ def validation_batches(shards: TokenShards, seq_len: int, micro_batch: int, batc
         return []
     rows = [shards.sample(dp_rank * per_rank + i, seq_len) for i in range(per_rank)]
     tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
-    return _micro_batches(tokens, micro_batch, cp_rank, cp_size)
+    return _micro_batches(tokens, micro_batch)

@@ -61,6 +61,18 @@ def master_port(job_id: str, restart: int) -> int:
     return 20000 + zlib.crc32(f"{job_id}/{restart}".encode()) % 30000
 
 
+def process_threads(cpus_per_task: int | None, local_world_size: int) -> tuple[int, str]:
+    """Torch threads for one rank, and why: ``launch.cpus_per_task`` when set; else SLURM's
+    ``SLURM_CPUS_PER_TASK``; else the cores this process may run on (its CPU affinity: on SLURM
+    with task binding, the task's own) shared by the ranks of this node."""
+    if cpus_per_task is not None:
+        return cpus_per_task, "launch.cpus_per_task"
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(os.environ["SLURM_CPUS_PER_TASK"]), "SLURM_CPUS_PER_TASK"
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores // max(1, local_world_size)), f"{cores} cores / {local_world_size} local ranks"
+
+
 class RestartsExhausted(RuntimeError):
     """The run was restarted more than ``launch.max_restarts`` times."""
 
@@ -85,7 +97,10 @@ class TrainJob(submitit.helpers.Checkpointable):
         os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), restart))
         denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         setup_logging(denv.rank)
-        torch.set_num_threads(max(1, cfg.launch.cpus_per_task))
+        threads, why = process_threads(cfg.launch.cpus_per_task, denv.local_world_size)
+        torch.set_num_threads(threads)
+        if denv.rank == 0:
+            log.info("torch threads per process: %d (%s)", threads, why)
 
         if restart > cfg.launch.max_restarts:
             msg = (f"restart {restart} exceeds launch.max_restarts={cfg.launch.max_restarts}: giving up; "

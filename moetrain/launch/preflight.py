@@ -8,27 +8,7 @@ from __future__ import annotations
 
 from moetrain.config import Config, ConfigError, padded_vocab
 from moetrain.data.shards import ShardError, read_manifest
-
-
-def supported_now(cfg: Config) -> None:
-    """Refuse what this version cannot run yet (before launch, not in the ranks).
-
-    Raises:
-        ConfigError: naming the field.
-    """
-    p = cfg.parallel
-    not_yet = [  # (field, value, requested): one line per dimension still missing
-        ("moe.expert_backend", cfg.moe.expert_backend, cfg.moe.expert_backend != "grouped"),
-        ("model.attention_backend", cfg.model.attention_backend, cfg.model.attention_backend != "sdpa"),
-    ]
-    for name, value, requested in not_yet:
-        if requested:
-            raise ConfigError(f"{name} = {value!r}: not supported by this version of moetrain yet. "
-                              f"Fix: use the default for {name}")
-    if p.pp > 1:  # what pipeline parallelism does not compose with yet, and its schedules' rules
-        from moetrain.parallel.pipeline import check_pipeline_layout
-
-        check_pipeline_layout(cfg)
+from moetrain.parallel.support import check_supported
 
 
 def resolve_vocab(cfg: Config) -> Config:
@@ -52,7 +32,9 @@ def resolve_vocab(cfg: Config) -> Config:
 
 
 def preflight(cfg: Config) -> Config:
-    supported_now(cfg)
+    """The resolved config, or :class:`ConfigError` for anything wrong with it (see the module
+    docstring): what this version supports, the vocabulary, the SLURM request."""
+    check_supported(cfg)
     cfg = resolve_vocab(cfg)
     if cfg.launch.cluster == "slurm":
         from moetrain.launch.slurm import validate_slurm

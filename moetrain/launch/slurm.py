@@ -114,13 +114,14 @@ def slurm_executor_params(cfg: Config, *, job_name: str) -> dict[str, Any]:
         "name": job_name,
         "nodes": ln.nodes,
         "tasks_per_node": ln.resolved_tasks_per_node(cfg.world_size),
-        "cpus_per_task": ln.cpus_per_task,
         "timeout_min": ln.time_min,
         "slurm_signal_delay_s": ln.signal_delay_s,
         # Preempted or failed-node jobs come back (and resume from their checkpoint) even on
         # clusters whose JobRequeue default is 0; submitit's own requeue needs it too.
         "slurm_additional_parameters": {"requeue": True},
     }
+    if ln.cpus_per_task is not None:
+        params["cpus_per_task"] = ln.cpus_per_task
     if ln.gpus_per_node:
         params["gpus_per_node"] = ln.gpus_per_node
     if ln.mem_gb is not None:
@@ -314,7 +315,7 @@ def check_against_cluster(cfg: Config, cluster: ClusterInfo) -> None:
             raise field_error("launch.nodes", ln.nodes,
                        f"only {len(fit)} nodes of {where} have {ln.gpus_per_node} GPUs",
                        f"use launch.nodes <= {len(fit)}, fewer GPUs per node, or another partition")
-    cpus = ln.resolved_tasks_per_node(cfg.world_size) * ln.cpus_per_task
+    cpus = ln.resolved_tasks_per_node(cfg.world_size) * (ln.cpus_per_task or 1)  # SLURM's default: 1
     most_cpus = max((n.cpus for n in nodes), default=0)
     if cpus > most_cpus:
         raise field_error("launch.cpus_per_task", ln.cpus_per_task,

@@ -6,6 +6,13 @@ D hidden, H query heads, G kv heads, Dh head dim, F ffn width.
 Every module is single-device and can be built on the meta device; ``reset_parameters`` is
 not used. Initialisation is done by :func:`moetrain.model.init.init_weights` so that it does
 not depend on how parameters are later split over ranks.
+
+Mixed precision (``train.precision: bf16``): parameters stay fp32 (the master weights) and every
+module that holds weights casts them to its ``compute_dtype`` where it uses them, so matmuls and
+activations run in bf16 while autograd returns fp32 gradients to the fp32 parameters (the cast's
+backward). :func:`set_compute_dtype` sets it on a whole model. Under ZeRO, FSDP2's
+``MixedPrecisionPolicy`` has already cast the weights and the casts here are no-ops: both paths
+compute the same thing (see :mod:`moetrain.parallel.precision`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,37 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``w`` in ``dtype`` (``None``: as it is). Differentiable: the gradient returns in w's dtype."""
+    return w if dtype is None else w.to(dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (tensor parallelism styles accept it) computing in ``compute_dtype``:
+    x: [..., in] → [..., out] in ``compute_dtype`` (or the weight's dtype when ``None``)."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = cast(self.weight, self.compute_dtype)
+        return F.linear(x.to(w.dtype), w, None if self.bias is None else cast(self.bias, self.compute_dtype))
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` returning rows in ``compute_dtype``: ids [...] → [..., D]."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, cast(self.weight, self.compute_dtype))
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019). x: [..., D] → [..., D]; computed in fp32."""
+    """Root-mean-square layer norm (Zhang & Sennrich 2019). x: [..., D] → [..., D] in x's dtype;
+    the statistics and the scaling are computed in fp32 whatever the compute dtype (the weight
+    itself is the compute-dtype copy, as FSDP's mixed precision gives it)."""
+
+    compute_dtype: torch.dtype | None = None
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -28,7 +64,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * cast(self.weight, self.compute_dtype).float()).to(x.dtype)
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Set ``compute_dtype`` on every module of ``model`` that has one (``None``: compute in the
+    parameters' own dtype). Modules that must stay fp32 (the MoE router) do not have one."""
+    for m in model.modules():
+        if hasattr(type(m), "compute_dtype"):
+            m.compute_dtype = dtype
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +115,10 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = Linear(n_heads * head_dim, dim, bias=False)
         self.kernel: AttentionKernel = sdpa_causal
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,9 +137,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -12,7 +12,19 @@ trip) → unpermute and weight by the router probabilities.
 The router's auxiliary losses are attached to the layer's output with :class:`AttachAuxLoss`:
 their gradient flows in backward without being returned through the model, which keeps
 pipeline stages free of extra outputs (the same device as Megatron-Core's
-``MoEAuxLossAutoScaler``). Their values are summed on the module in :attr:`MoE.stats_accum` for logging.
+``MoEAuxLossAutoScaler``). Their values, the tokens per expert and the dropped fraction are
+summed on the device in :attr:`MoE.stats_accum`; the trainer reads them once per step.
+
+Precision: the router (logits, softmax, top-k) and both losses are fp32 whatever the compute
+dtype; the experts compute in ``compute_dtype``; the weighted sum over the top-k is fp32.
+
+Host reads (device → host copies; on a GPU each stalls the queue): none on the dropless path with
+the ``grouped_mm`` backend. The ``loop`` backend needs the per-expert row counts on the host (its
+split sizes): one read per layer per micro-batch, or none when the dispatcher already has them
+there (the all-to-all's split sizes, :mod:`moetrain.parallel.expert`). A capacity factor selects
+the kept rows by a boolean mask: one read per layer per micro-batch. Ops that hide a sync on CUDA
+are avoided: ``bincount`` (sizes its output from the max), ``repeat_interleave`` without
+``output_size``.
 """
 
 from __future__ import annotations
@@ -25,7 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import FeedForward
+from moetrain.model.layers import FeedForward, cast
+from moetrain.model.recompute import is_recomputing
+
+# ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
+# :func:`resolve_expert_backend`).
+EXPERT_BACKENDS = ("loop", "grouped_mm")
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -51,6 +68,7 @@ class DispatchHandle:
     order: torch.Tensor  # [N] positions in the flattened T·K assignments, sorted by expert
     num_assignments: int  # T·K
     kept: torch.Tensor | None  # [N_all] bool, False for assignments dropped by the capacity factor
+    host_counts: list[int] | None = None  # rows per local expert, when already on the host
 
 
 class LocalDispatcher:
@@ -62,7 +80,7 @@ class LocalDispatcher:
     def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Group assignments by expert. Returns x_ND (rows grouped by expert), counts_E (rows per
-        expert, a CPU long tensor) and the handle for :meth:`combine`."""
+        expert, int64 on x's device) and the handle for :meth:`combine`."""
         x_ND, counts_E, handle = permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
         return x_ND, counts_E, handle
 
@@ -75,21 +93,29 @@ def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_exper
                       ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Sort the T·K token-expert assignments by expert (stable, so token order is kept within an
     expert). With ``capacity`` each expert keeps its first ``capacity`` assignments (Switch §2.2
-    drops by position) and the rest are dropped. Returns x_ND, counts_E (int64, CPU), handle."""
+    drops by position) and the rest are dropped (a boolean selection: one host read). Returns
+    x_ND, counts_E (int64 on the device of ``expert_idx_TK``), handle."""
     K = expert_idx_TK.shape[1]
     flat = expert_idx_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     kept = None
     if capacity is not None:
         # Position of each sorted assignment inside its expert's run.
         starts = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(flat.numel(), device=flat.device) - starts.repeat_interleave(counts)
+        pos = torch.arange(flat.numel(), device=flat.device) - starts.repeat_interleave(counts, output_size=flat.numel())
         kept = pos < capacity
         order = order[kept]
         counts = counts.clamp(max=capacity)
     x_ND = x_TD[order // K]
-    return x_ND, counts.cpu(), DispatchHandle(order=order, num_assignments=flat.numel(), kept=kept)
+    return x_ND, counts, DispatchHandle(order=order, num_assignments=flat.numel(), kept=kept)
+
+
+def expert_counts(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert: expert_idx [...] int64 → [E] int64 on the same device, without a
+    host read (``torch.bincount`` reads the max on CUDA)."""
+    flat = expert_idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def unpermute(y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -103,25 +129,71 @@ class GroupedExperts(nn.Module):
 
     w1, w3: [El, D, F]; w2: [El, F, D]. ``expert_offset`` is the global index of local expert 0
     (non-zero under expert parallelism); initialisation uses it so every layout gets the same
-    weights. The compute is a loop of per-expert GEMMs in plain PyTorch (the portable path);
-    rows are grouped by expert with ``counts`` rows each.
+    weights. ``backend`` (one of :data:`EXPERT_BACKENDS`):
+
+    * ``loop`` — one GEMM per expert in plain PyTorch, the reference path (and the faster one on
+      CPU); needs the row counts on the host;
+    * ``grouped_mm`` — ``torch.nn.functional.grouped_mm`` with offsets computed on the device: all
+      experts in one kernel, no host read (the fast path on CUDA, bf16).
+
+    Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`).
     """
 
-    def __init__(self, dim: int, hidden: int, num_local: int, expert_offset: int = 0, num_experts: int | None = None):
+    compute_dtype: torch.dtype | None = None
+
+    def __init__(self, dim: int, hidden: int, num_local: int, expert_offset: int = 0, num_experts: int | None = None,
+                 backend: str = "loop"):
         super().__init__()
         self.num_local, self.expert_offset = num_local, expert_offset
         self.num_experts = num_experts if num_experts is not None else num_local
+        self.backend = backend
         self.w1 = nn.Parameter(torch.empty(num_local, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_local, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, dim))
 
-    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None
+                ) -> torch.Tensor:
+        """x_ND: rows grouped by local expert, ``counts_El[e]`` rows for expert e ([El] int64 on
+        x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D]."""
+        w1, w3, w2 = (cast(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
+        x_ND = x_ND.to(w1.dtype)
+        if self.backend == "grouped_mm":
+            # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
+            offs = torch.cumsum(counts_El, 0, dtype=torch.int32)
+            h_NF = F.silu(F.grouped_mm(x_ND, w1, offs=offs)) * F.grouped_mm(x_ND, w3, offs=offs)
+            return F.grouped_mm(h_NF, w2, offs=offs)
+        if self.backend != "loop":
+            raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
+        sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
         outs = []
-        for e, x in enumerate(torch.split(x_ND, counts_El.tolist())):
+        for e, x in enumerate(torch.split(x_ND, sizes)):
             # Empty groups still touch the weights so every expert gets a (zero) gradient.
-            h = F.silu(x @ self.w1[e]) * (x @ self.w3[e])
-            outs.append(h @ self.w2[e])
-        return torch.cat(outs) if outs else x_ND.new_zeros(0, self.w2.shape[-1])
+            h = F.silu(x @ w1[e]) * (x @ w3[e])
+            outs.append(h @ w2[e])
+        return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
+
+
+def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """The backend ``moe.expert_backend`` stands for on ``device``: ``auto`` is ``grouped_mm`` on
+    CUDA in bf16 (one kernel for all experts; torch's CUDA grouped GEMM takes bf16) and ``loop``
+    elsewhere (on CPU the loop measured 1.1–1.9× faster than grouped_mm, ../shared/FACTS.md).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if requested == "auto":
+        return "grouped_mm" if device.type == "cuda" and compute_dtype == torch.bfloat16 else "loop"
+    if requested not in EXPERT_BACKENDS:
+        raise ValueError(f"expert backend {requested!r}: expected auto or one of {', '.join(EXPERT_BACKENDS)}")
+    return requested
+
+
+class Router(nn.Linear):
+    """The routing projection, always in fp32 (logits, softmax and top-k decide which expert a
+    token goes to; bf16 rounding flips close choices): x [T, D] → logits [T, E] fp32."""
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TD.float(), self.weight.float())
 
 
 SeqCountReducer = Callable[[torch.Tensor], torch.Tensor]
@@ -146,7 +218,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = Router(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, num_experts, 0, num_experts)
         self.shared = FeedForward(dim, hidden * shared_experts) if shared_experts else None
         self.dispatcher: Any = LocalDispatcher(num_experts)
@@ -158,20 +230,24 @@ class MoE(nn.Module):
         # Multiplies the local aux loss when a sequence is split over ranks whose gradients are
         # averaged (cp): each rank's part must count fully, see router_losses.
         self.seq_split_scale = 1.0
+        # Ranks one sequence is split over (cp × tp, each holding an equal part): the full
+        # sequence length is the local one times this.
+        self.seq_split_size = 1
         # Multiplies the local z-loss when tokens are split over ranks whose gradients are summed
         # (tp: 1/tp), so the sum over those ranks is the mean over all tokens.
         self.token_split_scale = 1.0
-        # Sums over the micro-batches of a step, reset by the trainer (``{}``): aux_loss, z_loss,
-        # dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
+        # Sums over the micro-batches of a step, on the device, reset by the trainer (``{}``):
+        # aux_loss, z_loss, dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
         self.stats_accum: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, handle: Any) -> None:
         kept = handle_kept(handle)
-        new = {"aux_loss": aux.detach().double().cpu(), "z_loss": z.detach().double().cpu(),
-               "tokens_per_expert": torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts).double().cpu(),
-               "dropped_fraction": torch.tensor(0.0 if kept is None else float((~kept).sum()) / idx_TK.numel(),
-                                                dtype=torch.float64)}
+        dropped = (torch.zeros((), dtype=torch.float64, device=idx_TK.device) if kept is None
+                   else (~kept).sum(dtype=torch.float64) / idx_TK.numel())
+        new = {"aux_loss": aux.detach().double(), "z_loss": z.detach().double(),
+               "tokens_per_expert": expert_counts(idx_TK, self.num_experts).double(),
+               "dropped_fraction": dropped}
         for k, v in new.items():
             self.stats_accum[k] = self.stats_accum[k] + v if k in self.stats_accum else v
 
@@ -189,10 +265,9 @@ class MoE(nn.Module):
         B, S, E = probs_BSE.shape
         counts_BE = torch.zeros(B, E, device=idx_BSK.device, dtype=probs_BSE.dtype)
         counts_BE.scatter_add_(1, idx_BSK.reshape(B, -1), torch.ones_like(idx_BSK.reshape(B, -1), dtype=probs_BSE.dtype))
-        seq_len = S
+        seq_len = S * self.seq_split_size
         if self.seq_count_reducer is not None:
             counts_BE = self.seq_count_reducer(counts_BE)
-            seq_len = int(round(counts_BE[0].sum().item() / self.top_k))
         psum_BE = probs_BSE.sum(1)
         aux = (counts_BE * psum_BE).sum(-1).mean() * (E / (seq_len * seq_len * self.top_k)) * self.seq_split_scale
         z = torch.logsumexp(logits_BSE, dim=-1).pow(2).mean() * self.token_split_scale
@@ -203,7 +278,7 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(-1, D)
 
         # 1. route: softmax over all experts in fp32, pick top-k.
-        logits_TE = self.router(x_TD).float()
+        logits_TE = self.router(x_TD)
         probs_TE = logits_TE.softmax(-1)
         topk_p_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -217,26 +292,21 @@ class MoE(nn.Module):
         x_ND, counts_El, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, capacity)
 
         # 4. expert compute, rows grouped by local expert.
-        y_ND = self.experts(x_ND, counts_El)
+        y_ND = self.experts(x_ND, counts_El, handle.host_counts)
 
-        # 5.-6. return to the source rank, restore assignment order, weight and sum over k.
+        # 5.-6. return to the source rank, restore assignment order, weight (fp32) and sum over k.
         y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
-        y_TD = (y_TKD * topk_p_TK.unsqueeze(-1).to(y_TKD.dtype)).sum(1)
+        y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
 
-        if not _in_backward():  # activation recomputation must not count twice
+        if not is_recomputing():  # activation recomputation must not count twice
             self._record_stats(aux, z, topk_idx_TK, handle)
         total_aux = self.aux_loss_coef * aux + self.z_loss_coef * z
         out = y_TD.view(B, S, D).to(x_BSD.dtype)
         if self.training and total_aux.requires_grad:
             out = AttachAuxLoss.apply(out, total_aux, self.aux_loss_scale)
         return out
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. recomputing a checkpointed forward)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def handle_kept(handle: Any) -> torch.Tensor | None:

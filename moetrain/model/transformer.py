@@ -21,8 +21,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.config import Config
-from moetrain.model.layers import Attention, FeedForward, RMSNorm, rope_cos_sin
+from moetrain.model.layers import Attention, Embedding, FeedForward, Linear, RMSNorm, rope_cos_sin
 from moetrain.model.moe import MoE
+from moetrain.model.recompute import recompute_context
 
 
 class Block(nn.Module):
@@ -49,7 +50,8 @@ class Block(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, use_reentrant=False,
+                                                     context_fn=recompute_context)
         return self._forward(x_BSD, cos, sin)
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +61,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids [B, S] → logits [B, S, V] (fp32).
+    """Token ids [B, S] → logits [B, S, V] (fp32, whatever the compute dtype: the loss is fp32).
 
     ``positions`` ([S], optional) gives each local token's global position for RoPE; it is
     needed when a rank holds a non-contiguous part of the sequence (context parallelism).
@@ -72,14 +74,14 @@ class Transformer(nn.Module):
         m = cfg.model
         if m.vocab_size is None:
             raise ValueError("model.vocab_size is unresolved; resolve it from the data manifest first "
-                             "(moetrain.train.setup.resolve_config)")
+                             "(moetrain.launch.preflight.resolve_vocab) or set it in the config")
         self.cfg = cfg
         self.head_dim = m.hidden // m.heads
         self.rope_theta = m.rope_theta
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab_size, m.hidden)
+        self.tok_embeddings: nn.Embedding | None = Embedding(m.vocab_size, m.hidden)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab_size, bias=False)
+        self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Global positions of the local tokens when they are not 0..S-1 (context parallelism
@@ -98,7 +100,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         S = h.shape[1]
         if positions is None:
-            positions = self.positions if self.positions is not None else torch.arange(S)
+            positions = self.positions if self.positions is not None else torch.arange(S, device=h.device)
         positions = positions.to(h.device)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
         for block in self.layers.values():

@@ -10,15 +10,17 @@ The order is fixed; each step says why it sits where it does:
    then, when a sequence is split over cp × tp ranks, make the MoE losses add up across them;
 5. context parallelism — swap the attention kernel for ring attention over cp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
-7. ZeRO / FSDP wrapping — last, as it takes over the (possibly DTensor) parameters;
-8. materialise on the device and initialise with layout-independent values.
+7. ZeRO / FSDP wrapping — last, as it takes over the (possibly DTensor) parameters; with bf16
+   its mixed-precision policy all-gathers bf16 copies of the fp32 shards;
+8. materialise on the device, initialise with layout-independent values (fp32: the master
+   weights), set the compute dtype and the expert backend (see
+   :mod:`moetrain.parallel.precision`).
 
 Steps that a layout does not use are skipped here, by this caller, never inside the step.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Protocol
 
 import torch
@@ -27,15 +29,19 @@ from torch import nn
 from moetrain.config import Config
 from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
+from moetrain.model.layers import set_compute_dtype
+from moetrain.model.loss import lm_loss
+from moetrain.model.moe import GroupedExperts, resolve_expert_backend
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.expert import apply_expert_parallel, configure_sequence_split
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
+from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, CP_TP, EP, PP, TP, ParallelState
-from moetrain.parallel.tensor import apply_tensor_parallel
+from moetrain.parallel.support import check_supported
+from moetrain.parallel.tensor import apply_tensor_parallel, loss_context
 from moetrain.parallel.zero import ZeroMicroBatchSync, apply_zero
-from moetrain.train.loss import lm_loss
 
 
 class StepRunner(Protocol):
@@ -43,20 +49,11 @@ class StepRunner(Protocol):
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Back-propagate mean(lm loss)/len(micro_batches) per micro-batch; return the sum of the
-        micro-batches' LM losses as a float64 CPU scalar (0 on ranks that compute no loss)."""
+        micro-batches' LM losses as a float64 scalar on the training device (0 on ranks that
+        compute no loss), without reading it to the host."""
 
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of LM losses without gradients (validation); same conventions."""
-
-
-def loss_context(ps: ParallelState) -> contextlib.AbstractContextManager:
-    """``loss_parallel`` under tensor parallelism (the vocabulary-sharded cross-entropy needs its
-    forward *and* backward inside it), a no-op context otherwise."""
-    if ps.size(TP) > 1:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-    return contextlib.nullcontext()
 
 
 class SingleStageRunner:
@@ -72,22 +69,22 @@ class SingleStageRunner:
         return lm_loss(self.model(mb.inputs.to(self.device)), mb.targets.to(self.device))
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:  # [zero]
                 self.before_micro_batch(i, len(micro_batches))
             with loss_context(self.ps):
                 loss = self._loss(mb)
                 (loss / len(micro_batches)).backward()
-            total += _plain(loss).detach().double().cpu()
+            total += _plain(loss).detach()
         return total
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             with loss_context(self.ps):
-                total += _plain(self._loss(mb)).double().cpu()
+                total += _plain(self._loss(mb))
         return total
 
 
@@ -114,11 +111,18 @@ def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
         holder, _, leaf = alias.rpartition(".")
         setattr(part.get_submodule(holder), leaf, part.get_parameter(name))
     init_weights(part, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
-    if cfg.train.dtype != "float32":
-        part.to({"bfloat16": torch.bfloat16}[cfg.train.dtype])
     for name, p in part.named_parameters():
         for k, v in tags.get(name, {}).items():
             setattr(p, k, v)
+    if part.positions is not None:  # RoPE positions set by tp / cp: once to the device, not per forward
+        part.positions = part.positions.to(ps.device)
+    # Parameters stay fp32 (master weights); modules compute in the precision's dtype.
+    dtype = compute_dtype(cfg.train.precision)
+    set_compute_dtype(part, dtype)
+    backend = resolve_expert_backend(cfg.moe.expert_backend, ps.device, dtype)
+    for m in part.modules():
+        if isinstance(m, GroupedExperts):
+            m.backend = backend
 
 
 def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer], StepRunner]:
@@ -129,9 +133,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         NotImplementedError: a dimension that this version cannot apply yet was requested
             (``moetrain.launch.preflight`` refuses it before launch).
     """
-    from moetrain.launch.preflight import supported_now
-
-    supported_now(cfg)
+    check_supported(cfg)
 
     # 1. the full model, on meta: shapes only.
     with torch.device("meta"):
@@ -160,7 +162,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
             apply_activation_checkpointing(part, cfg.parallel.activation_checkpointing)
         # 7. ZeRO / FSDP: shard optimizer states (1), + gradients (2), + parameters (3); see zero.py.
         if cfg.parallel.zero_stage > 0:
-            fsdp_modules += apply_zero(part, ps, cfg.parallel.zero_stage)
+            fsdp_modules += apply_zero(part, ps, cfg.parallel.zero_stage, cfg.train.precision)
         # 8. materialise and initialise (values depend on names and global expert ids only).
         _materialize(part, cfg, ps)
 

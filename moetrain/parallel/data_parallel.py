@@ -17,7 +17,7 @@ gradient accumulation), in flat buckets to keep the number of collectives small.
 
 from __future__ import annotations
 
-import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -139,15 +139,17 @@ def reduce_gradients(parts: list[nn.Module], ps: ParallelState) -> None:
 
 @torch.no_grad()
 def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
-    """L2 norm of the full gradient, each element counted once.
+    """L2 norm of the full gradient, each element counted once: an fp32 scalar on the training
+    device (nothing is read to the host).
 
-    Squares are summed locally per kind of placement, then over the ranks that hold different
+    Per kind of placement, the local pieces' norm is taken with ``torch.nn.utils.get_total_norm``
+    (foreach kernels) and squared; the squares are summed over the ranks that hold different
     pieces: the mesh axes a DTensor gradient is sharded on (tp, FSDP's axes), ep for expert
-    parameters, and pp for everything. Replicated pieces are summed over no group, so they
-    count once.
+    parameters, and pp for everything. Replicated pieces are summed over no group, so they count
+    once.
     """
     dense, expert = split_expert_params(parts)
-    sums: dict[tuple, list] = {}
+    pieces: dict[tuple, tuple[list[torch.Tensor], tuple]] = {}
     for is_expert, params in ((False, dense), (True, expert)):
         for p in params:
             g = p.grad
@@ -161,11 +163,11 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
                 groups = tuple((mesh.mesh_dim_names[i], mesh) for i, pl in enumerate(g.placements)
                                if not (pl.is_replicate() or pl.is_partial()))
             key = (is_expert, tuple(name for name, _ in groups))
-            entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
-            entry[0] += _local(g).detach().double().pow(2).sum().cpu()
-    total = torch.zeros((), dtype=torch.float64)
-    for key in sorted(sums):  # the same order on every rank of a stage
-        value, groups = sums[key]
+            pieces.setdefault(key, ([], groups))[0].append(_local(g).detach())
+    total = torch.zeros((), dtype=torch.float32, device=ps.device)
+    for key in sorted(pieces):  # the same order on every rank of a stage
+        grads, groups = pieces[key]
+        value = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float().pow(2)
         for name, mesh in groups:
             dist.all_reduce(value, group=mesh.get_group(name))
         if key[0] and ps.size(EP) > 1:
@@ -178,9 +180,13 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_gradients(parts: list[nn.Module], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale every gradient by max_norm / norm when the global ``norm`` exceeds ``max_norm``."""
-    if max_norm > 0 and math.isfinite(float(norm)) and float(norm) > max_norm:
-        coef = max_norm / (float(norm) + 1e-6)
-        for p in {id(p): p for part in parts for p in part.parameters()}.values():
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)) with
+    ``torch.nn.utils.clip_grads_with_norm_`` (foreach; the factor stays on the device, no host
+    read). ``norm``: the global norm from :func:`global_grad_norm`. A non-finite norm makes the
+    gradients non-finite too; the trainer stops on it when it reads the step's metrics.
+    ``max_norm <= 0`` is handled by the caller (no clipping)."""
+    # DTensor gradients are scaled through their local shards: DTensor's foreach ops do not take
+    # the plain-tensor factor. clip_grads_with_norm_ only reads ``.grad`` of what it is given.
+    holders = [SimpleNamespace(grad=_local(p.grad)) for p in {id(p): p for part in parts for p in part.parameters()}.values()
+               if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(holders, max_norm, norm, foreach=True)

@@ -8,12 +8,15 @@ Dispatch, in phases (the combine runs them backwards):
 1. permute — sort this rank's T·K assignments by global expert id (optionally dropping beyond
    a capacity); expert e lives on ep rank e // El, so the sorted rows are already grouped by
    destination rank;
-2. exchange counts — all-to-all of the per-expert row counts, so each rank knows how many rows
-   it receives from every source for each of its local experts;
+2. exchange counts — all-to-all of the per-expert row counts (on the device), so each rank
+   knows how many rows it receives from every source for each of its local experts; then the
+   layer's one host read: the sent and received counts together, because the split sizes of the
+   next all-to-all are host integers (as in Megatron-Core's all-to-all dispatcher);
 3. all-to-all the rows with uneven split sizes (``all_to_all_single`` with autograd: the
    backward is the reverse all-to-all);
 4. regroup — received rows arrive ordered (source, local expert); reorder them to
-   (local expert, source) so each local expert's rows are contiguous for the grouped GEMM.
+   (local expert, source) so each local expert's rows are contiguous for the grouped GEMM. The
+   permutation is built on the device.
 
 Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
 """
@@ -36,6 +39,7 @@ class AllToAllHandle:
     input_splits: list[int]  # rows sent to each ep rank
     output_splits: list[int]  # rows received from each ep rank
     regroup: torch.Tensor  # [N_recv] phase-4 permutation
+    host_counts: list[int]  # rows received per local expert (the expert compute's split sizes)
 
     @property
     def kept(self) -> torch.Tensor | None:
@@ -56,21 +60,25 @@ class AllToAllDispatcher:
         P, El = self.ep, self.num_local
         # 1. permute by global expert id; rows for ep rank r are contiguous.
         x_sorted, counts_E, local = permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
-        # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e.
-        send_counts = counts_E.to(x_TD.device)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        recv_counts = recv_counts.view(P, El).cpu()
-        input_splits = counts_E.view(P, El).sum(1).tolist()
-        output_splits = recv_counts.sum(1).tolist()
+        # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e. Then the
+        #    one host read of this layer: split sizes must be host integers.
+        recv_counts = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts, counts_E, group=self.group)
+        host = torch.cat([counts_E, recv_counts]).tolist()
+        send_PE = [host[r * El:(r + 1) * El] for r in range(P)]
+        recv_PE = [host[(P + r) * El:(P + r + 1) * El] for r in range(P)]
+        input_splits = [sum(row) for row in send_PE]
+        output_splits = [sum(row) for row in recv_PE]
+        host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts.
         x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
-        # 4. (source, local expert) order → (local expert, source) order.
-        seg = torch.arange(P * El).repeat_interleave(recv_counts.flatten())
+        # 4. (source, local expert) order → (local expert, source) order, on the device.
+        seg = torch.arange(P * El, device=x_TD.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
-        regroup = torch.argsort(e * P + src, stable=True).to(x_TD.device)
+        regroup = torch.argsort(e * P + src, stable=True)
         x_grouped = x_recv[regroup]
-        return x_grouped, recv_counts.sum(0), AllToAllHandle(local, input_splits, output_splits, regroup)
+        counts_El = recv_counts.view(P, El).sum(0)
+        return x_grouped, counts_El, AllToAllHandle(local, input_splits, output_splits, regroup, host_counts)
 
     def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         # 4'. back to (source, local expert) order.
@@ -125,5 +133,6 @@ def configure_sequence_split(moe_layers: dict[str, MoE], ps: ParallelState) -> N
     reducer = _SumOverGroup(ps.group(CP_TP))
     for moe in moe_layers.values():
         moe.seq_count_reducer = reducer
+        moe.seq_split_size = ps.size(CP_TP)
         moe.seq_split_scale = float(ps.size(CP))
         moe.token_split_scale = 1.0 / ps.size(TP)

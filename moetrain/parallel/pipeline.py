@@ -70,8 +70,10 @@ from torch.distributed.tensor import DTensor
 from moetrain.config import Config, ConfigError, pipeline_stage_layers
 from moetrain.data.loader import MicroBatch
 from moetrain.model.transformer import Transformer
+from moetrain.model.loss import lm_loss
+from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, PP, TP, ParallelState
-from moetrain.train.loss import lm_loss
+from moetrain.parallel.tensor import loss_context
 
 __all__ = ["PipelineRunner", "SCHEDULES", "check_pipeline_layout", "pipeline_parts", "split_model", "stage_blocks",
            "stage_ids"]
@@ -185,7 +187,8 @@ class PipelineRunner:
         # Between blocks the residual stream is a plain local tensor; under sequence parallelism
         # it holds this tp rank's S/tp rows (moetrain.parallel.tensor).
         S_hidden = S // ps.size(TP) if cfg.parallel.sequence_parallel else S
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.dtype]
+        # The residual stream between stages is in the compute dtype (bf16 activations).
+        dtype = compute_dtype(cfg.train.precision)
         # Static stage metadata (no shape-inference pass, which would run an extra forward and
         # backward on the first micro-batch and count it in the MoE statistics). The last
         # stage's output (vocabulary-sharded under tp) is never sent; its entry only completes
@@ -223,24 +226,20 @@ class PipelineRunner:
         target = torch.cat([mb.targets for mb in micro_batches]).to(dev) if self.has_last else None
         return args, target
 
-    def _loss_context(self):
-        from moetrain.parallel.apply import loss_context  # apply imports this module
-
-        return loss_context(self.ps)
-
     def _total(self, loss_fn: _LMLoss, n: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.ps.device)
         if self.has_last:
             if len(loss_fn.values) != n:
                 raise RuntimeError(f"the schedule computed {len(loss_fn.values)} losses for {n} micro-batches")
             for v in loss_fn.values:
-                total += (v.full_tensor() if isinstance(v, DTensor) else v).double().cpu()
+                total += v.full_tensor() if isinstance(v, DTensor) else v
         loss_fn.values.clear()
         return total
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Back-propagate mean(lm)/n per micro-batch through the pipeline; returns the sum of the
-        micro-batches' LM losses (float64, CPU) on the rank of the last stage, 0 elsewhere.
+        micro-batches' LM losses (float64, on the device) on the rank of the last stage, 0
+        elsewhere.
 
         Raises:
             ValueError: not ``cfg.grad_accum_steps`` micro-batches, or of different sizes.
@@ -249,7 +248,7 @@ class PipelineRunner:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule was built for {self.n_micro}")
         args, target = self._batch(micro_batches)
         self.train_loss.values.clear()
-        with self._loss_context():  # the vocabulary-parallel loss's forward and backward, under tp
+        with loss_context(self.ps):  # the vocabulary-parallel loss's forward and backward, under tp
             self.schedule.step(*args, target=target, return_outputs=False)
         return self._total(self.train_loss, self.n_micro)
 
@@ -270,7 +269,7 @@ class PipelineRunner:
         schedule, loss_fn = self._eval[n]
         args, target = self._batch(micro_batches)
         loss_fn.values.clear()
-        with self._loss_context():
+        with loss_context(self.ps):
             schedule.step(*args, target=target, return_outputs=False)
         return self._total(loss_fn, n)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -45,8 +45,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.d
     """Initialise the default process group from the environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK) unless already done; returns this rank's device.
 
-    ``backend="auto"`` picks nccl when CUDA is available and gloo otherwise. ``timeout_s`` bounds
-    every collective, so a dead peer is noticed instead of hanging forever.
+    ``backend="auto"`` (or ``"nccl"``) on a CUDA machine initialises one process group per device
+    type, ``"cpu:gloo,cuda:nccl"``: collectives on CUDA tensors (every one of the training step)
+    run on NCCL, the few on CPU tensors (the stop-flag agreement, checkpoint and rank-map
+    metadata, which must not cost a device sync) on gloo — an NCCL-only group would reject them.
+    Without CUDA it is gloo. ``timeout_s`` bounds every collective, so a dead peer is noticed
+    instead of hanging forever.
     """
     use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
     if use_cuda:
@@ -55,8 +59,10 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.d
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        chosen = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
-        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+        chosen = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+        # device_id binds the NCCL communicator to this rank's GPU eagerly (no guessing later).
+        dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if use_cuda else None)
     return device
 
 
@@ -76,6 +82,7 @@ class ParallelState:
     rank: int
     world_size: int
     flat: dict[str, DeviceMesh]  # the flattened axes (dp_cp, cp_tp, edp_tp), kept as returned
+    _axes: dict[str, tuple] = field(default_factory=dict, repr=False)  # see _axis
 
     @classmethod
     def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None
@@ -106,25 +113,31 @@ class ParallelState:
         return cls(parallel=p, mesh=mesh, expert_mesh=expert_mesh, device=device,
                    rank=dist.get_rank(), world_size=world, flat=flat)
 
-    def _mesh_for(self, axis: str) -> DeviceMesh:
-        if axis in self.flat:
-            return self.flat[axis]
-        if axis in (EDP, EP):
-            return self.expert_mesh[axis]
-        return self.mesh[axis]
+    def _axis(self, axis: str) -> tuple[DeviceMesh, dist.ProcessGroup, int, int]:
+        """(1-D mesh, group, size, coordinate) of an axis. Cached: slicing a DeviceMesh works on
+        its rank tensor in Python, and every step asks for sizes and groups many times."""
+        if axis not in self._axes:
+            if axis in self.flat:
+                mesh = self.flat[axis]
+            elif axis in (EDP, EP):
+                mesh = self.expert_mesh[axis]
+            else:
+                mesh = self.mesh[axis]
+            self._axes[axis] = (mesh, mesh.get_group(), mesh.size(), mesh.get_local_rank())
+        return self._axes[axis]
 
     def submesh(self, axis: str) -> DeviceMesh:
         """The 1-D mesh of an axis (flattened axes included), e.g. for FSDP's ``mesh=``."""
-        return self._mesh_for(axis)
+        return self._axis(axis)[0]
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        return self._mesh_for(axis).get_group()
+        return self._axis(axis)[1]
 
     def size(self, axis: str) -> int:
-        return self._mesh_for(axis).size()
+        return self._axis(axis)[2]
 
     def coord(self, axis: str) -> int:
-        return self._mesh_for(axis).get_local_rank()
+        return self._axis(axis)[3]
 
     def group_ranks(self, axis: str) -> list[int]:
         """Global ranks of this process's group on ``axis``, in axis order."""

@@ -61,6 +61,8 @@ gradients from DTensor; ``reduce_gradients`` sums them over tp and marks them Re
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -77,7 +79,7 @@ from moetrain.config import Config
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
 
-__all__ = ["apply_tensor_parallel", "tensor_parallel_plan", "TP_PARTIAL"]
+__all__ = ["apply_tensor_parallel", "loss_context", "tensor_parallel_plan", "TP_PARTIAL"]
 
 # Attribute set on plain parameters that see different tokens on each tp rank: their gradients
 # are summed over tp by reduce_gradients.
@@ -153,3 +155,13 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     if sp:
         model.positions = torch.arange(m.seq_len)
 
+
+
+def loss_context(ps: ParallelState) -> contextlib.AbstractContextManager:
+    """``loss_parallel`` under tensor parallelism (the vocabulary-sharded cross-entropy needs its
+    forward *and* backward inside it), a no-op context otherwise."""
+    if ps.size(TP) > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()

@@ -26,7 +26,8 @@ parameters sharded.
 Groups and meshes (wrapped bottom-up, one group per block, as torchtitan does):
 
 1. each MoE layer's ``GroupedExperts`` ([El, ...] tensors) on the expert-data-parallel mesh
-   ``edp_tp`` — the ranks holding replicas of the same experts;
+   ``edp_tp`` — the ranks holding replicas of the same experts — and, in bf16, its router on
+   ``dp_cp`` (its own group so that it stays fp32, :mod:`moetrain.parallel.precision`);
 2. each transformer block (the rest of it: attention, norms, router, shared experts, dense MLP)
    on ``dp_cp``, a flattened axis of the dense root mesh, so FSDP composes with tensor-parallel
    DTensors on that root's ``tp`` axis;
@@ -44,23 +45,25 @@ which is why ``fully_shard``'s new parameters inherit the tags of the ones they 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from moetrain.model.moe import GroupedExperts
+from moetrain.model.moe import GroupedExperts, Router
 from moetrain.model.transformer import Transformer
+from moetrain.parallel.precision import FP32_POLICY, fsdp_policy
 from moetrain.parallel.state import DP_CP, EDP_TP, ParallelState
 
 ZERO_STAGES = (1, 2, 3)
 
 
-def apply_zero(model: Transformer, ps: ParallelState, stage: int) -> list[FSDPModule]:
-    """Wrap ``model`` (or a pipeline part of it) with FSDP2 for ZeRO ``stage``, in place.
+def apply_zero(model: Transformer, ps: ParallelState, stage: int, precision: str = "fp32") -> list[FSDPModule]:
+    """Wrap ``model`` (or a pipeline part of it) with FSDP2 for ZeRO ``stage``, in place, with
+    the mixed-precision policy of ``precision`` (``train.precision``).
 
     Call on the meta-device model after tensor, expert and context parallelism and activation
     checkpointing, before materialisation. Returns the FSDP modules, root last.
 
     Raises:
-        ValueError: ``stage`` is not 1, 2 or 3.
+        ValueError: ``stage`` is not 1, 2 or 3, or an unknown precision.
     """
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero stage {stage!r}: apply_zero handles 1, 2 and 3 (0 is plain data parallel)")
@@ -71,10 +74,11 @@ def apply_zero(model: Transformer, ps: ParallelState, stage: int) -> list[FSDPMo
     tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_moetrain_")}
             for name, p in model.named_parameters()}
     divide = float(ps.size(DP_CP))
+    policy = fsdp_policy(precision)
     wrapped: list[FSDPModule] = []
 
-    def shard(module: nn.Module, mesh) -> None:
-        fsdp = fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    def shard(module: nn.Module, mesh, mp_policy: MixedPrecisionPolicy = policy) -> None:
+        fsdp = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
         fsdp.set_gradient_divide_factor(divide)
         # Sum, then divide: gloo has no pre-multiplied sum. Not on a 1-rank mesh, where torch
         # 2.13 would divide twice (its no-communication path divides, then the post-divide).
@@ -85,10 +89,12 @@ def apply_zero(model: Transformer, ps: ParallelState, stage: int) -> list[FSDPMo
         wrapped.append(fsdp)
 
     for block in model.layers.values():
-        # 1. experts on their own expert-data-parallel mesh
+        # 1. experts on their own expert-data-parallel mesh; the router fp32
         for module in block.modules():
             if isinstance(module, GroupedExperts):
                 shard(module, expert_mesh)
+            elif isinstance(module, Router) and policy.param_dtype != FP32_POLICY.param_dtype:
+                shard(module, dense_mesh, FP32_POLICY)
         # 2. the rest of the block on dp_cp
         shard(block, dense_mesh)
     # 3. the root: embedding, final norm, head

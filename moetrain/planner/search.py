@@ -143,7 +143,7 @@ class Planner:
     def from_config(cls, cfg: "Config", profile: ClusterProfile, n_nodes: int,
                     allocation: Allocation | None = None) -> "Planner":
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
-                   mem=MemoryAssumptions.for_dtype(cfg.train.dtype))
+                   mem=MemoryAssumptions.for_dtype({"fp32": "float32", "bf16": "bfloat16"}[cfg.train.precision]))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:

@@ -117,7 +117,7 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0, fence: Any = None):
-        """``fence``: a :class:`moetrain.launch.lifecycle.Fence`; checked before the commit
+        """``fence``: a :class:`moetrain.train.records.Fence`; checked before the commit
         (rename) and before deleting anything, so a stale attempt never does either."""
         self.root, self.ps, self.keep, self.attempt, self.fence = Path(root), ps, keep, attempt, fence
         self._expert_mesh = ps.expert_mesh[(EDP, EP, TP)]

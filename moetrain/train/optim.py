@@ -23,10 +23,13 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) with weight decay on matrices only (norm weights and
-    other 1-D parameters are not decayed, as in GPT-3 / Megatron)."""
+    other 1-D parameters are not decayed, as in GPT-3 / Megatron), on the fp32 master weights.
+
+    ``fused=True``: one kernel per parameter group, and its step counters live on the device —
+    the foreach implementation keeps them on the host and reads each one per step."""
     from torch.distributed.tensor import DTensor
 
-    # Keyed by (decay?, DTensor?): the foreach kernels refuse a group that mixes DTensor and plain
+    # Keyed by (decay?, DTensor?): the fused kernels refuse a group that mixes DTensor and plain
     # parameters (tensor parallelism shards the dense layers but leaves the MoE ones plain).
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     seen = set()
@@ -37,7 +40,7 @@ def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
         groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
     param_groups = [{"params": params, "weight_decay": tc.weight_decay if decay else 0.0}
                     for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
-    return torch.optim.AdamW(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, foreach=True)
+    return torch.optim.AdamW(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, fused=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -10,6 +10,13 @@ Loss bookkeeping: the objective of a step is the mean over all micro-batches of 
 of ``lm + aux_coef·aux + z_coef·z``. Each rank back-propagates ``lm / accum`` per micro-batch;
 the MoE losses receive the same 1/accum through ``MoE.aux_loss_scale``; gradients are averaged
 over data-parallel ranks after the last micro-batch.
+
+Device residency: losses, MoE statistics and the gradient norm stay on the training device and
+every collective runs on device tensors; the step's metrics are reduced as one vector and read to
+the host once, at the end of the step (:meth:`Trainer.train_step`). The only other host reads in
+a step are the expert-parallel split sizes (one per MoE layer per micro-batch,
+:mod:`moetrain.parallel.expert`) and the stop-flag agreement, a CPU tensor (gloo on GPU
+clusters). ``tests/test_host_syncs.py`` counts them.
 """
 
 from __future__ import annotations
@@ -27,17 +34,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moetrain.config import Config, to_dict
-from moetrain.data.loader import BatchLoader, validation_batches
+from moetrain.config import Config
+from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
 from moetrain.data.shards import TokenShards
-from moetrain.launch.lifecycle import Fence, Heartbeat, append_event
 from moetrain.parallel.apply import build_model_parts
+from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
 from moetrain.parallel.state import CP, DP, DP_CP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
-from moetrain.train.loss import lm_loss
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
+from moetrain.train.records import Fence, Heartbeat, append_event
 
 log = logging.getLogger("moetrain")
 
@@ -105,14 +112,13 @@ class Trainer:
 
         train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
         self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
-                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
-                                  cp_rank=self.ps.coord(CP), cp_size=self.ps.size(CP))
-        self.val_batches = []
+                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed)
+        self.val_batches: list[MicroBatch] = []
         if cfg.train.val_every:
             val_shards = TokenShards(cfg.data.path, "val", verify=cfg.data.verify)
-            self.val_batches = validation_batches(val_shards, cfg.model.seq_len, cfg.train.micro_batch_size,
-                                                  cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP),
-                                                  self.ps.coord(CP), self.ps.size(CP))
+            self.val_batches = self._to_device(validation_batches(
+                val_shards, cfg.model.seq_len, cfg.train.micro_batch_size, cfg.data.val_batches, self.ps.coord(DP),
+                self.ps.size(DP)))
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg)
@@ -150,12 +156,29 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
 
+    def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's part of the micro-batches on the training device: under context
+        parallelism its two sequence chunks (:func:`moetrain.parallel.context.cp_shard`); on
+        CUDA copied from pinned memory without waiting."""
+        cp_rank, cp = self.ps.coord(CP), self.ps.size(CP)
+        cuda = self.device.type == "cuda"
+        out = []
+        for mb in micro_batches:
+            tensors = (mb.inputs, mb.targets)
+            if cp > 1:
+                tensors = tuple(cp_shard(t, cp_rank, cp, 1) for t in tensors)
+            if cuda:
+                tensors = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
+            out.append(MicroBatch(*tensors))
+        return out
+
     def train_step(self) -> StepResult:
-        """One optimizer step over this rank's share of the next global batch."""
+        """One optimizer step over this rank's share of the next global batch. Reads the step's
+        metrics to the host once, at the end."""
         t0 = time.perf_counter()
         for part in self.model_parts:
             part.train()
-        micro_batches = self.loader.next_batch()
+        micro_batches = self._to_device(self.loader.next_batch())
         accum = len(micro_batches)
         lr = lr_at(self.step, self.cfg.train)
         for opt in self.optimizers:
@@ -169,15 +192,46 @@ class Trainer:
 
         reduce_gradients(self.model_parts, self.ps)
         grad_norm = global_grad_norm(self.model_parts, self.ps)
-        clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
+        if self.cfg.train.grad_clip > 0:
+            clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         self.step += 1
 
-        aux_sum = torch.zeros((), dtype=torch.float64)
-        z_sum = torch.zeros((), dtype=torch.float64)
-        dropped = torch.zeros((), dtype=torch.float64)
+        scalars, loads = self._reduce_metrics(lm_sum, accum)
+        # The step's one host read: loss, aux, z, dropped fraction, grad norm and expert loads.
+        names = list(loads)
+        flat = torch.cat([scalars, grad_norm.double().reshape(1)] + [loads[n] for n in names])
+        host = flat.tolist()
+        lm, aux, z, dropped, norm = host[:5]
+        E = len(host[5:]) // max(1, len(names))
+        rows = {n: host[5 + i * E: 5 + (i + 1) * E] for i, n in enumerate(names)}
+        dt = time.perf_counter() - t0
+        extra: dict[str, Any] = {
+            "tokens_per_s": self.tokens_per_step / dt,
+            "step_time_s": dt,
+            "tflops_per_device": self.flops_per_token * self.tokens_per_step / dt / self.ps.world_size / 1e12,
+            "dropped_fraction": dropped,
+            "expert_load": {n: {"tokens": [int(x) for x in row],
+                                "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
+                            for n, row in rows.items()},
+        }
+        return StepResult(self.step, lm, aux, z, norm, lr, extra)
+
+    def _reduce_metrics(self, lm_sum: torch.Tensor, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The step's metrics, reduced over the ranks, on the device: ([lm, aux, z, dropped] as
+        means over micro-batches, data-parallel ranks and MoE layers; float64 [4]) and each local
+        MoE layer's tokens per expert summed over the whole batch ([E] float64).
+
+        Under pipeline parallelism the LM loss lives on the last stage and each stage holds its
+        own MoE layers: sums over pp gather them (MoE-layer counts too). Each tp rank routes its
+        own 1/tp of the tokens: its aux / z parts (already scaled by ``configure_sequence_split``)
+        and expert loads add up over tp; the LM loss, the MoE-layer count and (as a mean) the
+        dropped fraction are taken once."""
+        dev = self.device
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        aux_sum, z_sum, dropped = zero.clone(), zero.clone(), zero.clone()
         loads = {}
         for name, moe in self.moe_layers.items():
             acc = moe.stats_accum
@@ -185,44 +239,27 @@ class Trainer:
             z_sum += acc["z_loss"]
             dropped += acc["dropped_fraction"]
             loads[name] = acc["tokens_per_expert"]
-
-        # Metrics: means over micro-batches and data-parallel ranks; expert loads summed.
-        # Under pipeline parallelism the LM loss lives on the last stage and each stage holds
-        # its own MoE layers: sums over pp gather them (moe-layer counts too).
-        n_moe = torch.tensor(float(len(self.moe_layers)), dtype=torch.float64)
-        scalars = torch.stack([lm_sum, aux_sum, z_sum, dropped, n_moe])
+        n_moe = torch.full((), float(len(self.moe_layers)), dtype=torch.float64, device=dev)
+        scalars = torch.stack([lm_sum.to(dev, torch.float64), aux_sum, z_sum, dropped, n_moe])
         if self.ps.size(PP) > 1:
             dist.all_reduce(scalars, group=self.ps.group(PP))
-        if self.ps.size(TP) > 1:
-            # Each tp rank routes its own 1/tp of the tokens: its aux / z parts (already scaled
-            # by configure_sequence_split) and expert loads add up over tp; the LM loss, the
-            # MoE-layer count and (as a mean) the dropped fraction are taken once.
+        tp = self.ps.size(TP)
+        if tp > 1:
             dist.all_reduce(scalars, group=self.ps.group(TP))
-            scalars[0] /= self.ps.size(TP)  # the LM loss is the whole loss on every tp rank
-            scalars[3] /= self.ps.size(TP)
-            scalars[4] /= self.ps.size(TP)
-        n_layers = max(1.0, float(scalars[4]))
-        scalars = torch.stack([scalars[0], scalars[1] / n_layers, scalars[2] / n_layers, scalars[3] / n_layers]) / accum
-        dp_group = self.ps.group(DP_CP)
+            scalars = scalars / torch.tensor([tp, 1, 1, tp, tp], dtype=torch.float64, device=dev)
+        n_layers = scalars[4].clamp(min=1.0)
+        scalars = torch.cat([scalars[:1], scalars[1:4] / n_layers]) / accum
         if self.ps.size(DP_CP) > 1:
-            dist.all_reduce(scalars, group=dp_group)
+            dist.all_reduce(scalars, group=self.ps.group(DP_CP))
             scalars /= self.ps.size(DP_CP)
-        load_t = torch.stack(list(loads.values())) if loads else torch.zeros(0)
-        if loads and self.ps.size(DP_CP) > 1:
-            dist.all_reduce(load_t, group=dp_group)
-        if loads and self.ps.size(TP) > 1:
-            dist.all_reduce(load_t, group=self.ps.group(TP))
-        dt = time.perf_counter() - t0
-        extra: dict[str, Any] = {
-            "tokens_per_s": self.tokens_per_step / dt,
-            "step_time_s": dt,
-            "tflops_per_device": self.flops_per_token * self.tokens_per_step / dt / self.ps.world_size / 1e12,
-            "dropped_fraction": float(scalars[3]),
-            "expert_load": {name: {"tokens": [int(x) for x in row.tolist()],
-                                   "max_over_mean": float(row.max() / row.mean()) if row.sum() > 0 else 0.0}
-                            for name, row in zip(loads.keys(), load_t)},
-        }
-        return StepResult(self.step, float(scalars[0]), float(scalars[1]), float(scalars[2]), float(grad_norm), lr, extra)
+        if loads:
+            load_t = torch.stack(list(loads.values()))
+            if self.ps.size(DP_CP) > 1:
+                dist.all_reduce(load_t, group=self.ps.group(DP_CP))
+            if tp > 1:
+                dist.all_reduce(load_t, group=self.ps.group(TP))
+            loads = dict(zip(loads, load_t))
+        return scalars, loads
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -239,13 +276,15 @@ class Trainer:
             total /= self.ps.size(DP_CP)
         for part in self.model_parts:
             part.train()
-        return float(total)
+        return float(total)  # one host read per evaluation
 
     # -- the loop -----------------------------------------------------------------------------
 
     def _stop_agreed(self) -> bool:
-        """All ranks stop at the same step: any rank's flag stops everyone."""
-        flag = torch.tensor([1.0 if self.stop_flag.requested else 0.0])
+        """All ranks stop at the same step: any rank's flag stops everyone. A CPU tensor on
+        purpose: on GPU clusters the default group maps CPU tensors to gloo
+        (:func:`moetrain.parallel.state.init_distributed`), so this costs no device sync."""
+        flag = torch.tensor([1 if self.stop_flag.requested else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -290,6 +329,9 @@ class Trainer:
                 self.watchdog.step_done(res.extra["step_time_s"])
             if not math.isfinite(res.loss):
                 raise FloatingPointError(f"loss is {res.loss} at step {res.step}; lower train.lr or check the data")
+            if not math.isfinite(res.grad_norm):
+                raise FloatingPointError(f"gradient norm is {res.grad_norm} at step {res.step}; lower train.lr or "
+                                         f"check the data")
             val = None
             if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or self.step == cfg.train.steps):
                 val = self.evaluate()
