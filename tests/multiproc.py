@@ -30,13 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, init: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     code = 0
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -51,8 +52,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         os._exit(code)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+                    init: bool = True) -> list[Any]:
     """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; results by rank.
+    ``init=False``: leave the process group to ``fn`` (e.g. the trainer's own NCCL + gloo group
+    on a GPU), with the rendezvous environment set.
 
     Raises:
         RuntimeError: a rank raised (its traceback is in the message) or died.
@@ -60,7 +64,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args), daemon=False)
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, init), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -166,10 +166,12 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
         outs = []
-        for e, x in enumerate(torch.split(x_ND, sizes)):
+        # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate
+        # and zero-fill a whole [El, ...] gradient per expert).
+        for x, w1_e, w3_e, w2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0), w2.unbind(0)):
             # Empty groups still touch the weights so every expert gets a (zero) gradient.
-            h = F.silu(x @ w1[e]) * (x @ w3[e])
-            outs.append(h @ w2[e])
+            h = F.silu(x @ w1_e) * (x @ w3_e)
+            outs.append(h @ w2_e)
         return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 
 

@@ -246,7 +246,8 @@ class Trainer:
         tp = self.ps.size(TP)
         if tp > 1:
             dist.all_reduce(scalars, group=self.ps.group(TP))
-            scalars = scalars / torch.tensor([tp, 1, 1, tp, tp], dtype=torch.float64, device=dev)
+            for i in (0, 3, 4):  # python scalars: no host-to-device copy (a sync on CUDA)
+                scalars[i] /= tp
         n_layers = scalars[4].clamp(min=1.0)
         scalars = torch.cat([scalars[:1], scalars[1:4] / n_layers]) / accum
         if self.ps.size(DP_CP) > 1:
