@@ -1,6 +1,6 @@
 """Megatron-LM interop (moetrain/data/megatron.py): a dataset written byte by byte from the
-format's documented layout is read as training data, and what we write with --format megatron
-follows that layout; damaged pairs are refused by name."""
+format's documented layout is read as training data, what we write with --format megatron
+follows that layout, the trainer trains on it as on shards; damaged pairs are refused by name."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from tokenize_helpers import tree, write_corpus
 
-from conftest import ByteTokenizer
+from conftest import ByteTokenizer, _documents, tiny_config
 from moetrain.data.corpus import iter_documents
 from moetrain.data.megatron import MegatronFormatError, import_megatron, read_index
 from moetrain.data.pipeline import TokenizeJob
 from moetrain.data.shards import ShardError, TokenShards, read_manifest, verify_shards, write_shards
+from multiproc import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
@@ -160,3 +161,23 @@ def test_import_tool_and_cli_megatron_round_trip(tmp_path):
     bad = run("tools/import_megatron.py", "--train", str(out / "train"), "--vocab-size", "100", "--eos-id", "0",
               "--out", str(tmp_path / "wrong"), "--quiet")
     assert bad.returncode == 1 and "is not below the vocabulary size 100" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _train_losses(rank: int, world: int, paths: dict, run_dir: str) -> dict:
+    from moetrain.train.trainer import Trainer
+
+    losses = {}
+    for name, path in paths.items():
+        trainer = Trainer(tiny_config(path, f"{run_dir}/{name}", train={"steps": 3}), write_files=False)
+        losses[name] = [trainer.train_step().loss for _ in range(3)]
+    return losses
+
+
+def test_trainer_trains_on_megatron_data_as_on_shards(tmp_path):
+    # One shard per split in both layouts: the same samples, so the same losses, bit for bit.
+    docs = _documents(200)
+    write_shards(docs, ByteTokenizer(), tmp_path / "native", shard_tokens=10**7, val_docs=10, progress=False)
+    write_shards(docs, ByteTokenizer(), tmp_path / "megatron", val_docs=10, layout="megatron", progress=False)
+    paths = {name: str(tmp_path / name) for name in ("native", "megatron")}
+    losses = run_distributed(_train_losses, 1, paths, str(tmp_path / "runs"))[0]
+    assert losses["native"] == losses["megatron"] and len(set(losses["native"])) == 3

@@ -169,8 +169,7 @@ class InputUnit:
 
     def describe(self) -> str:
         """``file`` or ``file[bytes a-b]`` / ``file[row groups a-b]`` for messages."""
-        whole = (self.start, self.end) == (0, self.size) or self.suffix in (".jsonl.zst", ".txt")
-        if whole:
+        if self.weight == self.size:  # the whole file
             return self.path
         what = "row groups" if self.suffix == ".parquet" else "bytes"
         return f"{self.path}[{what} {self.start}-{self.end}]"

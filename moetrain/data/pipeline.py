@@ -172,7 +172,7 @@ class TokenizeJob:
             raise ValueError(f"on_bad_document={on_bad_document!r}: must be 'skip' or 'fail'")
         self.sources = [str(p) for p in inputs]
         self.tokenizer = tokenizer
-        self.out = Path(out_dir)
+        self.out = Path(out_dir).resolve()  # SLURM tasks may start elsewhere
         self.text_key, self.on_bad = text_key, on_bad_document
         self.writer_args = dict(shard_tokens=shard_tokens, val_fraction=val_fraction, val_docs=val_docs, layout=layout)
         # Check the shard settings now, not after hours of tokenizing.
