@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -93,6 +94,7 @@ def child_pipeline(inputs: list[str], tokenizer_spec: str, workers: int, out: st
     from moetrain.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_spec)
+    shutil.rmtree(out, ignore_errors=True)  # a finished job would be "up to date" and measure nothing
     t0 = time.perf_counter()
     job = TokenizeJob(inputs, tok, out, val_fraction=0.01)
     job.run(workers=workers, progress=False)

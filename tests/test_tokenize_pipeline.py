@@ -59,8 +59,11 @@ def test_same_shards_for_any_number_of_workers(tmp_path):
     assert manifest.pop("skipped_documents") == {"total": 0, "by_reason": {}, "log": None}
     assert manifest == ref
 
-    again = _job(corpus, tmp_path / "w1").run(workers=1, progress=False)
-    assert again.up_to_date and again.tokenized == 0
+    again = _job(corpus, tmp_path / "w1")
+    summary = again.run(workers=1, progress=False)
+    assert summary.up_to_date and summary.tokenized == 0
+    assert again.merge(progress=False) == json.loads(results[1]["manifest.json"])
+    assert tree(tmp_path / "w1") == results[1]
 
 
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):

@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,9 @@ from moetrain.data.shards import (
     ShardError,
     ShardWriter,
     TokenizerLike,
-    _batches,
+    batch_texts,
     encode_documents,
+    read_manifest,
     token_dtype,
     verify_shards,
 )
@@ -105,6 +107,29 @@ class IncompleteError(RuntimeError):
 
 class _Stopped(Exception):
     """A worker abandoned its unit because the run is stopping (another unit failed)."""
+
+
+class _Progress:
+    """The run's bar in input bytes (each unit's reports capped at its weight, so that reading
+    a little past a byte range does not overshoot), with documents and tokens/s."""
+
+    def __init__(self, units: list[InputUnit], bar: tqdm):
+        self.units, self.bar = units, bar
+        self.sent: Counter = Counter()
+        self.docs = self.tokens = self.skipped = 0
+        self.t0 = time.perf_counter()
+
+    def advance(self, i: int, raw: int, docs: int, tokens: int) -> None:
+        step = min(raw, self.units[i].weight - self.sent[i])
+        self.sent[i] += step
+        self.docs += docs
+        self.tokens += tokens
+        self.bar.update(step)
+        self.bar.set_postfix(docs=f"{self.docs:,}", tok_s=f"{self.tokens / (time.perf_counter() - self.t0):,.0f}",
+                             skipped=self.skipped, refresh=False)
+
+    def finish(self, i: int) -> None:
+        self.advance(i, self.units[i].weight, 0, 0)
 
 
 @dataclass
@@ -264,7 +289,7 @@ class TokenizeJob:
         try:
             with open(tmp_tokens, "wb") as tok_f, open(tmp_lengths, "wb") as len_f:
                 texts = (t for _, t in read_unit(unit, self.text_key, self.on_bad, skipped, progress) if t)
-                for batch in _batches(texts, self.batch_docs, self.batch_chars):
+                for batch in batch_texts(texts, self.batch_docs, self.batch_chars):
                     if should_stop is not None and should_stop():
                         raise _Stopped()
                     ids, lengths = encode_documents(self.tokenizer, batch, self.dtype)
@@ -323,7 +348,7 @@ class TokenizeJob:
         failures: list[tuple[str, str]] = []
         try:
             runner = self._run_here if workers == 0 else self._run_pool
-            runner(todo, min(workers, len(todo)), bar, summary, failures)
+            runner(todo, min(workers, len(todo)), _Progress(self.units, bar), summary, failures)
         finally:
             bar.close()
         summary.seconds = time.perf_counter() - t0
@@ -331,60 +356,34 @@ class TokenizeJob:
             raise UnitsFailed(failures, len(mine))
         return summary
 
-    def _done(self, summary: RunSummary, rec: dict) -> None:
+    def _settle(self, i: int, result: Callable[[], dict], progress: _Progress, summary: RunSummary,
+                failures: list) -> None:
+        """Account for unit ``i`` once ``result()`` returns its record or raises: a bad
+        document under ``fail`` (or a stop) propagates; a file that cannot be read is noted and
+        the run goes on with the other units."""
+        try:
+            rec = result()
+        except (BadDocument, _Stopped):
+            raise
+        except (ValueError, OSError, ImportError) as e:
+            failures.append((self.units[i].describe(), str(e)))
+            return
         summary.tokenized += 1
         summary.documents += rec["documents"]
         summary.tokens += rec["tokens"]
         summary.skipped.update(rec["skipped"])
+        progress.skipped = sum(summary.skipped.values())
+        progress.finish(i)
 
-    def _postfix(self, bar: tqdm, summary: RunSummary, docs: int, tokens: int, t0: float) -> None:
-        bar.set_postfix(docs=f"{docs:,}", tok_s=f"{tokens / max(1e-9, time.perf_counter() - t0):,.0f}",
-                        skipped=sum(summary.skipped.values()))
-
-    def _run_here(self, todo, _workers, bar, summary, failures) -> None:
-        t0, seen = time.perf_counter(), [0, 0]
+    def _run_here(self, todo, _workers, progress, summary, failures) -> None:
         for i in todo:
-            done_bytes = 0
+            self._settle(i, lambda: self.tokenize_unit(i, partial(progress.advance, i)), progress, summary, failures)
 
-            def report(raw, docs, toks, i=i):
-                nonlocal done_bytes
-                step = min(raw, self.units[i].weight - done_bytes)
-                done_bytes += step
-                bar.update(step)
-                seen[0] += docs
-                seen[1] += toks
-                self._postfix(bar, summary, seen[0], seen[1], t0)
-
-            try:
-                rec = self.tokenize_unit(i, report)
-            except BadDocument:
-                raise
-            except (ValueError, OSError, ImportError) as e:
-                failures.append((self.units[i].describe(), str(e)))
-                continue
-            bar.update(self.units[i].weight - done_bytes)
-            self._done(summary, rec)
-
-    def _run_pool(self, todo, workers, bar, summary, failures) -> None:
+    def _run_pool(self, todo, workers, progress, summary, failures) -> None:
         if not todo:
             return
         ctx = mp.get_context("spawn")
         messages, stop = ctx.Queue(), ctx.Event()
-        sent = {i: 0 for i in todo}
-        t0, seen = time.perf_counter(), [0, 0]
-
-        def drain() -> None:
-            while True:
-                try:
-                    i, raw, docs, toks = messages.get_nowait()
-                except queue.Empty:
-                    return
-                step = min(raw, self.units[i].weight - sent[i])
-                sent[i] += step
-                bar.update(step)
-                seen[0] += docs
-                seen[1] += toks
-
         pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
                                    initargs=(self, messages, stop))
         try:
@@ -394,23 +393,19 @@ class TokenizeJob:
             pending = set(futures)
             while pending:
                 finished, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                drain()
-                for f in finished:
-                    i = futures[f]
+                while True:  # the workers' progress messages
                     try:
-                        rec = f.result()
+                        progress.advance(*messages.get_nowait())
+                    except queue.Empty:
+                        break
+                for f in finished:
+                    try:
+                        self._settle(futures[f], f.result, progress, summary, failures)
+                    except _Stopped:
+                        continue
                     except BadDocument:
                         stop.set()
                         raise
-                    except _Stopped:
-                        continue
-                    except (ValueError, OSError, ImportError) as e:
-                        failures.append((self.units[i].describe(), str(e)))
-                        continue
-                    bar.update(self.units[i].weight - sent[i])
-                    sent[i] = self.units[i].weight
-                    self._done(summary, rec)
-                self._postfix(bar, summary, seen[0], seen[1], t0)
         except BaseException:
             stop.set()  # running units give up at their next batch; queued ones are cancelled
             pool.shutdown(wait=True, cancel_futures=True)
@@ -420,12 +415,15 @@ class TokenizeJob:
     # -- phase 3 ---------------------------------------------------------------------------------
 
     def merge(self, progress: bool = True) -> dict:
-        """Write the shards and the manifest from the parts, in plan order; return the manifest.
+        """Write the shards and the manifest from the parts, in plan order; return the manifest
+        (the existing one, untouched, when this job was merged before).
 
         Raises:
             IncompleteError: a unit has no completion record (names the first few).
             ValueError: no documents, or all of them in the val split (see ``ShardWriter.finish``).
         """
+        if self.is_complete():  # merged before, parts gone: the result is there
+            return read_manifest(self.out)
         records = [self.record(i) for i in range(len(self.units))]
         missing = [self.units[i].describe() for i, r in enumerate(records) if r is None]
         if missing:

@@ -1,6 +1,7 @@
 """Token shards: a tokenized corpus on disk, checksummed, memory-mapped for training.
 
-Layout of a shard directory (written by :func:`write_shards` / ``tools/tokenize_corpus.py``)::
+Layout of a shard directory (written by :class:`ShardWriter`, through :func:`write_shards` in one
+process or ``moetrain.data.pipeline`` / ``tools/tokenize_corpus.py`` in many)::
 
     manifest.json        what is there and how to check it (written last)
     train_00000.bin      token ids, flat, little-endian uint16 (vocab_size <= 65536) or uint32
@@ -82,6 +83,7 @@ __all__ = [
     "token_dtype",
     "ShardWriter",
     "encode_documents",
+    "batch_texts",
     "write_shards",
     "verify_shards",
     "read_manifest",
@@ -405,7 +407,9 @@ def encode_documents(tokenizer: TokenizerLike, texts: Sequence[str], dtype: np.d
     return tokens, lengths
 
 
-def _batches(documents: Iterable[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
+def batch_texts(documents: Iterable[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
+    """Lists of up to ``max_docs`` texts or about ``max_chars`` characters (the last text may
+    pass the limit): the unit of one ``encode_batch`` call."""
     batch, chars = [], 0
     for text in documents:
         batch.append(text)
@@ -465,7 +469,7 @@ def write_shards(
     bar = tqdm(desc=f"tokenize → {out_dir}", unit=" docs", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     try:
-        for batch in _batches((d for d in documents if d), batch_docs, batch_chars):
+        for batch in batch_texts((d for d in documents if d), batch_docs, batch_chars):
             writer.add(*encode_documents(tokenizer, batch, writer.dtype))
             bar.update(len(batch))
             bar.set_postfix(tokens=f"{writer.tokens:,}", tok_s=f"{writer.tokens / (time.perf_counter() - t0):,.0f}")
@@ -637,6 +641,9 @@ def _check_megatron_shard(directory: Path, sh: dict) -> None:
 
 class TokenShards:
     """One split of a shard directory, verified, memory-mapped read-only, cut into samples.
+
+    Either layout (module docstring): moetrain shards, or Megatron-LM ``.bin/.idx`` files (whole
+    or token ranges of them) described by a version-2 manifest.
 
     Args:
         path: the shard directory (holding ``manifest.json``).
