@@ -1,7 +1,7 @@
 """Corpus tokenization on the real SLURM dev cluster (`slurm/dev-cluster up`), driven as a user
 drives it: ``tools/tokenize_corpus.py --slurm`` runs the inputs as a 2-task array, one task on
 each node (n1, n2), then merges; the shards equal those of a local run of the same command.
-About 30 s on 2 shared cores."""
+About 10 s on 2 shared cores (the cluster already up)."""
 
 from __future__ import annotations
 
