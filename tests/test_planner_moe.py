@@ -250,7 +250,9 @@ def test_etp_adds_tp_collectives_and_fattens_the_expert_gemms():
     split = dataclasses.replace(whole, etp=4)
     places = _places(tp=AxisPlace(4, "nvlink", 4), ep=AxisPlace(4, "nvlink", 4), dp_cp=AxisPlace(8, "spine", 1),
                      edp=AxisPlace(2, "spine", 1), edp_tp=AxisPlace(8, "spine", 2))
-    what = lambda lay: {v.what for v in step_collectives(shape, lay, 32, places, H100)}  # noqa: E731
+    def what(lay: Layout) -> set[str]:
+        return {v.what for v in step_collectives(shape, lay, 32, places, H100)}
+
     extra = what(split) - what(whole)
     assert any("expert-TP all-gather" in w for w in extra) and any("expert-TP reduce-scatter" in w for w in extra)
     axes = {v.axis for v in step_collectives(shape, split, 32, places, H100) if v.what.startswith("expert gradient")}
@@ -299,8 +301,7 @@ def test_future_config_fields_are_read_when_present():
     assert ModelShape.from_config(cfg).max_nodes_per_token is None
     assert Layout.from_config(cfg).etp == 1
     moe = SimpleNamespace(**dataclasses.asdict(cfg.moe), max_nodes_per_token=2, is_moe_layer=cfg.moe.is_moe_layer)
-    par = SimpleNamespace(**dataclasses.asdict(cfg.parallel), etp=1)
-    par.etp = 4
+    par = SimpleNamespace(**dataclasses.asdict(cfg.parallel), etp=4)
     fake = SimpleNamespace(model=cfg.model, moe=moe, parallel=par, train=cfg.train)
     assert ModelShape.from_config(fake).max_nodes_per_token == 2
     assert Layout.from_config(fake).etp == 4
