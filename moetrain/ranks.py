@@ -97,7 +97,7 @@ def config_for_nodes(path: str | Path, sets: list[str], n_nodes: int | None,
 def _traffic(cfg: Config, rm: RankMap) -> list[dict[str, Any]]:
     shape = ModelShape.from_config(cfg)
     lay = Layout.from_config(cfg)
-    mem = MemoryAssumptions.for_dtype({"fp32": "float32", "bf16": "bfloat16"}[cfg.train.precision])
+    mem = MemoryAssumptions.for_train(cfg.train)
     vols = step_collectives(shape, lay, cfg.train.global_batch_size, places_from_rank_map(rm), rm.profile,
                             grad_bytes=mem.grad_bytes, param_bytes=mem.param_bytes)
     return [v.to_dict() for v in vols]

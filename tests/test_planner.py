@@ -231,19 +231,27 @@ def test_plan_cli_json(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# Published results (no constant was fitted to them; see docs/topology.md)
+# Published results (docs/topology.md §5; only the short-K constant was set from four of them)
 # ---------------------------------------------------------------------------------------------
 
 
 def test_published_results_within_tolerance():
-    from moetrain.planner.published import TOLERANCE, compare_all
+    from moetrain.planner.published import MEDIAN_GOAL, TOLERANCE, compare_all, summary
 
     rows = compare_all()
     held = [r for r in rows if r["held"]]
-    assert len(held) >= 12
+    assert sum(not r["moe"] for r in held) >= 20 and sum(r["moe"] for r in held) >= 4
     for r in held:
         assert abs(r["error"]) <= TOLERANCE, r
-    assert sum(abs(r["error"]) for r in held) / len(held) < 0.10
+    stats = summary(rows)
+    for group in ("dense", "moe", "held-out dense", "held-out moe"):
+        assert stats[group]["median"] <= MEDIAN_GOAL, (group, stats[group])
+    # what is not held says why, and is still compared
+    for r in rows:
+        assert r["held"] or (r["note"] and r["error"] is not None), r
+    # the dense rows of the earlier comparison stay as close as before this model (mean 6.1 %)
+    old = [abs(r["error"]) for r in held if r["key"].startswith(("megatron2021", "llama3"))]
+    assert len(old) == 12 and sum(old) / len(old) < 0.065
 
 
 @pytest.mark.parametrize("path", ["configs/mixtral-8x7b.yaml", "configs/deepseek-v3-like.yaml",

@@ -3,8 +3,9 @@
 ``Planner(shape, profile, n_nodes, global_batch).search()`` ranks the layouts that fit;
 ``python -m moetrain.plan`` is the command line. The model: ``model.py`` (parameters, FLOPs),
 ``memory.py`` (ZeRO and Korthikanti et al. 2022), ``traffic.py`` (collectives, tiers),
-``timing.py`` (compute, communication, bubble, overlap), ``search.py`` (enumerate, rank,
-explain), ``published.py`` (the comparison with published results).
+``timing.py`` (compute, communication, bubble, overlap; grouped expert GEMMs and the EP
+all-to-all), ``search.py`` (enumerate, rank, explain), ``published.py`` (the comparison with
+published dense and MoE runs).
 """
 
 from moetrain.planner.layout import Layout, LayoutError, parse_layout_spec

@@ -21,7 +21,9 @@ class Layout:
     """``vpp``: virtual stages per pipeline rank (interleaved schedule). ``ac``: activation
     checkpointing (``none``, ``selective`` = recompute the attention core as Korthikanti et al.
     2022 §5, ``full`` = keep each layer's input only). ``sp``: Megatron sequence parallelism
-    (always on when tp > 1 in the planner's search)."""
+    (always on when tp > 1 in the planner's search). ``etp``: expert-tensor-parallel size,
+    1 (each rank keeps its experts whole) or tp (each expert's ffn dim split over the tp ranks,
+    Megatron-Core's ``--expert-tensor-parallel-size``); the config field ``parallel.etp``."""
 
     tp: int = 1
     pp: int = 1
@@ -34,6 +36,7 @@ class Layout:
     ac: str = "none"
     schedule: str = "1f1b"
     sp: bool = False
+    etp: int = 1
 
     @property
     def world(self) -> int:
@@ -42,6 +45,12 @@ class Layout:
     @property
     def edp(self) -> int:
         return self.dp * self.cp // self.ep
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks holding replicas of the same expert shard (ZeRO shards them): edp × tp with
+        whole experts (the tp ranks hold copies), edp when tp splits the experts (etp = tp)."""
+        return self.edp * (self.tp // self.etp)
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per pipeline per step (gradient accumulation steps)."""
@@ -56,6 +65,8 @@ class Layout:
             s += f" cp{self.cp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.etp > 1:
+            s += f" etp{self.etp}"
         s += f" z{self.zero} mbs{self.mbs} ac={self.ac}"
         if self.pp > 1:
             s += f" {self.schedule}"
@@ -76,14 +87,15 @@ class Layout:
         p = cfg.parallel
         return cls(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, vpp=p.virtual_stages, zero=p.zero_stage,
                    mbs=cfg.train.micro_batch_size, ac=p.activation_checkpointing, schedule=p.pp_schedule,
-                   sp=p.sequence_parallel)
+                   sp=p.sequence_parallel, etp=getattr(p, "etp", 1))  # parallel.etp: a later config field
 
     def overrides(self) -> list[str]:
         """``--set`` strings that put this layout into a config."""
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}", f"parallel.cp={self.cp}",
                 f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.vpp}", f"parallel.zero_stage={self.zero}",
                 f"parallel.pp_schedule={self.schedule}", f"parallel.activation_checkpointing={self.ac}",
-                f"parallel.sequence_parallel={'true' if self.sp else 'false'}", f"train.micro_batch_size={self.mbs}"]
+                f"parallel.sequence_parallel={'true' if self.sp else 'false'}", f"train.micro_batch_size={self.mbs}"] + \
+            ([f"parallel.etp={self.etp}"] if self.etp > 1 else [])
 
 
 _ALIASES = {
@@ -94,6 +106,7 @@ _ALIASES = {
     "ac": "ac", "recompute": "ac", "activation_checkpointing": "ac",
     "schedule": "schedule", "pp_schedule": "schedule",
     "sp": "sp", "sequence_parallel": "sp",
+    "etp": "etp", "expert_tensor_parallel": "etp",
 }
 LAYOUT_KEYS = tuple(sorted(set(_ALIASES)))
 _CHOICES = {"ac": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")}

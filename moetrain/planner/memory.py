@@ -52,10 +52,24 @@ class MemoryAssumptions:
     act_bytes: int = 2
 
     @classmethod
-    def for_dtype(cls, dtype: str) -> "MemoryAssumptions":
-        if dtype == "float32":
+    def for_precision(cls, precision: str) -> "MemoryAssumptions":
+        """``fp32`` / ``float32``: 4-byte weights and activations, no separate master copy;
+        ``bf16`` / ``bfloat16`` (and ``fp16`` or ``mixed``, 16-bit mixed precision of either
+        kind): mixed precision as above.
+
+        Raises:
+            ValueError: any other name.
+        """
+        if precision in ("fp32", "float32"):
             return cls(param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4)
-        return cls()
+        if precision in ("bf16", "bfloat16", "fp16", "float16", "mixed"):
+            return cls()
+        raise ValueError(f"precision {precision!r}: use bf16 or fp32")
+
+    @classmethod
+    def for_train(cls, train: Any) -> "MemoryAssumptions":
+        """From a config's ``train`` section (``train.precision``: ``fp32`` / ``bf16``)."""
+        return cls.for_precision(train.precision)
 
 
 def zero_model_state_bytes(psi: float, nd: int, stage: int, k: int = 12, param_bytes: int = 2,
@@ -102,6 +116,8 @@ class ActivationArch:
     attention: str = "flash"       # "flash" (no s×s matrix kept) or "materialised"
     dropout: bool = False
     fused_swiglu: bool = True      # keeps gate and up (4F), recomputes silu·up in backward
+    h_v: int | None = None         # attention output width a·d_v (None: h_q)
+    h_kv_v: int | None = None      # value width kv_heads·d_v (None: h_kv)
 
     @classmethod
     def gpt(cls, s: int, h: int, a: int) -> "ActivationArch":
@@ -113,7 +129,8 @@ class ActivationArch:
     def of(cls, shape: ModelShape) -> "ActivationArch":
         """moetrain's layer on GPU: RMSNorm, GQA, fused SwiGLU, no dropout, flash attention."""
         return cls(hidden=shape.hidden, heads=shape.heads, h_q=shape.h_q, h_kv=shape.h_kv, ffn=shape.ffn,
-                   seq_len=shape.seq_len)
+                   seq_len=shape.seq_len, mlp="swiglu" if shape.mlp_matrices == 3 else "gelu",
+                   h_v=shape.h_v, h_kv_v=shape.h_kv_v)
 
 
 def activation_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
@@ -133,7 +150,7 @@ def attention_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
         ("norm1 input", 2.0 * h, "repl"),
         ("QKV input", 2.0 * h, "repl"),
         ("Q, K", 2.0 * (arch.h_q + arch.h_kv), "shard"),
-        ("V", 2.0 * arch.h_kv, "shard"),
+        ("V", 2.0 * (arch.h_kv_v or arch.h_kv), "shard"),
     ]
     if arch.attention == "materialised":
         t.append(("softmax output", 2.0 * a * s, "core"))
@@ -142,7 +159,7 @@ def attention_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
         t.append(("out-projection input", 2.0 * arch.h_q, "shard"))
     else:
         # FlashAttention keeps its output O (the out-projection input) and the fp32 log-sum-exp.
-        t += [("attention output O", 2.0 * arch.h_q, "shard"), ("log-sum-exp", 4.0 * a, "core")]
+        t += [("attention output O", 2.0 * (arch.h_v or arch.h_q), "shard"), ("log-sum-exp", 4.0 * a, "core")]
     if arch.dropout:
         t.append(("attention dropout mask", 1.0 * h, "repl"))
     return t
@@ -164,18 +181,21 @@ def mlp_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
     return t
 
 
-def _moe_terms(shape: ModelShape) -> list[tuple[str, float, str]]:
-    """The MoE block's tensors per token. Experts are not tensor-parallel: each TP rank routes
-    its own 1/tp slice of the sequence (with or without SP), so the caller splits every term
-    by tp."""
-    h, f, k, e = shape.hidden, shape.expert_ffn, shape.top_k, shape.num_experts
+def _moe_terms(shape: ModelShape, etp: int = 1, imbalance: float = 1.0) -> list[tuple[str, float, str]]:
+    """The MoE block's tensors per token. Each TP rank routes its own 1/tp slice of the
+    sequence (with or without SP), so the caller splits every term by tp. Routed copies are
+    those the busiest expert rank receives (ModelShape.expert_copies). With etp = tp the tp
+    ranks gather each other's routed copies and each computes 1/tp of every expert's width:
+    the h-wide routed tensors grow by etp, the f-wide ones keep their size."""
+    h, f, e = shape.hidden, shape.expert_ffn, shape.num_experts
+    k = shape.expert_copies(imbalance)
     return [
         ("norm2 input", 2.0 * h, "repl"),
         ("router input", 2.0 * h, "repl"),
         ("router probabilities (fp32)", 8.0 * e, "repl"),
-        ("permuted tokens", 2.0 * h * k, "repl"),
+        ("permuted tokens", 2.0 * h * k * etp, "repl"),
         ("expert gate and up outputs (fused SwiGLU)", 4.0 * f * k, "repl"),
-        ("expert outputs", 2.0 * h * k, "repl"),
+        ("expert outputs", 2.0 * h * k * etp, "repl"),
         ("shared experts", 4.0 * f * shape.shared_experts, "repl"),
     ]
 
@@ -252,15 +272,19 @@ def _inflight(layout: Layout, m: int, r: int) -> float:
 
 
 def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
-                   assumptions: MemoryAssumptions = MemoryAssumptions()) -> MemoryBreakdown:
+                   assumptions: MemoryAssumptions = MemoryAssumptions(), moe_imbalance: float = 1.0) -> MemoryBreakdown:
     """Peak memory per GPU (the fullest pipeline rank) of ``layout`` training ``shape``.
+
+    Expert parameters are split over ep × etp and their states sharded over
+    ``layout.expert_shard``. ``moe_imbalance``: routed copies of the busiest expert rank over
+    the mean (the activations it keeps).
 
     Returns a :class:`MemoryBreakdown` in bytes; ``.gib()`` converts.
     """
     A = assumptions
     tp, pp, cp = layout.tp, layout.pp, layout.cp
     dense_shard = layout.dp * cp
-    expert_shard = layout.dp * cp * tp // layout.ep
+    expert_shard = layout.expert_shard
     m = max(1, layout.microbatches(global_batch))
     tokens = layout.mbs * shape.seq_len / cp
     sp = layout.sp and tp > 1
@@ -275,7 +299,8 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         if ac == "full":
             return layer_activation_bytes(att_terms, tokens, tp, sp, "full", act_scale)
         return (layer_activation_bytes(att_terms, tokens, tp, sp, ac, act_scale)
-                + layer_activation_bytes(_moe_terms(shape), tokens, tp, True, ac, act_scale))
+                + layer_activation_bytes(_moe_terms(shape, layout.etp, moe_imbalance), tokens, tp, True, ac,
+                                         act_scale))
 
     a_dense = layer_activation_bytes(dense_terms, tokens, tp, sp, layout.ac, act_scale)
     a_moe = moe_layer(layout.ac)
@@ -293,7 +318,7 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         if r == pp - 1 and (pp > 1 or not shape.tie_embeddings):
             dense_p += shape.vocab * shape.hidden + shape.hidden
         dense_p /= tp
-        expert_p /= layout.ep
+        expert_p /= layout.ep * layout.etp
         z = layout.zero
         params = A.param_bytes * (dense_p / (dense_shard if z >= 3 else 1) + expert_p / (expert_shard if z >= 3 else 1))
         grads = A.grad_bytes * (dense_p / (dense_shard if z >= 2 else 1) + expert_p / (expert_shard if z >= 2 else 1))
@@ -307,7 +332,7 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         buffers = 0.0
         if z >= 3 and n_dense + n_moe:
             biggest = max(dense_layer[0] / tp if n_dense else 0.0,
-                          moe_layer[0] / tp + moe_layer[1] / layout.ep if n_moe else 0.0)
+                          moe_layer[0] / tp + moe_layer[1] / (layout.ep * layout.etp) if n_moe else 0.0)
             buffers += 2 * biggest * A.param_bytes  # the gathered layer and the prefetched next one
         mb = MemoryBreakdown(params, grads, optim, acts, buffers, r,
                              {"dense_params": dense_p, "expert_params": expert_p,

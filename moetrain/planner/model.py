@@ -1,8 +1,14 @@
 """Parameter counts and FLOPs of the decoder that moetrain trains, from a Config.
 
-Symbols (per layer unless stated): h hidden, a heads, d = h/a head dim, h_q = a·d query width,
-h_kv = kv_heads·d, F dense SwiGLU width, E experts, k top-k, f expert SwiGLU width, S shared
-experts, V vocabulary, s sequence length, L layers.
+Symbols (per layer unless stated): h hidden, a heads, d = h/a head dim (or a stated one),
+h_q = a·d query width, h_kv = kv_heads·d, h_v = a·d_v value width, F dense MLP width, E experts,
+k top-k, f expert SwiGLU width, S shared experts, V vocabulary, s sequence length, L layers.
+
+moetrain's own configs give a Llama/Mixtral decoder (SwiGLU, d = h/a, full attention). Published
+runs of other models need a few more facts, which only the planner knows (they are never read
+from a moetrain config): a stated head dim (Qwen3, GPT-OSS), separate value head dim and
+low-rank projections (DeepSeek's multi-head latent attention, given as its parameter count),
+a two-matrix GELU MLP (GPT-3, MPT), sliding-window layers (GPT-OSS).
 
 FLOP convention (the one MFU is reported in, as Megatron-LM eq. 3 of Narayanan et al. 2021 and
 PaLM appendix B): a matmul of m×k by k×n costs 2mkn; backward costs twice forward; attention
@@ -41,6 +47,15 @@ class ModelShape:
     shared_experts: int
     moe_layer_flags: tuple[bool, ...]
     vocab_assumed: bool = False
+    capacity_factor: float | None = None      # moe.capacity_factor: None = dropless
+    max_nodes_per_token: int | None = None    # moe.max_nodes_per_token: node-limited routing (DeepSeek-V3 §2.1.2)
+    # planner-only architecture facts (see the module doc)
+    head_dim_override: int | None = None      # query/key width per head when not hidden/heads
+    v_head_dim: int | None = None             # value width per head when not the query/key one
+    attn_params_override: int | None = None   # attention projection parameters per layer (MLA)
+    mlp_matrices: int = 3                     # dense MLP: 3 = SwiGLU, 2 = GELU
+    window: int | None = None                 # sliding-window span (tokens) of ``window_layers`` layers
+    window_layers: int = 0
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "ModelShape":
@@ -56,12 +71,15 @@ class ModelShape:
                    vocab=vocab, seq_len=m.seq_len, tie_embeddings=m.tie_embeddings,
                    num_experts=moe.num_experts, top_k=moe.top_k if moe.num_experts else 0,
                    expert_ffn=moe.ffn_hidden, shared_experts=moe.shared_experts if moe.num_experts else 0,
-                   moe_layer_flags=flags, vocab_assumed=assumed)
+                   moe_layer_flags=flags, vocab_assumed=assumed,
+                   capacity_factor=moe.capacity_factor if moe.num_experts else None,
+                   # a field added to the config later; getattr keeps older configs working
+                   max_nodes_per_token=getattr(moe, "max_nodes_per_token", None) if moe.num_experts else None)
 
     # -- widths ------------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_override or self.hidden // self.heads
 
     @property
     def h_q(self) -> int:
@@ -70,6 +88,16 @@ class ModelShape:
     @property
     def h_kv(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def h_v(self) -> int:
+        """Attention output width (the out-projection's input): a·d_v."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def h_kv_v(self) -> int:
+        """Value projection width: kv_heads·d_v."""
+        return self.kv_heads * (self.v_head_dim or self.head_dim)
 
     @property
     def is_moe(self) -> bool:
@@ -87,8 +115,15 @@ class ModelShape:
     @property
     def attn_params(self) -> int:
         """QKV and output projections (no biases) of one layer."""
+        if self.attn_params_override is not None:
+            return self.attn_params_override
         h = self.hidden
-        return h * (self.h_q + 2 * self.h_kv) + self.h_q * h
+        return h * (self.h_q + self.h_kv + self.h_kv_v) + self.h_v * h
+
+    @property
+    def attn_out_params(self) -> int:
+        """The output projection's share of :attr:`attn_params` (h_v × h)."""
+        return self.h_v * self.hidden
 
     @property
     def norm_params(self) -> int:
@@ -96,8 +131,8 @@ class ModelShape:
 
     @property
     def mlp_params(self) -> int:
-        """Dense SwiGLU MLP of one layer: w1, w3 (h×F) and w2 (F×h)."""
-        return 3 * self.hidden * self.ffn
+        """Dense MLP of one layer: SwiGLU w1, w3 (h×F) and w2 (F×h); GELU w1 and w2."""
+        return self.mlp_matrices * self.hidden * self.ffn
 
     @property
     def expert_params(self) -> int:
@@ -152,8 +187,14 @@ class ModelShape:
         return f
 
     def attention_flops(self, causal: bool = False) -> float:
-        """Forward QKᵀ and AV FLOPs per token of one layer: 4·s·h_q (half with a causal mask)."""
-        return 4.0 * self.seq_len * self.h_q * (0.5 if causal else 1.0)
+        """Forward QKᵀ and AV FLOPs per token of one layer, averaged over the layers:
+        2·s·(h_q + h_v) (= 4·s·h_q when d_v = d), half with a causal mask; a sliding-window
+        layer attends to ``window`` keys (all of them, causal or not)."""
+        full = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
+        if not self.window or not self.window_layers:
+            return full
+        windowed = 2.0 * min(self.window, self.seq_len) * (self.h_q + self.h_v)
+        return (full * (self.layers - self.window_layers) + windowed * self.window_layers) / self.layers
 
     @property
     def logits_flops(self) -> float:
@@ -171,3 +212,17 @@ class ModelShape:
         if checkpointing == "selective":
             return self.layers * self.attention_flops()
         return 0.0
+
+    def expert_copies(self, imbalance: float = 1.0) -> float:
+        """Routed copies of one token that the busiest expert rank computes and receives, in
+        units of a token: top_k × the load of the busiest expert over the mean, capped by the
+        capacity factor (moetrain drops an expert's assignments beyond
+        ⌈capacity_factor·T·k/E⌉ before dispatch, Switch Transformer §2.2, so no expert ever
+        gets more than capacity_factor × the mean)."""
+        load = imbalance if self.capacity_factor is None else min(imbalance, self.capacity_factor)
+        return self.top_k * load
+
+    def dispatched_copies(self) -> float:
+        """Routed copies of one token that are dispatched at all: top_k, fewer when a
+        capacity factor below 1 forces drops."""
+        return self.top_k * (1.0 if self.capacity_factor is None else min(1.0, self.capacity_factor))

@@ -2,7 +2,8 @@
 
 Search space: tp (divides heads and kv_heads, fits an NVSwitch domain), cp (powers of two that
 split the sequence), pp (divides the layers), dp (the rest), ep (divides the experts and
-dp × cp), virtual stages, ZeRO stage 0-3, micro-batch 1/2/4/8, activation checkpointing
+dp × cp), etp (1, or tp for MoE models: experts split by tp), virtual stages, ZeRO stage 0-3,
+micro-batch 1/2/4/8, activation checkpointing
 none / selective / full, schedule 1F1B / ZB-H1 / interleaved 1F1B. Sequence parallelism is on
 whenever tp > 1 (Korthikanti et al. 2022: it only removes redundant work). The global batch
 and sequence length come from the config and are kept.
@@ -66,6 +67,11 @@ class Plan:
         return self.tokens_per_step / self.step_s if self.time else 0.0
 
     @property
+    def tokens_per_gpu(self) -> float:
+        """Tokens per second per GPU."""
+        return self.tokens_per_s / self.world if self.time else 0.0
+
+    @property
     def tflops_per_gpu(self) -> float:
         """Model TFLOP/s per GPU (no recomputation counted: the MFU numerator)."""
         return self.time.model_flops / self.step_s / self.world / 1e12 if self.time else 0.0
@@ -82,7 +88,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         lay = self.layout
         d: dict[str, Any] = {
-            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "vpp": lay.vpp,
+            "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "vpp": lay.vpp,
             "zero_stage": lay.zero, "micro_batch_size": lay.mbs, "activation_checkpointing": lay.ac,
             "pp_schedule": lay.schedule, "sequence_parallel": lay.sp,
             "microbatches": self.time.microbatches if self.time else None,
@@ -143,7 +149,7 @@ class Planner:
     def from_config(cls, cfg: "Config", profile: ClusterProfile, n_nodes: int,
                     allocation: Allocation | None = None) -> "Planner":
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
-                   mem=MemoryAssumptions.for_dtype({"fp32": "float32", "bf16": "bfloat16"}[cfg.train.precision]))
+                   mem=MemoryAssumptions.for_train(cfg.train))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
@@ -167,6 +173,9 @@ class Planner:
             return f"pp·vpp = {lay.pp * lay.vpp} stages for {s.layers} layers"
         if (lay.dp * lay.cp) % lay.ep or (s.is_moe and s.num_experts % lay.ep) or (not s.is_moe and lay.ep > 1):
             return f"ep = {lay.ep} must divide the experts ({s.num_experts}) and dp·cp = {lay.dp * lay.cp}"
+        if lay.etp not in (1, lay.tp) or (lay.etp > 1 and (not s.is_moe or s.expert_ffn % lay.etp)):
+            return (f"etp = {lay.etp}: use 1, or tp = {lay.tp} for an MoE model whose expert width "
+                    f"({s.expert_ffn}) it divides")
         div = 2 * lay.cp if lay.cp > 1 else 1
         tp_splits = lay.tp > 1 and (lay.sp or s.is_moe)  # as the config's rule: MoE splits by tp too
         if tp_splits:
@@ -193,7 +202,7 @@ class Planner:
         why = self.check(lay)
         if why:
             raise ValueError(f"layout {lay.short()}: {why}")
-        mem = memory_per_gpu(self.shape, lay, self.global_batch, self.mem)
+        mem = memory_per_gpu(self.shape, lay, self.global_batch, self.mem, self.timing.moe_imbalance)
         plan = Plan(lay, mem, self.capacity, world=self.world, peak_tflops=self.profile.peak_tflops,
                     tokens_per_step=self.global_batch * self.shape.seq_len)
         if self.shape.layers % (lay.pp * lay.vpp):
@@ -243,13 +252,15 @@ class Planner:
                     if "schedule" in fixed:
                         sched_v = [(sch, v) for sch, v in sched_v if sch == fixed["schedule"]] or \
                                   [(fixed["schedule"], fixed.get("vpp", 1))]
+                    etps = choices("etp", [1, tp] if tp > 1 and s.is_moe else [1])
                     for ep in eps:
-                        for sched, v in sched_v:
-                            for mbs in choices("mbs", list(MBS_CHOICES)):
-                                lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
-                                             mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp)
-                                if self.check(lay) is None:
-                                    yield lay
+                        for etp in etps:
+                            for sched, v in sched_v:
+                                for mbs in choices("mbs", list(MBS_CHOICES)):
+                                    lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
+                                                 mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp, etp=etp)
+                                    if self.check(lay) is None:
+                                        yield lay
 
     def enumerate(self, fixed: dict[str, Any] | None = None) -> Iterator[Layout]:
         """Every valid layout agreeing with ``fixed`` (keys of :class:`Layout`), all ZeRO stages
@@ -334,7 +345,7 @@ def explain(plan: Plan, rank: int, nxt: Plan | None = None) -> list[str]:
     total = t.step
     parts = []
     tier = t.comm_tiers
-    label = {"tp_comm": f"TP on {tier.get('tp')}", "ep_comm": f"EP on {tier.get('ep')}",
+    label = {"tp_comm": f"TP on {tier.get('tp')}", "ep_comm": f"EP exposed on {tier.get('ep')}",
              "overlap_slowdown": "compute lost to overlapped collectives",
              "pp_p2p": f"PP p2p on {tier.get('pp')}", "dp_comm_exposed": f"DP exposed on {tier.get('dp_cp')}",
              "cp_comm_exposed": f"CP exposed on {tier.get('cp')}"}

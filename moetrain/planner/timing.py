@@ -1,15 +1,20 @@
 """Step time of a layout: compute, communication, pipeline bubble, and what overlaps.
 
 Phases of one step on the slowest pipeline rank (all times per micro-batch unless stated):
-1. compute: every GEMM at ``peak × gemm_efficiency × wave efficiency`` (wave quantisation:
-   a GEMM's 128×256 output tiles fill the SMs in whole waves); causal flash attention at
+1. compute: every GEMM pass at the roofline of compute and HBM traffic (:func:`gemm_pass_time`),
+   compute at ``peak × gemm_efficiency × wave efficiency × short-K efficiency`` (wave
+   quantisation: a GEMM's 128×256 output tiles fill the SMs in whole waves; short K: a fixed
+   per-tile cost, :func:`k_efficiency`); the routed experts as one grouped GEMM with the
+   busiest rank's tokens per expert (``_Compute.moe``); causal flash attention at
    ``peak × attention_efficiency`` (backward executes 2.5× the forward FLOPs: FlashAttention-2
    recomputes the scores, Dao 2023 §3.1); elementwise kernels (norms, residuals, RoPE,
    SwiGLU, routing, permutation) at HBM bandwidth; recomputation runs the forward again
    (full) or the attention core again (selective).
-2. communication inside a micro-batch: TP (SP all-gather / reduce-scatter), EP all-to-all and
-   the pipeline's point-to-point sends are not overlapped; CP's K/V ring overlaps with the
-   attention it feeds (only the excess counts).
+2. communication inside a micro-batch: TP (SP all-gather / reduce-scatter, and the expert-TP
+   all-gather / reduce-scatter with etp = tp) and the pipeline's point-to-point sends are not
+   overlapped; the EP all-to-all (traffic.ep_all_to_all: top-k, capacity, node-limited
+   routing) is exposed unless the software and the schedule hide it (:func:`ep_exposed`); CP's
+   K/V ring overlaps with the attention it feeds (only the excess counts).
 3. pipeline: 1F1B and GPipe take (m + p − 1)(t_f + t_b), interleaved 1F1B
    (m + (p − 1)/v)(t_f + t_b) (Narayanan et al. 2021 §2.2), ZB-H1 m(t_f + t_b) + (p − 1)·t_f
    (Qi et al. 2023 §3, with the backward split evenly into input and weight gradients).
@@ -29,20 +34,28 @@ from typing import TYPE_CHECKING, Any
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import MemoryAssumptions, stage_counts
 from moetrain.planner.model import ModelShape
-from moetrain.planner.traffic import AxisPlace, microbatch_buffers, comm_time
+from moetrain.planner.traffic import AxisPlace, comm_time, ep_all_to_all, expert_grad_axis, microbatch_buffers
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.cluster import ClusterProfile
 
-__all__ = ["TimingAssumptions", "StepTime", "step_time", "bubble_time", "pipeline_time"]
+__all__ = ["TimingAssumptions", "StepTime", "step_time", "bubble_time", "pipeline_time", "k_efficiency",
+           "gemm_pass_time", "ep_exposed", "EP_OVERLAP", "K_REF"]
+
+EP_OVERLAP = ("none", "shared_expert", "combined_1f1b")
+K_REF = 4096
+"""Inner dimension of the "training-shaped" GEMMs the profiles' ``gemm_efficiency`` describes."""
 
 
 @dataclass(frozen=True)
 class TimingAssumptions:
-    """Stated constants of the time model (not fitted to any published table).
+    """Stated constants of the time model (only ``gemm_k0`` is set from published runs).
 
     ``moe_imbalance``: tokens on the busiest expert rank over the mean (dropless routing with a
-    load-balancing loss). ``tile``: GEMM output tile (rows, cols) for wave quantisation.
+    load-balancing loss; a capacity factor caps it, see ModelShape.expert_copies).
+    ``gemm_k0``: the short-K loss of a GEMM, see :func:`k_efficiency` (calibrated, the one
+    constant set from published runs: docs/topology.md §5). ``tile``: GEMM output tile (rows,
+    cols) for wave quantisation.
     ``attention_backward``: executed backward/forward FLOP ratio of flash attention.
     ``adam_bytes``: bytes moved per local parameter by the optimizer step.
     ``kernel_gap_us`` × ``kernels_per_layer`` (forward; backward twice): launch gaps between
@@ -56,9 +69,18 @@ class TimingAssumptions:
     (Megatron-LM added this after 2021; before, the all-reduce ran after the backward).
     ``overlap_slowdown``: compute lost per second of a collective hidden behind it: NCCL's
     kernels hold SMs (16-32 channels of 132 SMs) and HBM bandwidth while they run.
+    ``ep_overlap``: what hides the EP all-to-all (see :func:`ep_exposed`): ``none`` (moetrain's
+    trainer, and Megatron-Core before its combined-1F1B overlap), ``shared_expert`` (the shared
+    experts' MLP runs while tokens travel, Megatron's ``--moe-shared-expert-overlap``),
+    ``combined_1f1b`` (the all-to-all of one micro-batch runs under the computation of another,
+    DeepSeek-V3 §3.2.1's DualPipe idea as Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
+    only where the schedule interleaves a forward and a backward: pp = 1 or virtual stages).
+    ``attention_efficiency``: the attention kernel of that run, when not the profile's
+    (FlashAttention-1-era kernels reach 25-40 % of A100 peak, Dao 2023 §1).
     """
 
     moe_imbalance: float = 1.1
+    gemm_k0: float = 640.0
     tile: tuple[int, int] = (128, 256)
     attention_backward: float = 2.5
     adam_bytes: float = 30.0
@@ -68,6 +90,36 @@ class TimingAssumptions:
     dropout: bool = False
     overlap_grad_reduce: bool = True
     overlap_slowdown: float = 0.15
+    ep_overlap: str = "none"
+    attention_efficiency: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep_overlap not in EP_OVERLAP:
+            raise ValueError(f"ep_overlap {self.ep_overlap!r}: use one of {', '.join(EP_OVERLAP)}")
+
+
+def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, shared_f: float, shared_b: float,
+               mode: str, layout: Layout, m: int) -> tuple[float, float, float]:
+    """(exposed forward, exposed backward, hidden) seconds of one MoE layer's all-to-alls for one
+    micro-batch (``a2a_*``: dispatch + combine in that direction; ``compute_*``: the layer's
+    computation; ``shared_*``: its shared experts' part).
+
+    - ``none``: nothing hides them (every layer waits for its tokens);
+    - ``shared_expert``: the shared experts compute while the tokens travel;
+    - ``combined_1f1b``: where the schedule runs a forward and a backward of different
+      micro-batches side by side (pp = 1, or virtual stages), each direction's all-to-all
+      hides under the other's computation; the first forward and the last backward of a step
+      have no partner, so only (m − 1)/m of the micro-batches get the overlap. With plain
+      1F1B (pp > 1, no virtual stages) nothing is hidden.
+    """
+    if mode == "shared_expert":
+        hf, hb = min(a2a_f, shared_f), min(a2a_b, shared_b)
+    elif mode == "combined_1f1b" and (layout.pp == 1 or layout.vpp > 1):
+        paired = (m - 1) / m
+        hf, hb = paired * min(a2a_f, compute_b), paired * min(a2a_b, compute_f)
+    else:
+        hf = hb = 0.0
+    return a2a_f - hf, a2a_b - hb, hf + hb
 
 
 def pipeline_time(schedule: str, pp: int, vpp: int, m: int, t_f: float, t_b: float) -> float:
@@ -115,24 +167,70 @@ def _wave(m: float, n: float, sms: int, tile: tuple[int, int], count: int = 1) -
     return min(1.0, useful / (waves * sms))
 
 
+def k_efficiency(k: float, k0: float) -> float:
+    """Efficiency of a GEMM with inner dimension ``k`` relative to one with k ≥ K_REF.
+
+    Each output tile runs k / k_tile main-loop steps plus a fixed prologue and epilogue
+    (loading the pipeline, writing the tile), worth k0 more elements of k, so the useful share
+    is k / (k + k0). Normalised to K_REF, the profiles' reference; never above 1:
+    ``min(1, k/(k + k0) · (K_REF + k0)/K_REF)``. This is what slows the GEMMs of small models
+    (k = hidden = 768: 0.63 with k0 = 640) and the weight-gradient GEMMs of experts that get
+    few tokens (k = tokens per expert).
+    """
+    if k <= 0:
+        return 1.0
+    return min(1.0, k / (k + k0) * (K_REF + k0) / K_REF)
+
+
+def gemm_pass_time(m: float, n: float, k: float, count: int, rate: float, hbm: float, sms: int,
+                   tile: tuple[int, int], k0: float, in_bytes: float = 2.0, out_bytes: float = 2.0) -> float:
+    """Seconds of ``count`` GEMMs C[m×n] = A[m×k]·B[k×n] (a grouped GEMM when count > 1).
+
+    Roofline (Williams et al. 2009): the longer of compute, at ``rate`` (FLOP/s) × wave
+    efficiency × :func:`k_efficiency`, and memory, reading A and B once and writing C once at
+    ``hbm`` (B/s). A grouped GEMM with few rows per group reads every group's B for little
+    work: that is where expert GEMMs with few tokens per expert become memory-bound.
+    """
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * count
+    t_c = flops / (rate * _wave(m, n, sms, tile, count) * k_efficiency(k, k0))
+    t_m = count * (in_bytes * (m * k + k * n) + out_bytes * m * n) / hbm
+    return max(t_c, t_m)
+
+
 class _Compute:
     """Per-layer, per-micro-batch compute times on one rank."""
 
     def __init__(self, shape: ModelShape, layout: Layout, prof: "ClusterProfile", ta: TimingAssumptions,
-                 act_bytes: int):
+                 act_bytes: int, grad_bytes: int = 4):
         self.s, self.l, self.p, self.ta = shape, layout, prof, ta
         self.T = layout.mbs * shape.seq_len / layout.cp
         self.sp = layout.sp and layout.tp > 1
         self.Tt = self.T / layout.tp if self.sp else self.T   # tokens of the norms / residuals
         self.Tm = self.T / layout.tp                           # tokens an MoE block routes (1/tp slice)
         self.act_bytes = act_bytes
+        self.grad_bytes = grad_bytes
         self.rate = prof.peak_tflops * 1e12 * prof.gemm_efficiency
         self.hbm = prof.hbm_gb_s * 1e9
+        self.att_eff = ta.attention_efficiency or prof.attention_efficiency
 
     def gemm(self, m: float, n: float, k: float, count: int = 1) -> tuple[float, float]:
-        """(forward, backward) seconds of ``count`` GEMMs [m×k]·[k×n]."""
-        flops = 2.0 * m * n * k * count
+        """(forward, backward) seconds of ``count`` GEMMs [m×k]·[k×n]: forward C = A·B, input
+        gradient dA = dC·Bᵀ (inner dimension n), weight gradient dB = Aᵀ·dC (inner dimension m,
+        accumulated into the gradient buffer: read and written in ``grad_bytes``)."""
+        args = (self.rate, self.hbm, self.p.sm_count, self.ta.tile, self.ta.gemm_k0, self.act_bytes)
+        fwd = gemm_pass_time(m, n, k, count, *args, out_bytes=self.act_bytes)
+        bwd = (gemm_pass_time(m, k, n, count, *args, out_bytes=self.act_bytes)
+               + gemm_pass_time(k, n, m, count, *args, out_bytes=2.0 * self.grad_bytes))
+        return fwd, bwd
+
+    def score_gemm(self, m: float, n: float, k: float, count: int) -> tuple[float, float]:
+        """(forward, backward) seconds of the batched QKᵀ / AV GEMMs of unfused attention, at
+        compute speed only: their memory traffic (the s×s scores) is counted per score in
+        :meth:`attention`."""
         sms, tile = self.p.sm_count, self.ta.tile
+        flops = 2.0 * m * n * k * count
         fwd = flops / (self.rate * _wave(m, n, sms, tile, count))
         bwd = flops / (self.rate * _wave(m, k, sms, tile, count)) + flops / (self.rate * _wave(k, n, sms, tile, count))
         return fwd, bwd
@@ -140,11 +238,12 @@ class _Compute:
     def attention(self) -> tuple[float, float, float, float]:
         """(GEMMs fwd, GEMMs bwd, attention core fwd, attention core bwd) of the attention block."""
         s, tp = self.s, self.l.tp
-        f1, b1 = self.gemm(self.T, (s.h_q + 2 * s.h_kv) / tp, s.hidden)
-        f2, b2 = self.gemm(self.T, s.hidden, s.h_q / tp)
+        # projections as one input GEMM (QKV, or MLA's low-rank chain) and the output GEMM
+        f1, b1 = self.gemm(self.T, (s.attn_params - s.attn_out_params) / s.hidden / tp, s.hidden)
+        f2, b2 = self.gemm(self.T, s.hidden, s.h_v / tp)
         if self.ta.attention == "flash":
-            core_flops = 4.0 * self.T * s.seq_len * s.h_q / tp * 0.5  # causal: half the score matrix
-            core = core_flops / (self.p.peak_tflops * 1e12 * self.p.attention_efficiency)
+            core_flops = self.T * s.attention_flops(causal=True) / tp  # causal: half the score matrix
+            core = core_flops / (self.p.peak_tflops * 1e12 * self.att_eff)
             return f1 + f2, b1 + b2, core, core * self.ta.attention_backward
         # Unfused: QKᵀ and AV as batched GEMMs over the full s×s matrix (masked afterwards),
         # and the scores pass through memory: write QKᵀ, masked softmax (read, write), dropout
@@ -152,32 +251,44 @@ class _Compute:
         heads = s.heads / tp
         n_seq = self.T / s.seq_len  # sequences in the micro-batch (CP: a fraction)
         count = max(1, round(heads * max(1.0, n_seq)))
-        qk_f, qk_b = self.gemm(self.T / max(1.0, n_seq), s.seq_len, s.head_dim, count)
-        av_f, av_b = self.gemm(self.T / max(1.0, n_seq), s.head_dim, s.seq_len, count)
+        qk_f, qk_b = self.score_gemm(self.T / max(1.0, n_seq), s.seq_len, s.head_dim, count)
+        av_f, av_b = self.score_gemm(self.T / max(1.0, n_seq), s.head_dim, s.seq_len, count)
         per_score = 13.0 if self.ta.dropout else 8.0
         mem = per_score * self.T * s.seq_len * heads / self.hbm
         return f1 + f2, b1 + b2, qk_f + av_f + mem, qk_b + av_b + 2 * mem
 
     def mlp(self) -> tuple[float, float]:
         s, tp = self.s, self.l.tp
-        f1, b1 = self.gemm(self.T, 2 * s.ffn / tp, s.hidden)
+        f1, b1 = self.gemm(self.T, (s.mlp_matrices - 1) * s.ffn / tp, s.hidden)  # SwiGLU: gate and up fused
         f2, b2 = self.gemm(self.T, s.hidden, s.ffn / tp)
         return f1 + f2, b1 + b2
 
-    def moe(self) -> tuple[float, float]:
+    def moe(self) -> tuple[float, float, float, float]:
+        """(forward, backward, shared-expert forward, shared-expert backward) seconds of one MoE
+        block's GEMMs on the busiest expert rank.
+
+        1. router: [T_m × h]·[h × E];
+        2. routed experts: one grouped GEMM over the rank's E/ep experts, each with the tokens
+           that reach it: T_m per rank × the busiest rank's routed copies per token
+           (ModelShape.expert_copies) × ep source ranks / E experts, × tp with etp = tp (the tp
+           ranks gather each other's tokens and each computes 1/tp of the width). Few tokens per
+           expert make these GEMMs memory-bound on the expert weights and their weight-gradient
+           GEMMs short-K (gemm_pass_time);
+        3. shared experts: dense GEMMs on the rank's own tokens.
+        """
         s, l = self.s, self.l
         local_experts = max(1, s.num_experts // l.ep)
-        # Tokens reaching one local expert: T_m·k per rank, spread over E experts, from ep ranks.
-        per_expert = self.Tm * s.top_k * l.ep / s.num_experts * self.ta.moe_imbalance
-        f1, b1 = self.gemm(per_expert, 2 * s.expert_ffn, s.hidden, local_experts)
-        f2, b2 = self.gemm(per_expert, s.hidden, s.expert_ffn, local_experts)
+        per_expert = self.Tm * s.expert_copies(self.ta.moe_imbalance) * l.ep / s.num_experts * l.etp
+        width = s.expert_ffn / l.etp
+        f1, b1 = self.gemm(per_expert, 2 * width, s.hidden, local_experts)
+        f2, b2 = self.gemm(per_expert, s.hidden, width, local_experts)
         fr, br = self.gemm(self.Tm, s.num_experts, s.hidden)
-        fwd, bwd = f1 + f2 + fr, b1 + b2 + br
+        g_f = g_b = 0.0
         if s.shared_experts:
             g1, c1 = self.gemm(self.Tm, 2 * s.expert_ffn * s.shared_experts, s.hidden)
             g2, c2 = self.gemm(self.Tm, s.hidden, s.expert_ffn * s.shared_experts)
-            fwd, bwd = fwd + g1 + g2, bwd + c1 + c2
-        return fwd, bwd
+            g_f, g_b = g1 + g2, c1 + c2
+        return f1 + f2 + fr + g_f, b1 + b2 + br + g_b, g_f, g_b
 
     def elementwise(self, moe: bool) -> float:
         """Forward seconds of the memory-bound kernels of one layer (each tensor read and
@@ -190,11 +301,13 @@ class _Compute:
         per_tp_shard = 4.0 * (s.h_q + s.h_kv) / tp          # RoPE on Q and K (r+w)
         nbytes = b * (per_seq_shard * self.Tt + per_tp_shard * self.T)
         if moe:
-            k, f = s.top_k, s.expert_ffn
-            nbytes += b * self.Tm * (4.0 * k * s.hidden + 3.0 * k * f + 3.0 * f * s.shared_experts)
+            k, f = s.expert_copies(self.ta.moe_imbalance), s.expert_ffn
+            # permute and unpermute (r+w of h-wide copies), SwiGLU on the f-wide expert outputs
+            nbytes += b * self.Tm * (4.0 * k * s.hidden * self.l.etp + 3.0 * k * f + 3.0 * f * s.shared_experts)
             nbytes += 4 * self.Tm * 3.0 * s.num_experts      # fp32 router softmax / top-k
         else:
-            nbytes += b * self.T * 3.0 * s.ffn / tp          # SwiGLU: read gate and up, write product
+            # SwiGLU reads gate and up and writes their product; GELU reads and writes
+            nbytes += b * self.T * s.mlp_matrices * s.ffn / tp
         return nbytes / self.hbm
 
     def logits(self) -> tuple[float, float]:
@@ -210,13 +323,13 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     """Predicted seconds per optimizer step of ``layout`` (see the module doc for the model)."""
     lay = layout
     m = max(1, lay.microbatches(global_batch))
-    c = _Compute(shape, lay, profile, ta, mem.act_bytes)
-    sz = microbatch_buffers(shape, lay, mem.act_bytes)
+    c = _Compute(shape, lay, profile, ta, mem.act_bytes, mem.grad_bytes)
+    sz = microbatch_buffers(shape, lay, mem.act_bytes, ta.moe_imbalance)
     prof = profile
 
     att_f, att_b, core_f, core_b = c.attention()
     mlp_f, mlp_b = c.mlp()
-    moe_f, moe_b = c.moe() if shape.is_moe else (0.0, 0.0)
+    moe_f, moe_b, shared_f, shared_b = c.moe() if shape.is_moe else (0.0, 0.0, 0.0, 0.0)
     el_d, el_m = c.elementwise(False), c.elementwise(True)
 
     # 2. communication inside one layer, one micro-batch
@@ -226,8 +339,18 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     t_cp, _ = comm_time("all_gather", sz["cp"], places["cp"], prof)
     cp_f = max(0.0, t_cp - core_f)
     cp_b = max(0.0, 2 * t_cp - core_b)
-    t_a2a, _ = comm_time("all_to_all", sz["ep"] * ta.moe_imbalance, places["ep"], prof) if shape.is_moe else (0.0, {})
     t_p2p, _ = comm_time("p2p", sz["pp"], places["pp"], prof)
+    # EP: dispatch and combine in each direction, the part the schedule cannot hide exposed;
+    # with etp = tp an all-gather and a reduce-scatter of the routed tokens over tp as well
+    t_a2a = ep_f = ep_b = ep_hidden = t_etp = 0.0
+    if shape.is_moe:
+        t_a2a = ep_all_to_all(sz["ep"], places["ep"], prof, shape.expert_copies(ta.moe_imbalance),
+                              shape.max_nodes_per_token)[0]
+        ep_f, ep_b, ep_hidden = ep_exposed(2 * t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
+                                           shared_f, shared_b, ta.ep_overlap, lay, m)
+        if lay.etp > 1:
+            t_etp = (comm_time("all_gather", sz["etp"], places["tp"], prof)[0]
+                     + comm_time("reduce_scatter", sz["etp"], places["tp"], prof)[0])
 
     gap = ta.kernel_gap_us * 1e-6 * ta.kernels_per_layer
 
@@ -241,7 +364,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
             "elem_f": el_m if moe else el_d, "elem_b": 2 * (el_m if moe else el_d),
             "tp_f": regions * tp_region, "tp_b": regions * tp_region,
             "cp_f": cp_f, "cp_b": cp_b,
-            "ep_f": 2 * t_a2a if moe else 0.0, "ep_b": 2 * t_a2a if moe else 0.0,
+            "ep_f": ep_f + t_etp if moe else 0.0, "ep_b": ep_b + t_etp if moe else 0.0,
         }
         return d
 
@@ -252,6 +375,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     worst = None
     for r, (n_dense, n_moe) in enumerate(stage_counts(shape, lay.pp, lay.vpp)):
         acc = {k: n_dense * per[False][k] + n_moe * per[True][k] for k in per[False]}
+        acc["n_moe"] = float(n_moe)
         if r == lay.pp - 1:
             acc["gemm_f"] = acc.get("gemm_f", 0.0) + log_f
             acc["gemm_b"] = acc.get("gemm_b", 0.0) + log_b
@@ -278,7 +402,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     z = lay.zero
     dp_exposed = 0.0
     rs = ag = 0.0
-    for axis, p in (("dp_cp", dense_p), ("edp_tp", expert_p)):
+    for axis, p in (("dp_cp", dense_p), (expert_grad_axis(lay), expert_p)):
         if p <= 0:
             continue
         if z == 0:
@@ -298,11 +422,12 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         dp_exposed = m * (max(0.0, ag - t_f) + max(0.0, ag + rs - t_b))
         dp_hidden = m * (min(ag, t_f) + min(ag + rs, t_b))
     cp_hidden = m * n_layers * (min(t_cp, core_f) + min(2 * t_cp, core_b)) if lay.cp > 1 else 0.0
-    overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden)
+    ep_hidden_step = m * acc.get("n_moe", 0.0) * ep_hidden
+    overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden + ep_hidden_step)
 
     # 5. optimizer
     shard_d = lay.dp * lay.cp if z >= 1 else 1
-    shard_e = lay.dp * lay.cp * lay.tp // lay.ep if z >= 1 else 1
+    shard_e = lay.expert_shard if z >= 1 else 1
     t_opt = ta.adam_bytes * (dense_p / shard_d + expert_p / shard_e) / (prof.hbm_gb_s * 1e9)
 
     step = t_pipe + dp_exposed + overlap_cost + t_opt
@@ -340,7 +465,7 @@ def _rank_params(shape: ModelShape, lay: Layout) -> tuple[float, float]:
             d += shape.vocab * shape.hidden
         if r == lay.pp - 1 and (lay.pp > 1 or not shape.tie_embeddings):
             d += shape.vocab * shape.hidden
-        cand = (d / lay.tp, e / lay.ep)
+        cand = (d / lay.tp, e / (lay.ep * lay.etp))
         if sum(cand) > sum(best):
             best = cand
     return best

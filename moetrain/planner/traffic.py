@@ -12,6 +12,17 @@ sends S/n to each peer: (m−1)/n·S on NVLink, (n−m)/n·S on the network. The
 time = max(network bytes / network bus bandwidth, NVLink bytes / NVLink bus bandwidth) plus a
 latency of α per algorithm step (⌈log₂ n⌉ steps, twice for all-reduce, as NCCL's trees).
 The network tier is the slowest a group crosses (``rail`` or ``spine``, see topology.cluster).
+
+Expert-parallel all-to-all (:func:`ep_all_to_all`): the buffer is the routed copies of the
+rank's tokens, T·c·h·bytes, with c the copies the busiest expert rank receives (top-k × the
+load of the busiest expert over the mean, capped by the capacity factor; ModelShape.expert_copies).
+Without node-limited routing every copy travels on its own: the share (n − m)/n crosses the
+network. With ``moe.max_nodes_per_token`` = M each token's experts lie in at most M nodes and
+the dispatch sends a token once per destination node, which forwards it over NVLink to the
+GPUs that need it (DeepSeek-V3 §3.2.2; moetrain's own dispatcher sends every copy, so the
+planner assumes such a dispatcher comes with the routing limit): a token crosses the network
+min(M, N)·(N − 1)/N times, N = n/m the domains the EP group spans, never more than its
+c·(n − m)/n copies would.
 """
 
 from __future__ import annotations
@@ -28,9 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.mapper import RankMap
 
 __all__ = ["AxisPlace", "places_from_rank_map", "bus_factor", "comm_time", "CollectiveVolume",
-           "step_collectives", "microbatch_buffers", "COMM_AXES"]
+           "step_collectives", "microbatch_buffers", "ep_all_to_all", "a2a_network_share", "expert_grad_axis",
+           "COMM_AXES"]
 
-COMM_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp_tp")
+COMM_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp", "edp_tp")
 
 
 @dataclass(frozen=True)
@@ -65,9 +77,12 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"collective {op!r}: not one of all_reduce, all_gather, reduce_scatter, all_to_all, p2p")
 
 
-def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile") -> tuple[float, dict[str, float]]:
+def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile",
+              a2a_shares: tuple[float, float] | None = None) -> tuple[float, dict[str, float]]:
     """Seconds for one collective of an ``nbytes`` buffer over ``place``, and the bytes each GPU
-    puts on each tier (``{"nvlink": ..., "rail" or "spine": ...}``)."""
+    puts on each tier (``{"nvlink": ..., "rail" or "spine": ...}``). ``a2a_shares``: the
+    (network, NVLink) bytes per buffer byte of an all-to-all when not the plain (n − m)/n,
+    (m − 1)/n (see :func:`a2a_network_share`)."""
     n = place.size
     if n <= 1 or nbytes <= 0 or place.tier == "none":
         return 0.0, {}
@@ -79,7 +94,8 @@ def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile
     if op == "p2p":
         net, nv = float(nbytes), 0.0
     elif op == "all_to_all":
-        net, nv = nbytes * (n - m) / n, nbytes * (m - 1) / n
+        net_share, nv_share = a2a_shares or ((n - m) / n, (m - 1) / n)
+        net, nv = nbytes * net_share, nbytes * nv_share
     else:
         f = bus_factor(op, n) * nbytes
         net, nv = f / m, f * (m - 1) / m
@@ -88,6 +104,42 @@ def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile
     if nv:
         tiers["nvlink"] = nv
     return t, tiers
+
+
+def a2a_network_share(copies: float, n: int, m: int, max_nodes: int | None) -> tuple[float, float]:
+    """(network, NVLink) bytes per byte of an EP all-to-all buffer of ``copies`` routed copies
+    per token, over a group of n ranks with m in each NVSwitch domain (module doc).
+
+    Raises:
+        ValueError: max_nodes below 1.
+    """
+    if n <= 1:
+        return 0.0, 0.0
+    m = min(max(1, m), n)
+    plain_net, plain_nv = (n - m) / n, (m - 1) / n
+    if max_nodes is None or m == n or copies <= 0:
+        return plain_net, plain_nv
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes_per_token = {max_nodes}: must be at least 1")
+    domains = math.ceil(n / m)
+    per_token = min(max_nodes, domains) * (domains - 1) / domains   # network sends per token
+    net = min(plain_net, per_token / copies)
+    # arrivals fan out from the receiving GPU to the others of its domain that need them
+    return net, plain_nv + plain_net * (m - 1) / m
+
+
+def ep_all_to_all(nbytes: float, place: AxisPlace, profile: "ClusterProfile", copies: float,
+                  max_nodes: int | None = None) -> tuple[float, dict[str, float]]:
+    """Seconds and bytes per tier of one EP all-to-all of an ``nbytes`` buffer per GPU holding
+    ``copies`` routed copies per token, with node-limited routing when ``max_nodes`` is set."""
+    shares = a2a_network_share(copies, place.size, place.per_domain, max_nodes) if place.size > 1 else None
+    return comm_time("all_to_all", nbytes, place, profile, shares)
+
+
+def expert_grad_axis(layout: Layout) -> str:
+    """The group that reduces expert gradients: edp × tp when the tp ranks hold whole-expert
+    replicas, edp when tp splits the experts (etp = tp)."""
+    return "edp" if layout.etp > 1 else "edp_tp"
 
 
 @dataclass
@@ -109,15 +161,21 @@ class CollectiveVolume:
                 "seconds_per_step": self.seconds, "overlap": self.overlap}
 
 
-def microbatch_buffers(shape: ModelShape, layout: Layout, act_bytes: int = 2) -> dict[str, float]:
-    """Buffer sizes (bytes) of the per-micro-batch collectives."""
+def microbatch_buffers(shape: ModelShape, layout: Layout, act_bytes: int = 2,
+                       moe_imbalance: float = 1.0) -> dict[str, float]:
+    """Buffer sizes (bytes) of the per-micro-batch collectives. ``ep``: the routed copies the
+    busiest expert rank receives in one dispatch (or sends back in one combine); ``etp``: those
+    copies gathered over the tp ranks (all-gather before, reduce-scatter after the experts,
+    when etp = tp)."""
     tokens = layout.mbs * shape.seq_len / layout.cp
     tm = tokens / layout.tp  # an MoE block routes its tp rank's 1/tp slice of the sequence
+    routed = tm * shape.expert_copies(moe_imbalance) * shape.hidden * act_bytes if shape.is_moe else 0.0
     return {
         "tokens": tokens,
         "tp": tokens * shape.hidden * act_bytes,                       # gathered activation of one TP region
         "cp": layout.cp * tokens * shape.h_kv * 2 * act_bytes / layout.tp,  # all K and V chunks of the ring
-        "ep": tm * shape.top_k * shape.hidden * act_bytes,           # routed token copies of one dispatch
+        "ep": routed,                                                  # routed token copies of one dispatch
+        "etp": routed * layout.tp if layout.etp > 1 else 0.0,
         "pp": tokens * shape.hidden * act_bytes / (layout.tp if layout.tp > 1 else 1),  # scatter/gather, §4.1
     }
 
@@ -133,7 +191,7 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     tier per step and seconds per step (before any overlap with compute).
     """
     m = max(1, layout.microbatches(global_batch))
-    sz = microbatch_buffers(shape, layout)
+    sz = microbatch_buffers(shape, layout, moe_imbalance=moe_imbalance)
     lp = math.ceil(shape.layers / layout.pp)
     moe_frac = shape.moe_layers / shape.layers
     n_moe = round(lp * moe_frac)
@@ -145,7 +203,11 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     def add(axis: str, op: str, what: str, nbytes: float, calls: float, overlap: str) -> None:
         if calls <= 0 or nbytes <= 0 or places[axis].size <= 1:
             return
-        t, tiers = comm_time(op, nbytes, places[axis], profile)
+        if op == "all_to_all":
+            t, tiers = ep_all_to_all(nbytes, places[axis], profile, shape.expert_copies(moe_imbalance),
+                                     shape.max_nodes_per_token)
+        else:
+            t, tiers = comm_time(op, nbytes, places[axis], profile)
         out.append(CollectiveVolume(axis, op, what, nbytes, calls, overlap,
                                     {k: v * calls for k, v in tiers.items()}, t * calls))
 
@@ -164,15 +226,20 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
             sz["cp"], lp * (1 + 2 + recompute) * m, "attention compute")
     if shape.is_moe and layout.ep > 1:
         add("ep", "all_to_all", "token dispatch and combine (forward and backward)",
-            sz["ep"] * moe_imbalance, n_moe * 2 * passes * m, "none")
+            sz["ep"], n_moe * 2 * passes * m, "none")
+    if shape.is_moe and layout.etp > 1:
+        add("tp", "all_gather", "expert-TP all-gather of the routed tokens (and reduce-scatter's backward)",
+            sz["etp"], n_moe * passes * m, "none")
+        add("tp", "reduce_scatter", "expert-TP reduce-scatter of the expert outputs (and all-gather's backward)",
+            sz["etp"], n_moe * passes * m, "none")
     if layout.pp > 1:
         add("pp", "p2p", "activations forward, gradients backward between neighbouring stages",
             sz["pp"], 2 * layout.vpp * m, "none")
     dense_p = dense_params_rank if dense_params_rank is not None else \
         (shape.total_params - shape.moe_layers * shape.expert_params) / (layout.tp * layout.pp)
     expert_p = expert_params_rank if expert_params_rank is not None else \
-        shape.moe_layers * shape.expert_params / (layout.pp * layout.ep)
-    for axis, p, label in (("dp_cp", dense_p, "dense"), ("edp_tp", expert_p, "expert")):
+        shape.moe_layers * shape.expert_params / (layout.pp * layout.ep * layout.etp)
+    for axis, p, label in (("dp_cp", dense_p, "dense"), (expert_grad_axis(layout), expert_p, "expert")):
         if p <= 0:
             continue
         z = layout.zero

@@ -1,0 +1,307 @@
+"""Planner terms for MoE and small models: expert GEMMs by tokens per expert, short-K GEMMs,
+all-to-all volume (top-k, capacity, node-limited routing), all-to-all overlap, expert-tensor
+parallelism, and the config fields read before they exist (precision, etp, max_nodes_per_token)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from moetrain.config import load_config
+from moetrain.planner.layout import Layout, parse_layout_spec
+from moetrain.planner.memory import MemoryAssumptions, memory_per_gpu
+from moetrain.planner.model import ModelShape
+from moetrain.planner.published import model_shape
+from moetrain.planner.search import Planner
+from moetrain.planner.timing import (
+    K_REF,
+    TimingAssumptions,
+    ep_exposed,
+    gemm_pass_time,
+    k_efficiency,
+    step_time,
+)
+from moetrain.planner.traffic import (
+    AxisPlace,
+    a2a_network_share,
+    ep_all_to_all,
+    microbatch_buffers,
+    step_collectives,
+)
+from moetrain.topology import load_profile
+
+H100 = load_profile("h100-superpod")
+RATE = H100.peak_tflops * 1e12 * H100.gemm_efficiency
+HBM = H100.hbm_gb_s * 1e9
+
+
+def _moe(**kw) -> ModelShape:
+    """A Mixtral-like MoE of 8 layers: d 4096, 64 experts of 1408, top-4."""
+    arch = dict(layers=8, hidden=4096, heads=32, vocab=32000, seq_len=4096, kv_heads=8, ffn=14336, experts=64,
+                top_k=4, expert_ffn=1408)
+    arch.update(kw)
+    return model_shape(arch.pop("layers"), arch.pop("hidden"), arch.pop("heads"), arch.pop("vocab"),
+                       arch.pop("seq_len"), **arch)
+
+
+def _places(**axes: AxisPlace) -> dict[str, AxisPlace]:
+    none = AxisPlace(1, "none", 1)
+    out = {a: none for a in ("tp", "cp", "pp", "dp_cp", "ep", "edp", "edp_tp")}
+    out.update(axes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMMs: short K, roofline, tokens per expert
+# ---------------------------------------------------------------------------------------------
+
+
+def test_k_efficiency_exact_and_monotonic():
+    assert k_efficiency(K_REF, 640) == pytest.approx(1.0)
+    assert k_efficiency(4 * K_REF, 640) == 1.0                       # never above 1
+    assert k_efficiency(768, 640) == pytest.approx(768 / 1408 * (K_REF + 640) / K_REF)
+    ks = [64, 128, 256, 512, 768, 1024, 2048, 4096]
+    effs = [k_efficiency(k, 640) for k in ks]
+    assert effs == sorted(effs) and effs[0] < 0.15
+    assert k_efficiency(768, 1e-9) == pytest.approx(1.0)             # no short-K loss when k0 → 0
+
+
+def test_gemm_pass_is_the_roofline_of_compute_and_memory():
+    # a large square GEMM is compute-bound: FLOPs at rate × wave × k-efficiency (all 1 here)
+    t = gemm_pass_time(8192, 8192, 8192, 1, RATE, HBM, 132, (128, 256), 640)
+    flops = 2 * 8192 ** 3
+    waves = math.ceil(64 * 32 / 132)
+    assert t == pytest.approx(flops / (RATE * (64 * 32) / (waves * 132)))
+    # one row per group: reading each group's weights dominates (memory-bound), by hand
+    m, n, k, g = 1, 2816, 4096, 16
+    t = gemm_pass_time(m, n, k, g, RATE, HBM, 132, (128, 256), 640)
+    assert t == pytest.approx(g * 2 * (m * k + k * n + m * n) / HBM)
+
+
+def test_expert_gemm_efficiency_grows_with_tokens_per_expert():
+    """FLOP/s of one grouped expert GEMM (forward + backward) as the tokens per expert grow: rising,
+    memory-bound at a few tokens (weights read for little work), near the large-GEMM rate at many."""
+    from moetrain.planner.timing import _Compute
+
+    shape = _moe()
+    rates = []
+    for tokens_per_expert in (16, 64, 256, 1024, 4096, 16384):
+        c = _Compute(shape, Layout(ep=1), H100, TimingAssumptions(), 2)
+        f, b = c.gemm(tokens_per_expert, 2 * 1408, 4096, count=8)
+        rates.append(3 * 2 * tokens_per_expert * 2 * 1408 * 4096 * 8 / (f + b))
+    assert rates == sorted(rates)
+    assert rates[0] < 0.1 * RATE and rates[-1] > 0.85 * RATE
+
+
+def test_more_experts_per_token_split_costs_more_time_at_equal_flops():
+    """Same active FLOPs (top-k × width constant), finer experts: fewer tokens per expert, slower."""
+    lay = Layout(tp=1, pp=1, dp=8, ep=8, mbs=1)
+    places = _places(ep=AxisPlace(8, "nvlink", 8), dp_cp=AxisPlace(8, "nvlink", 8), edp_tp=AxisPlace(1, "none", 1))
+    coarse = _moe(experts=8, top_k=2, expert_ffn=5632)
+    fine = _moe(experts=256, top_k=8, expert_ffn=1408)
+    assert coarse.model_flops_per_token() == pytest.approx(fine.model_flops_per_token(), rel=0.01)
+    t_coarse = step_time(coarse, lay, 64, H100, places).breakdown["compute"]
+    t_fine = step_time(fine, lay, 64, H100, places).breakdown["compute"]
+    assert t_fine > 1.02 * t_coarse
+
+
+def test_small_gemm_term_lowers_small_models_more_than_large_ones():
+    """MFU with the short-K loss over MFU without it: smaller for a 768-wide model than a
+    4096-wide one (the correction that keeps small models from being over-predicted)."""
+    def mfu_ratio(hidden: int, heads: int) -> float:
+        shape = model_shape(12, hidden, heads, 50368, 2048, ffn=4 * hidden, tie=True, mlp_matrices=2)
+        lay = Layout(tp=1, pp=1, dp=8, zero=3, mbs=8)
+        places = _places(dp_cp=AxisPlace(8, "nvlink", 8), edp_tp=AxisPlace(8, "nvlink", 8))
+        with_k = step_time(shape, lay, 64, H100, places, ta=TimingAssumptions()).step
+        without = step_time(shape, lay, 64, H100, places, ta=TimingAssumptions(gemm_k0=1e-9)).step
+        return without / with_k
+
+    small, large = mfu_ratio(768, 12), mfu_ratio(4096, 32)
+    assert small < 0.93 and large > 0.98
+
+
+# ---------------------------------------------------------------------------------------------
+# All-to-all volume: top-k, capacity, node-limited routing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dispatch_buffer_is_tokens_times_topk_times_hidden():
+    shape = _moe()
+    lay = Layout(tp=2, pp=1, dp=8, ep=8, mbs=2, sp=True)
+    sz = microbatch_buffers(shape, lay, act_bytes=2, moe_imbalance=1.0)
+    tm = 2 * 4096 / 2                     # each tp rank routes half of the micro-batch's tokens
+    assert sz["ep"] == pytest.approx(tm * 4 * 4096 * 2)
+    assert sz["etp"] == 0.0
+    assert microbatch_buffers(shape, lay, 2, 1.25)["ep"] == pytest.approx(1.25 * sz["ep"])
+
+
+def test_capacity_factor_caps_the_busiest_rank():
+    free = _moe()
+    capped = dataclasses.replace(free, capacity_factor=1.1)
+    assert free.expert_copies(1.5) == pytest.approx(4 * 1.5)
+    assert capped.expert_copies(1.5) == pytest.approx(4 * 1.1)      # no expert above 1.1 × mean
+    assert capped.expert_copies(1.0) == pytest.approx(4.0)          # a cap above the load changes nothing
+    assert dataclasses.replace(free, capacity_factor=0.5).dispatched_copies() == pytest.approx(2.0)
+    lay = Layout(tp=1, pp=1, dp=16, ep=16, mbs=1)
+    places = _places(ep=AxisPlace(16, "spine", 8), dp_cp=AxisPlace(16, "spine", 8))
+    ta = TimingAssumptions(moe_imbalance=1.5)
+    ep_free = step_time(free, lay, 64, H100, places, ta=ta).breakdown["ep_comm"]
+    ep_capped = step_time(capped, lay, 64, H100, places, ta=ta).breakdown["ep_comm"]
+    assert ep_capped == pytest.approx(ep_free * 1.1 / 1.5, rel=0.02)
+
+
+def test_node_limited_routing_reduces_network_bytes_exactly():
+    # 64 ranks, 8 per node (8 nodes), top-8: without a limit 56/64 of every copy leaves the node
+    net, nv = a2a_network_share(8, 64, 8, None)
+    assert (net, nv) == (pytest.approx(56 / 64), pytest.approx(7 / 64))
+    # M = 4 nodes (DeepSeek-V3): a token crosses the network 4 · 7/8 times for its 8 copies
+    net4, nv4 = a2a_network_share(8, 64, 8, 4)
+    assert net4 == pytest.approx(4 * 7 / 8 / 8)
+    assert nv4 == pytest.approx(7 / 64 + 56 / 64 * 7 / 8)          # arrivals fan out over NVLink
+    shares = [a2a_network_share(8, 64, 8, m)[0] for m in (1, 2, 4, 8, 16)]
+    assert shares == sorted(shares) and shares[0] == pytest.approx(7 / 64)
+    assert shares[-1] == pytest.approx(net)                          # M ≥ nodes: no saving, never more
+    # top-2 over 8 nodes with M = 4: two copies never need more than two sends
+    assert a2a_network_share(2, 64, 8, 4)[0] == pytest.approx(56 / 64)
+    # all on NVLink: nothing to save
+    assert a2a_network_share(8, 8, 8, 1) == (0.0, pytest.approx(7 / 8))
+    with pytest.raises(ValueError):
+        a2a_network_share(8, 64, 8, 0)
+
+
+def test_node_limited_routing_shortens_the_exposed_all_to_all():
+    shape = _moe(experts=64, top_k=8)
+    limited = dataclasses.replace(shape, max_nodes_per_token=2)
+    place = AxisPlace(64, "spine", 8)
+    t_plain, tiers_plain = ep_all_to_all(1e9, place, H100, 8.0)
+    t_lim, tiers_lim = ep_all_to_all(1e9, place, H100, 8.0, max_nodes=2)
+    assert tiers_lim["spine"] == pytest.approx(0.25 * tiers_plain["spine"])  # 2·7/8 sends instead of 8·7/8
+    assert t_lim < 0.3 * t_plain
+    lay = Layout(tp=1, pp=1, dp=64, ep=64, mbs=1)
+    places = _places(ep=place, dp_cp=place)
+    a = step_time(shape, lay, 64, H100, places).breakdown["ep_comm"]
+    b = step_time(limited, lay, 64, H100, places).breakdown["ep_comm"]
+    assert b < 0.5 * a
+    vols = {v.op: v for v in step_collectives(limited, lay, 64, places, H100)}
+    assert vols["all_to_all"].tier_bytes["spine"] == pytest.approx(0.25 * {v.op: v for v in step_collectives(
+        shape, lay, 64, places, H100)}["all_to_all"].tier_bytes["spine"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Overlap of the all-to-all with computation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_ep_overlap_by_schedule():
+    plain = Layout(pp=4, dp=8, ep=8, schedule="1f1b")
+    inter = Layout(pp=4, dp=8, ep=8, vpp=2, schedule="interleaved_1f1b")
+    flat = Layout(pp=1, dp=8, ep=8)
+    args = (2.0, 3.0, 10.0, 20.0, 0.5, 1.0)                 # a2a f/b, compute f/b, shared f/b
+    assert ep_exposed(*args, "none", flat, 8) == (2.0, 3.0, 0.0)
+    assert ep_exposed(*args, "shared_expert", plain, 8) == (1.5, 2.0, 1.5)
+    # combined 1F1B: nothing with plain 1F1B over stages, 7/8 of it with pp = 1 or virtual stages
+    assert ep_exposed(*args, "combined_1f1b", plain, 8) == (2.0, 3.0, 0.0)
+    for lay in (inter, flat):
+        f, b, hidden = ep_exposed(*args, "combined_1f1b", lay, 8)
+        assert (f, b, hidden) == (pytest.approx(2.0 / 8), pytest.approx(3.0 / 8), pytest.approx(5.0 * 7 / 8))
+    # a long all-to-all hides only as much as the other direction computes
+    assert ep_exposed(30.0, 30.0, 10.0, 20.0, 0.0, 0.0, "combined_1f1b", flat, 2)[:2] == (20.0, 25.0)
+    with pytest.raises(ValueError, match="ep_overlap"):
+        TimingAssumptions(ep_overlap="dualpipe")
+
+
+def test_overlap_shortens_the_step_only_where_the_schedule_allows():
+    shape = _moe()
+    places = _places(ep=AxisPlace(16, "spine", 8), dp_cp=AxisPlace(16, "spine", 8), pp=AxisPlace(2, "rail", 1))
+    on = TimingAssumptions(ep_overlap="combined_1f1b")
+    flat = Layout(pp=1, dp=32, ep=16, mbs=1)
+    places_flat = dict(places, pp=AxisPlace(1, "none", 1))
+    assert step_time(shape, flat, 64, H100, places_flat, ta=on).step < step_time(shape, flat, 64, H100,
+                                                                                  places_flat).step
+    plain = Layout(pp=2, dp=16, ep=16, mbs=1, schedule="1f1b")
+    assert step_time(shape, plain, 64, H100, places, ta=on).step == pytest.approx(
+        step_time(shape, plain, 64, H100, places).step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert-tensor parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def test_etp_divides_expert_memory_and_keeps_sharded_states():
+    shape = _moe()
+    whole = Layout(tp=4, pp=1, dp=8, ep=4, zero=0, mbs=1, sp=True)
+    split = dataclasses.replace(whole, etp=4)
+    m_whole, m_split = memory_per_gpu(shape, whole, 32), memory_per_gpu(shape, split, 32)
+    assert m_split.detail["expert_params"] == pytest.approx(m_whole.detail["expert_params"] / 4)
+    assert whole.expert_shard == 8 and split.expert_shard == 2        # edp × tp vs edp
+    # with ZeRO-1 the expert optimizer states per GPU are the same either way
+    z1w, z1s = (memory_per_gpu(shape, dataclasses.replace(x, zero=1), 32) for x in (whole, split))
+    assert (z1s.optimizer - 12 * z1s.detail["dense_params"] / 8) == pytest.approx(
+        z1w.optimizer - 12 * z1w.detail["dense_params"] / 8)
+
+
+def test_etp_adds_tp_collectives_and_fattens_the_expert_gemms():
+    shape = _moe()
+    whole = Layout(tp=4, pp=1, dp=8, ep=4, zero=1, mbs=1, sp=True)
+    split = dataclasses.replace(whole, etp=4)
+    places = _places(tp=AxisPlace(4, "nvlink", 4), ep=AxisPlace(4, "nvlink", 4), dp_cp=AxisPlace(8, "spine", 1),
+                     edp=AxisPlace(2, "spine", 1), edp_tp=AxisPlace(8, "spine", 2))
+    def what(lay: Layout) -> set[str]:
+        return {v.what for v in step_collectives(shape, lay, 32, places, H100)}
+
+    extra = what(split) - what(whole)
+    assert any("expert-TP all-gather" in w for w in extra) and any("expert-TP reduce-scatter" in w for w in extra)
+    axes = {v.axis for v in step_collectives(shape, split, 32, places, H100) if v.what.startswith("expert gradient")}
+    assert axes == {"edp"}
+    sz = microbatch_buffers(shape, split, 2, 1.0)
+    assert sz["etp"] == pytest.approx(4 * sz["ep"])
+    assert step_time(shape, split, 32, H100, places).breakdown["ep_comm"] > \
+        step_time(shape, whole, 32, H100, places).breakdown["ep_comm"]
+
+
+def test_search_and_layout_know_etp():
+    cfg = load_config("configs/mixtral-8x7b.yaml")
+    planner = Planner.from_config(cfg, H100, 8)
+    etps = {lay.etp for lay in planner.enumerate({"tp": 2, "pp": 4, "ac": "full", "zero": 1})}
+    assert etps == {1, 2}
+    with pytest.raises(ValueError, match="etp = 4"):
+        planner.evaluate(Layout(tp=2, pp=4, dp=8, ep=8, etp=4, mbs=1, sp=True))
+    plan = planner.evaluate(Layout(tp=2, pp=4, dp=8, ep=8, etp=2, mbs=1, sp=True, ac="full"))
+    assert "etp2" in plan.layout.short() and plan.to_dict()["etp"] == 2
+    assert "parallel.etp=2" in plan.layout.overrides()
+    assert parse_layout_spec("tp=4,etp=4") == {"tp": 4, "etp": 4}
+    dense = Planner.from_config(load_config("configs/llama3-70b-like.yaml"), H100, 8)
+    assert {lay.etp for lay in dense.enumerate({"tp": 8, "pp": 4, "ac": "full", "zero": 1})} == {1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config fields that other changes will add
+# ---------------------------------------------------------------------------------------------
+
+
+def test_precision_is_read_before_dtype():
+    assert MemoryAssumptions.for_train(SimpleNamespace(precision="fp32", dtype="bfloat16")).act_bytes == 4
+    assert MemoryAssumptions.for_train(SimpleNamespace(precision="bf16", dtype="float32")).act_bytes == 2
+    assert MemoryAssumptions.for_train(SimpleNamespace(dtype="float32")).param_bytes == 4
+    assert MemoryAssumptions.for_train(SimpleNamespace(precision=None, dtype="bfloat16")) == MemoryAssumptions()
+    with pytest.raises(ValueError, match="precision"):
+        MemoryAssumptions.for_precision("fp8")
+    cfg = load_config("configs/mixtral-8x7b.yaml")
+    fake = SimpleNamespace(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    fake.train = SimpleNamespace(**dataclasses.asdict(cfg.train), precision="fp32")
+    assert Planner.from_config(fake, H100, 8).mem.param_bytes == 4
+
+
+def test_future_config_fields_are_read_when_present():
+    cfg = load_config("configs/mixtral-8x7b.yaml")
+    assert ModelShape.from_config(cfg).max_nodes_per_token is None
+    assert Layout.from_config(cfg).etp == 1
+    moe = SimpleNamespace(**dataclasses.asdict(cfg.moe), max_nodes_per_token=2, is_moe_layer=cfg.moe.is_moe_layer)
+    par = SimpleNamespace(**dataclasses.asdict(cfg.parallel), etp=4)
+    fake = SimpleNamespace(model=cfg.model, moe=moe, parallel=par, train=cfg.train)
+    assert ModelShape.from_config(fake).max_nodes_per_token == 2
+    assert Layout.from_config(fake).etp == 4
