@@ -283,17 +283,13 @@ def test_search_and_layout_know_etp():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_precision_is_read_before_dtype():
-    assert MemoryAssumptions.for_train(SimpleNamespace(precision="fp32", dtype="bfloat16")).act_bytes == 4
-    assert MemoryAssumptions.for_train(SimpleNamespace(precision="bf16", dtype="float32")).act_bytes == 2
-    assert MemoryAssumptions.for_train(SimpleNamespace(dtype="float32")).param_bytes == 4
-    assert MemoryAssumptions.for_train(SimpleNamespace(precision=None, dtype="bfloat16")) == MemoryAssumptions()
+def test_memory_follows_train_precision():
+    assert MemoryAssumptions.for_train(SimpleNamespace(precision="fp32")).act_bytes == 4
+    assert MemoryAssumptions.for_train(SimpleNamespace(precision="bf16")) == MemoryAssumptions()
     with pytest.raises(ValueError, match="precision"):
         MemoryAssumptions.for_precision("fp8")
-    cfg = load_config("configs/mixtral-8x7b.yaml")
-    fake = SimpleNamespace(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-    fake.train = SimpleNamespace(**dataclasses.asdict(cfg.train), precision="fp32")
-    assert Planner.from_config(fake, H100, 8).mem.param_bytes == 4
+    cfg = load_config("configs/mixtral-8x7b.yaml", ["train.precision=fp32"])
+    assert Planner.from_config(cfg, H100, 8).mem.param_bytes == 4
 
 
 def test_future_config_fields_are_read_when_present():
