@@ -73,7 +73,11 @@ class ModelConfig:
     padded up to a multiple of ``vocab_multiple`` (Megatron pads so that the vocabulary splits
     evenly over tp). ``seq_len``: tokens per sample. ``rope_theta``: RoPE base (Su et al. 2021).
     ``init_std``: std of the normal initialisation; output projections are scaled by
-    1/sqrt(2·layers) (GPT-2 §2.3)."""
+    1/sqrt(2·layers) (GPT-2 §2.3). ``attention_backend``: the core-attention kernel —
+    ``sdpa`` (``F.scaled_dot_product_attention``; the reference, every device), ``flash``
+    (flash-attn's ``flash_attn_func`` / ``flash_attn_varlen_func``: CUDA, bf16, needs the
+    ``flash-attn`` package), ``flex`` (``torch.nn.attention.flex_attention``, compiled: CUDA; it
+    has no backward on CPU in torch 2.13)."""
 
     layers: int = 4
     hidden: int = 256
@@ -87,7 +91,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attention_backend: Literal["sdpa", "flash"] = "sdpa"
+    attention_backend: Literal["sdpa", "flash", "flex"] = "sdpa"
 
 
 @dataclass(frozen=True)
@@ -172,11 +176,16 @@ class DataConfig:
     """``path``: directory holding ``manifest.json`` and token shards (written by
     ``tools/tokenize_corpus.py``). ``verify``: ``sha256`` checks every shard's checksum before
     training, ``size`` only its length. ``val_batches``: validation micro-batches per
-    evaluation."""
+    evaluation. ``document_mask``: attention stays inside each document of a packed sample
+    (documents as the shards' index records them) instead of seeing the end of the previous one.
+    ``reset_position_ids``: with ``document_mask``, RoPE positions restart at 0 at every
+    document start (Megatron's ``--reset-position-ids``)."""
 
     path: str = "data/demo/shards"
     verify: Literal["sha256", "size"] = "sha256"
     val_batches: int = 4
+    document_mask: bool = False
+    reset_position_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,7 +197,9 @@ class TrainConfig:
     ``grad_clip``: max global L2 norm (0 disables). ``log_every`` / ``val_every`` in steps
     (``val_every: 0`` disables validation). ``precision``: ``fp32``, or ``bf16`` — bf16 matmuls
     and activations with fp32 master weights, gradients, gradient reduction and AdamW states, the
-    router and every loss in fp32 (see :mod:`moetrain.parallel.precision`)."""
+    router and every loss in fp32 (see :mod:`moetrain.parallel.precision`). ``compile``: compile
+    each transformer block with ``torch.compile`` (inductor); the first steps pay the compilation
+    (tens of seconds per distinct block on a CPU)."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -204,6 +215,7 @@ class TrainConfig:
     log_every: int = 1
     val_every: int = 25
     precision: Literal["fp32", "bf16"] = "fp32"
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -674,6 +686,9 @@ def validate(cfg: Config) -> None:
                    f"use global_batch_size >= {par.pp * tr.micro_batch_size * par.dp}")
     if tr.min_lr > tr.lr:
         raise field_error("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
+    if cfg.data.reset_position_ids and not cfg.data.document_mask:
+        raise field_error("data.reset_position_ids", True, "positions restart per document only with document masking",
+                          "set data.document_mask=true as well, or reset_position_ids=false")
 
     # Launch.
     world = par.world_size

@@ -42,9 +42,9 @@ def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None
-                      ) -> dict:
-    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {})
+def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None,
+                      moe: dict | None = None, model: dict | None = None) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {}, moe=moe or {}, model=model or {})
     trainer = Trainer(cfg, write_files=False)
     captured: dict = {}
 

@@ -27,10 +27,12 @@ from moetrain.data.shards import TokenShards
 @dataclass
 class MicroBatch:
     """inputs, targets: [micro_batch, seq_len] int64 token ids ([micro_batch, seq_len / cp] once
-    the trainer has cut them for context parallelism)."""
+    the trainer has cut them for context parallelism). doc_ids: with document masking, the
+    document of every input token, [micro_batch, seq_len] int64 (whole samples, never cut)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    doc_ids: torch.Tensor | None = None
 
 
 class BatchLoader:
@@ -39,7 +41,7 @@ class BatchLoader:
     Args:
         shards: the memory-mapped split. seq_len: S. global_batch: samples per optimizer step
         over all dp ranks. micro_batch: samples per forward. dp_rank, dp_size: this rank's slice.
-        seed: permutation seed.
+        seed: permutation seed. document_mask: also give each micro-batch its ``doc_ids``.
 
     Raises:
         ValueError: the split holds fewer samples than one global batch, or the batch arithmetic
@@ -47,12 +49,13 @@ class BatchLoader:
     """
 
     def __init__(self, shards: TokenShards, seq_len: int, global_batch: int, micro_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+                 dp_rank: int, dp_size: int, seed: int, shuffle: bool = True, document_mask: bool = False):
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} not divisible by micro_batch × dp = {micro_batch * dp_size}")
         self.shards, self.seq_len = shards, seq_len
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.document_mask = document_mask
         self.num_samples = shards.num_samples(seq_len)
         if self.num_samples < global_batch:
             raise ValueError(f"{shards.split} split has {self.num_samples} samples of {seq_len + 1} tokens, "
@@ -74,10 +77,9 @@ class BatchLoader:
         """This rank's micro-batches of the next optimizer step; advances the position."""
         per_rank = self.global_batch // self.dp_size
         start = self.consumed_samples + self.dp_rank * per_rank
-        rows = [self.shards.sample(self._sample_id(start + i), self.seq_len) for i in range(per_rank)]
+        ids = [self._sample_id(start + i) for i in range(per_rank)]
         self.consumed_samples += self.global_batch
-        tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return _micro_batches(tokens, self.micro_batch)
+        return _micro_batches(self.shards, ids, self.seq_len, self.micro_batch, self.document_mask)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": self.seq_len}
@@ -86,21 +88,25 @@ class BatchLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def _micro_batches(tokens: torch.Tensor, micro_batch: int) -> list[MicroBatch]:
-    """[n, S+1] samples → micro-batches of (inputs, targets)."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    return [MicroBatch(i.contiguous(), t.contiguous())
-            for i, t in zip(inputs.split(micro_batch), targets.split(micro_batch))]
+def _micro_batches(shards: TokenShards, sample_ids: list[int], seq_len: int, micro_batch: int,
+                   document_mask: bool) -> list[MicroBatch]:
+    """Samples → micro-batches of (inputs, targets[, doc_ids])."""
+    tokens = torch.from_numpy(np.stack([shards.sample(i, seq_len) for i in sample_ids]))
+    inputs, targets = tokens[:, :-1].split(micro_batch), tokens[:, 1:].split(micro_batch)
+    docs: list = [None] * len(inputs)
+    if document_mask:
+        doc_ids = np.stack([shards.sample_document_ids(i, seq_len)[:-1] for i in sample_ids])
+        docs = list(torch.from_numpy(doc_ids).split(micro_batch))
+    return [MicroBatch(i.contiguous(), t.contiguous(), d) for i, t, d in zip(inputs, targets, docs)]
 
 
 def validation_batches(shards: TokenShards, seq_len: int, micro_batch: int, batches: int,
-                       dp_rank: int, dp_size: int) -> list[MicroBatch]:
+                       dp_rank: int, dp_size: int, document_mask: bool = False) -> list[MicroBatch]:
     """The first ``batches × micro_batch × dp_size`` validation samples (capped by the split's
     size), in order, split over dp ranks: a fixed set, so every evaluation is comparable."""
     total = min(shards.num_samples(seq_len), batches * micro_batch * dp_size)
     per_rank = total // dp_size // micro_batch * micro_batch
     if per_rank == 0:
         return []
-    rows = [shards.sample(dp_rank * per_rank + i, seq_len) for i in range(per_rank)]
-    tokens = torch.from_numpy(np.stack(rows).astype(np.int64))
-    return _micro_batches(tokens, micro_batch)
+    return _micro_batches(shards, [dp_rank * per_rank + i for i in range(per_rank)], seq_len, micro_batch,
+                          document_mask)

@@ -679,10 +679,11 @@ class TokenShards:
             for sh in self.shards
         ]
         self._cum_cache: dict[int, np.ndarray] = {}
+        self._doc_starts: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        del state["_maps"], state["_cum_cache"]
+        del state["_maps"], state["_cum_cache"], state["_doc_starts"]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -716,6 +717,11 @@ class TokenShards:
             IndexError: ``index`` not in ``[0, num_samples(seq_len))``.
             ValueError: ``seq_len`` < 1.
         """
+        shard, start = self._locate(index, seq_len)
+        return np.asarray(self._maps[shard][start : start + seq_len + 1], dtype=np.int64)
+
+    def _locate(self, index: int, seq_len: int) -> tuple[int, int]:
+        """(shard, first token offset in it) of sample ``index``."""
         cum = self._cumulative(seq_len)
         n = int(cum[-1]) if len(cum) else 0
         if not 0 <= index < n:
@@ -725,8 +731,22 @@ class TokenShards:
             )
         shard = int(np.searchsorted(cum, index, side="right"))
         local = int(index) - (int(cum[shard - 1]) if shard else 0)
-        start = local * seq_len
-        return np.asarray(self._maps[shard][start : start + seq_len + 1], dtype=np.int64)
+        return shard, local * seq_len
+
+    def sample_document_ids(self, index: int, seq_len: int) -> np.ndarray:
+        """The document of every token of sample ``index``: int64 ``[seq_len + 1]``, 0 for the
+        document the sample starts in, one more at every document that starts inside it (from
+        the shard's document index, so it holds for data without end-of-document tokens too).
+
+        Raises:
+            IndexError, ValueError: as :meth:`sample`.
+        """
+        shard, start = self._locate(index, seq_len)
+        starts = self._doc_starts.get(shard)
+        if starts is None:
+            starts = self._doc_starts[shard] = np.sort(self.document_starts(shard))
+        ids = np.searchsorted(starts, np.arange(start, start + seq_len + 1), side="right")
+        return (ids - ids[0]).astype(np.int64)
 
     def samples(self, indices: Sequence[int], seq_len: int) -> np.ndarray:
         """Several samples stacked: int64 of shape ``[len(indices), seq_len + 1]``."""

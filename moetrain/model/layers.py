@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.attention import DocumentMask, sdpa_attention
+
 
 def cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``w`` in ``dtype`` (``None``: as it is). Differentiable: the gradient returns in w's dtype."""
@@ -78,38 +80,37 @@ def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding tables (Su et al. 2021, RoFormer eq. 34).
 
-    positions: [S] integer positions (global positions under context parallelism).
-    Returns cos, sin: [S, Dh/2] in fp32.
+    positions: [S] integer positions (global positions under context parallelism), or [B, S]
+    when they differ per sample (positions restarting at every document).
+    Returns cos, sin: [S, Dh/2] (or [B, S, Dh/2]) in fp32.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by the position angle. x: [B, S, heads, Dh]; cos/sin: [S, Dh/2]."""
+    """Rotate pairs (x[2i], x[2i+1]) by the position angle. x: [B, S, heads, Dh]; cos/sin:
+    [S, Dh/2] or [B, S, Dh/2]."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     return out.to(x.dtype)
 
 
-# An attention kernel: (q [B,H,S,Dh], k [B,G,S,Dh], v [B,G,S,Dh]) -> [B,H,S,Dh], causal.
-AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention through ``F.scaled_dot_product_attention`` with GQA (kv heads broadcast)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+# An attention kernel: (q [B,H,S,Dh], k [B,G,S,Dh], v [B,G,S,Dh], doc) -> [B,H,S,Dh], causal,
+# within documents when doc (a moetrain.model.attention.DocumentMask) is given.
+AttentionKernel = Callable[..., torch.Tensor]
 
 
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE.
 
     ``n_heads``/``n_kv_heads`` are the heads held by this module (divided by tp after tensor
-    parallelism). ``kernel`` computes the core attention; it is SDPA by default and is replaced
-    by ring attention under context parallelism.
+    parallelism). ``kernel`` computes the core attention (:mod:`moetrain.model.attention`); it is
+    SDPA by default, set from ``model.attention_backend``, and replaced by ring attention under
+    context parallelism.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
@@ -119,16 +120,17 @@ class Attention(nn.Module):
         self.wk = Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wv = Linear(dim, n_kv_heads * head_dim, bias=False)
         self.wo = Linear(n_heads * head_dim, dim, bias=False)
-        self.kernel: AttentionKernel = sdpa_causal
+        self.kernel: AttentionKernel = sdpa_attention
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         # -1 heads: under tensor parallelism the projections hold a slice of the heads.
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, S, Dh]
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc)  # [B, H, S, Dh]
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 

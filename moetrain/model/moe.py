@@ -42,7 +42,7 @@ from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
 # :func:`resolve_expert_backend`).
-EXPERT_BACKENDS = ("loop", "grouped_mm")
+EXPERT_BACKENDS = ("loop", "grouped_mm", "megablocks")
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -134,7 +134,11 @@ class GroupedExperts(nn.Module):
     * ``loop`` — one GEMM per expert in plain PyTorch, the reference path (and the faster one on
       CPU); needs the row counts on the host;
     * ``grouped_mm`` — ``torch.nn.functional.grouped_mm`` with offsets computed on the device: all
-      experts in one kernel, no host read (the fast path on CUDA, bf16).
+      experts in one kernel, no host read (the fast path on CUDA, bf16);
+    * ``megablocks`` — MegaBlocks' grouped GEMM (``megablocks.grouped_gemm_util.ops.gmm``, the
+      ``grouped_gemm`` package's CUTLASS kernel; Gale et al. 2023, "MegaBlocks", §5) on CUDA in
+      bf16, with moetrain's router, dispatcher and losses so results stay comparable; it takes
+      the row counts as a host tensor (one read per layer per micro-batch, as ``loop``).
 
     Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`).
     """
@@ -162,9 +166,11 @@ class GroupedExperts(nn.Module):
             offs = torch.cumsum(counts_El, 0, dtype=torch.int32)
             h_NF = F.silu(F.grouped_mm(x_ND, w1, offs=offs)) * F.grouped_mm(x_ND, w3, offs=offs)
             return F.grouped_mm(h_NF, w2, offs=offs)
-        if self.backend != "loop":
+        if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
+        if self.backend == "megablocks":
+            return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
         outs = []
         # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate
         # and zero-fill a whole [El, ...] gradient per expert).
@@ -175,6 +181,18 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 
 
+def _megablocks_swiglu(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                       sizes: list[int]) -> torch.Tensor:
+    """SwiGLU experts through MegaBlocks' grouped GEMM: ``gmm(a [N, K], b [El, K, M],
+    batch_sizes)`` → [N, M] with ``a``'s rows grouped by expert, batch sizes a CPU int64 tensor
+    (CUDA, bf16; differentiable)."""
+    from megablocks import grouped_gemm_util as gg
+
+    batch_sizes = torch.tensor(sizes, dtype=torch.int64)
+    h_NF = F.silu(gg.ops.gmm(x_ND, w1, batch_sizes)) * gg.ops.gmm(x_ND, w3, batch_sizes)
+    return gg.ops.gmm(h_NF, w2, batch_sizes)
+
+
 def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: torch.dtype) -> str:
     """The backend ``moe.expert_backend`` stands for on ``device``: ``auto`` is ``grouped_mm`` on
     CUDA in bf16 (one kernel for all experts; torch's CUDA grouped GEMM takes bf16) and ``loop``
@@ -183,7 +201,7 @@ def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: 
     Raises:
         ValueError: an unknown backend.
     """
-    if requested == "auto":
+    if requested == "auto":  # measured: benchmarks/bench_experts.py
         return "grouped_mm" if device.type == "cuda" and compute_dtype == torch.bfloat16 else "loop"
     if requested not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend {requested!r}: expected auto or one of {', '.join(EXPERT_BACKENDS)}")

@@ -21,6 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.config import Config
+from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
 from moetrain.model.layers import Attention, Embedding, FeedForward, Linear, RMSNorm, rope_cos_sin
 from moetrain.model.moe import MoE
 from moetrain.model.recompute import recompute_context
@@ -36,6 +37,7 @@ class Block(nn.Module):
         self.layer = layer
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
         self.attention = Attention(m.hidden, m.heads, m.kv_heads, head_dim)
+        self.attention.kernel = attention_kernel(m.attention_backend)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
@@ -48,14 +50,16 @@ class Block(nn.Module):
         # Full activation recomputation of this block (set by moetrain.parallel.activation).
         self.recompute = False
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc: DocumentMask | None = None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, use_reentrant=False,
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, doc, use_reentrant=False,
                                                      context_fn=recompute_context)
-        return self._forward(x_BSD, cos, sin)
+        return self._forward(x_BSD, cos, sin, doc)
 
-    def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+    def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 doc: DocumentMask | None = None) -> torch.Tensor:
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
         mlp = self.moe if self.moe is not None else self.feed_forward
         return h + mlp(self.ffn_norm(h))
 
@@ -65,6 +69,9 @@ class Transformer(nn.Module):
 
     ``positions`` ([S], optional) gives each local token's global position for RoPE; it is
     needed when a rank holds a non-contiguous part of the sequence (context parallelism).
+    ``doc_ids`` ([B, S_full], optional: the document index of every token of the whole samples,
+    see :class:`moetrain.model.attention.DocumentMask`) restricts attention to each token's
+    document, and with ``data.reset_position_ids`` restarts RoPE positions at every document.
     ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` in a pipeline stage that does not
     own them.
     """
@@ -82,6 +89,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
+        self.reset_position_ids = cfg.data.reset_position_ids
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Global positions of the local tokens when they are not 0..S-1 (context parallelism
@@ -96,15 +104,22 @@ class Transformer(nn.Module):
         """The MoE modules held by this (possibly partial) model, keyed by block index."""
         return {name: blk.moe for name, blk in self.layers.items() if blk.moe is not None}
 
-    def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         S = h.shape[1]
         if positions is None:
             positions = self.positions if self.positions is not None else torch.arange(S, device=h.device)
         positions = positions.to(h.device)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        doc = None
+        if doc_ids is not None:
+            doc = DocumentMask(doc_ids, positions)
+            rope_positions = positions_in_document(doc_ids)[:, positions] if self.reset_position_ids else positions
+        else:
+            rope_positions = positions
+        cos, sin = rope_cos_sin(rope_positions, self.head_dim, self.rope_theta)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, doc)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

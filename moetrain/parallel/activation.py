@@ -17,7 +17,9 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from moetrain.model.attention import DocumentMask
 from moetrain.model.layers import Attention
+from moetrain.model.recompute import recompute_context
 from moetrain.model.transformer import Block
 
 
@@ -27,10 +29,12 @@ class RecomputedKernel:
     def __init__(self, kernel):
         self.kernel = kernel
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None
+                 ) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self.kernel(q, k, v)
-        return torch.utils.checkpoint.checkpoint(self.kernel, q, k, v, use_reentrant=False)
+            return self.kernel(q, k, v, doc)
+        return torch.utils.checkpoint.checkpoint(self.kernel, q, k, v, doc, use_reentrant=False,
+                                                 context_fn=recompute_context)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -10,6 +10,7 @@ The order is fixed; each step says why it sits where it does:
    then, when a sequence is split over cp × tp ranks, make the MoE losses add up across them;
 5. context parallelism — swap the attention kernel for ring attention over cp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
+   then ``train.compile`` compiles each block's computation (the recomputation wraps it);
 7. ZeRO / FSDP wrapping — last, as it takes over the (possibly DTensor) parameters; with bf16
    its mixed-precision policy all-gathers bf16 copies of the fp32 shards;
 8. materialise on the device, initialise with layout-independent values (fp32: the master
@@ -34,6 +35,7 @@ from moetrain.model.loss import lm_loss
 from moetrain.model.moe import GroupedExperts, resolve_expert_backend
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
+from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.expert import apply_expert_parallel, configure_sequence_split
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
@@ -66,7 +68,8 @@ class SingleStageRunner:
         self.before_micro_batch: Callable[[int, int], None] | None = None
 
     def _loss(self, mb: MicroBatch) -> torch.Tensor:
-        return lm_loss(self.model(mb.inputs.to(self.device)), mb.targets.to(self.device))
+        doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
+        return lm_loss(self.model(mb.inputs.to(self.device), doc_ids=doc_ids), mb.targets.to(self.device))
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -133,7 +136,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         NotImplementedError: a dimension that this version cannot apply yet was requested
             (``moetrain.launch.preflight`` refuses it before launch).
     """
-    check_supported(cfg)
+    check_supported(cfg, ps.device.type)
 
     # 1. the full model, on meta: shapes only.
     with torch.device("meta"):
@@ -160,6 +163,9 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 6. activation checkpointing: recompute blocks (full) or core attention (selective).
         if cfg.parallel.activation_checkpointing != "none":
             apply_activation_checkpointing(part, cfg.parallel.activation_checkpointing)
+        # 6b. torch.compile of each block (after AC, before FSDP, as torchtitan orders them).
+        if cfg.train.compile:
+            apply_compile(part)
         # 7. ZeRO / FSDP: shard optimizer states (1), + gradients (2), + parameters (3); see zero.py.
         if cfg.parallel.zero_stage > 0:
             fsdp_modules += apply_zero(part, ps, cfg.parallel.zero_stage, cfg.train.precision)

@@ -37,6 +37,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from moetrain.model.attention import DocumentMask
+
 __all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "apply_context_parallel"]
 
 Kernel = Literal["auto", "cpu_flash", "flash_attn", "math"]
@@ -175,9 +177,10 @@ def _cpu_flash_bwd(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
-def _math_scores(q, k, causal, scale):
+def _math_scores(q, k, causal, scale, mask=None):
     """Scores as [B, Hkv, G, Sq, Sk] in the accumulation dtype; GQA by broadcasting (no copy of
-    K/V per query head). The causal mask is top-left aligned, as in the flash kernels."""
+    K/V per query head). The causal mask is top-left aligned, as in the flash kernels; ``mask``
+    ([B, Sq, Sk] bool, True = visible; e.g. a document mask) applies on top."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     acc = _acc_dtype(q.dtype)
@@ -186,21 +189,26 @@ def _math_scores(q, k, causal, scale):
     if causal:
         visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~visible, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     return q5, s
 
 
-def _math_fwd(q, k, v, causal, scale):
+def _math_fwd(q, k, v, causal, scale, mask=None):
     b, hq, sq, d = q.shape
-    _, s = _math_scores(q, k, causal, scale)
+    _, s = _math_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ v.to(s.dtype).unsqueeze(2)
+    # A row with no visible key in this block (a document mask can do that) has lse = -inf: its
+    # output is 0 and its lse stays -inf, which the log-sum-exp merge then ignores.
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+    out = p @ v.to(s.dtype).unsqueeze(2)
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
 
 
-def _math_bwd(dout, q, k, v, out, lse, causal, scale):
+def _math_bwd(dout, q, k, v, out, lse, causal, scale, mask=None):
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
-    q5, s = _math_scores(q, k, causal, scale)
+    q5, s = _math_scores(q, k, causal, scale, mask)
     acc = s.dtype
     shape5 = (b, hkv, hq // hkv, sq, d)
     do5, o5 = dout.to(acc).reshape(shape5), out.to(acc).reshape(shape5)
@@ -248,15 +256,20 @@ def _pick_kernel(kernel: Kernel, q: torch.Tensor) -> str:
     return "math"
 
 
-def _block_fwd(kernel, q, k, v, causal, scale):
+def _block_fwd(kernel, q, k, v, causal, scale, mask=None):
     """Attention of queries ``q`` [B, Hq, Sq, D] over one K/V block [B, Hkv, Sk, D].
-    Returns ``out`` [B, Hq, Sq, D] (input dtype) and ``lse`` [B, Hq, Sq] (accumulation dtype)."""
+    Returns ``out`` [B, Hq, Sq, D] (input dtype) and ``lse`` [B, Hq, Sq] (accumulation dtype).
+    With a ``mask`` ([B, Sq, Sk] bool) the math kernel runs (the flash kernels take none)."""
+    if mask is not None:
+        return _math_fwd(q, k, v, causal, scale, mask)
     out, lse = _KERNELS[kernel][0](q, k, v, causal, scale)
     return out, lse.to(_acc_dtype(q.dtype))
 
 
-def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale):
+def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale, mask=None):
     """Gradients of one block given the global ``out`` and ``lse`` of these query rows."""
+    if mask is not None:
+        return _math_bwd(dout, q, k, v, out, lse, causal, scale, mask)
     return _KERNELS[kernel][1](dout, q, k, v, out, lse, causal, scale)
 
 
@@ -320,7 +333,32 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse
     lse.copy_(new_lse)
 
 
-def _ring_forward(ring, kernel, q, k, v, causal, scale):
+class _BlockMasks:
+    """Document masks of the (query, K/V block) pairs of the ring, restricted to the visible part
+    that :func:`_visible_part` selects; ``None`` everywhere without a document mask."""
+
+    def __init__(self, doc: DocumentMask | None, ring: "_Ring", local_len: int):
+        self.doc, self.ring, self.c = doc, ring, local_len // 2
+
+    def __call__(self, src: int, part: str) -> torch.Tensor | None:
+        if self.doc is None:
+            return None
+        doc, c = self.doc, self.c
+        q_pos = doc.positions
+        key = ("ring_kv_positions", src)
+        if key not in doc.cache:
+            doc.cache[key] = cp_positions(doc.doc_ids.shape[1], src, self.ring.size, doc.doc_ids.device)
+        k_pos = doc.cache[key]
+        if part == _DIAGONAL:  # causal part: the kernel's own causal flag applies too
+            return doc.visible(q_pos, k_pos)
+        if part == _KV_FIRST:
+            return doc.same_document(q_pos, k_pos[:c])
+        if part == _Q_SECOND:
+            return doc.same_document(q_pos[c:], k_pos)
+        return doc.same_document(q_pos, k_pos)
+
+
+def _ring_forward(ring, kernel, q, k, v, causal, scale, masks):
     """Returns ``out`` [B, Hq, Sl, D] in q's dtype and ``lse`` [B, Hq, Sl] (accumulation dtype)."""
     c = q.shape[2] // 2
     kv = torch.stack([k, v])  # one message per step instead of two
@@ -332,14 +370,15 @@ def _ring_forward(ring, kernel, q, k, v, causal, scale):
             kv_next, works = ring.exchange(kv, _TAG_KV)
         # 2. Attention over the visible part of this block.
         part = _visible_part(ring.rank, src, causal)
+        mask = masks(src, part)
         rows = slice(None)
         if part in (_ALL, _DIAGONAL):
-            blk_out, blk_lse = _block_fwd(kernel, q, kv[0], kv[1], part == _DIAGONAL, scale)
+            blk_out, blk_lse = _block_fwd(kernel, q, kv[0], kv[1], part == _DIAGONAL, scale, mask)
         elif part == _KV_FIRST:
-            blk_out, blk_lse = _block_fwd(kernel, q, kv[0, :, :, :c], kv[1, :, :, :c], False, scale)
+            blk_out, blk_lse = _block_fwd(kernel, q, kv[0, :, :, :c], kv[1, :, :, :c], False, scale, mask)
         else:  # _Q_SECOND
             rows = slice(c, None)
-            blk_out, blk_lse = _block_fwd(kernel, q[:, :, rows], kv[0], kv[1], False, scale)
+            blk_out, blk_lse = _block_fwd(kernel, q[:, :, rows], kv[0], kv[1], False, scale, mask)
         # 3. Merge by lse. Step 0 (own block) covers every row, so it initialises the accumulators.
         if out is None:
             out = blk_out.to(_acc_dtype(q.dtype), copy=True)
@@ -353,7 +392,7 @@ def _ring_forward(ring, kernel, q, k, v, causal, scale):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(ring, kernel, dout, q, k, v, out, lse, causal, scale):
+def _ring_backward(ring, kernel, dout, q, k, v, out, lse, causal, scale, masks):
     """Returns dq, dk, dv for this rank's q, k, v. K/V travel the ring again (as in forward);
     each K/V block's dK/dV accumulator travels one step behind it, collects every rank's
     contribution, and after ``cp`` hops arrives back at the rank that owns the block."""
@@ -370,19 +409,20 @@ def _ring_backward(ring, kernel, dout, q, k, v, out, lse, causal, scale):
         # 2. This rank's contribution to dq and to the current block's dK/dV.
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
         part = _visible_part(ring.rank, src, causal)
+        mask = masks(src, part)
         if part in (_ALL, _DIAGONAL):
-            g = _block_bwd(kernel, dout, q, kv[0], kv[1], out, lse, part == _DIAGONAL, scale)
+            g = _block_bwd(kernel, dout, q, kv[0], kv[1], out, lse, part == _DIAGONAL, scale, mask)
             dq += g[0]
             dkv[0] += g[1]
             dkv[1] += g[2]
         elif part == _KV_FIRST:
-            g = _block_bwd(kernel, dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, False, scale)
+            g = _block_bwd(kernel, dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, False, scale, mask)
             dq += g[0]
             dkv[0, :, :, :c] += g[1]
             dkv[1, :, :, :c] += g[2]
         else:  # _Q_SECOND
             g = _block_bwd(kernel, dout[:, :, c:], q[:, :, c:], kv[0], kv[1], out[:, :, c:],
-                           lse[:, :, c:].contiguous(), False, scale)
+                           lse[:, :, c:].contiguous(), False, scale, mask)
             dq[:, :, c:] += g[0]
             dkv[0] += g[1]
             dkv[1] += g[2]
@@ -412,23 +452,25 @@ class _RingAttention(torch.autograd.Function):
     owner after cp hops (Liu et al. 2023, §3). No autograd through the communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel):
+    def forward(ctx, q, k, v, group, causal, scale, kernel, doc):
         ring = _Ring(group)
-        out, lse = _ring_forward(ring, kernel, q, k, v, causal, scale)
+        masks = _BlockMasks(doc, ring, q.shape[2])
+        out, lse = _ring_forward(ring, kernel, q, k, v, causal, scale, masks)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.kernel, ctx.causal, ctx.scale = ring, kernel, causal, scale
+        ctx.ring, ctx.kernel, ctx.causal, ctx.scale, ctx.masks = ring, kernel, causal, scale, masks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, dout.contiguous(), q, k, v, out, lse,
-                                    ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+                                    ctx.causal, ctx.scale, ctx.masks)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
-                   causal: bool = True, scale: float | None = None, kernel: Kernel = "auto") -> torch.Tensor:
+                   causal: bool = True, scale: float | None = None, kernel: Kernel = "auto",
+                   doc: DocumentMask | None = None) -> torch.Tensor:
     """Exact attention over the sequence split across the ranks of ``group`` (ring attention).
 
     Args:
@@ -446,6 +488,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) on CPU,
             ``flash_attn`` (flash-attn's ``flash_attn_func`` forward, math backward) on CUDA
             fp16/bf16 when importable, else ``math`` (matmul + logsumexp in fp32).
+        doc: a document mask (:class:`moetrain.model.attention.DocumentMask`: document ids of
+            the whole samples and this rank's positions, those of :func:`cp_positions`): each
+            query sees only keys of its own document. Its blocks run on the ``math`` kernel with
+            the mask (the flash kernels take none); rows of a block that see no key there give
+            nothing to the merge.
 
     Returns:
         out [B, Hq, Sl, D] in q's dtype, the same layout; differentiable w.r.t. q, k, v.
@@ -475,7 +522,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         raise ValueError(f"local sequence length {sl} is odd: the causal layout holds two equal chunks "
                          f"(shard with cp_shard; the full length must be divisible by 2 × cp = {2 * cp_size})")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, causal, scale, _pick_kernel(kernel, q))
+    return _RingAttention.apply(q, k, v, group, causal, scale, _pick_kernel(kernel, q), doc)
 
 
 class RingAttentionKernel:
@@ -485,8 +532,9 @@ class RingAttentionKernel:
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, causal=True)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None
+                 ) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, causal=True, doc=doc)
 
 
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:

@@ -112,13 +112,14 @@ class Trainer:
 
         train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
         self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
-                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed)
+                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
+                                  document_mask=cfg.data.document_mask)
         self.val_batches: list[MicroBatch] = []
         if cfg.train.val_every:
             val_shards = TokenShards(cfg.data.path, "val", verify=cfg.data.verify)
             self.val_batches = self._to_device(validation_batches(
                 val_shards, cfg.model.seq_len, cfg.train.micro_batch_size, cfg.data.val_batches, self.ps.coord(DP),
-                self.ps.size(DP)))
+                self.ps.size(DP), document_mask=cfg.data.document_mask))
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg)
@@ -158,18 +159,23 @@ class Trainer:
 
     def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
         """This rank's part of the micro-batches on the training device: under context
-        parallelism its two sequence chunks (:func:`moetrain.parallel.context.cp_shard`); on
+        parallelism its two sequence chunks (:func:`moetrain.parallel.context.cp_shard`) of the
+        inputs and targets (document ids stay whole: ring attention needs the other chunks'); on
         CUDA copied from pinned memory without waiting."""
         cp_rank, cp = self.ps.coord(CP), self.ps.size(CP)
         cuda = self.device.type == "cuda"
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or not cuda:
+                return t
+            return t.pin_memory().to(self.device, non_blocking=True)
+
         out = []
         for mb in micro_batches:
-            tensors = (mb.inputs, mb.targets)
+            inputs, targets = mb.inputs, mb.targets
             if cp > 1:
-                tensors = tuple(cp_shard(t, cp_rank, cp, 1) for t in tensors)
-            if cuda:
-                tensors = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in tensors)
-            out.append(MicroBatch(*tensors))
+                inputs, targets = cp_shard(inputs, cp_rank, cp, 1), cp_shard(targets, cp_rank, cp, 1)
+            out.append(MicroBatch(move(inputs), move(targets), move(mb.doc_ids)))
         return out
 
     def train_step(self) -> StepResult:
