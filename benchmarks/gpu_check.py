@@ -14,8 +14,8 @@
    :class:`moetrain.train.host_sync.HostReadCounter` on CUDA tensors, and every synchronizing
    CUDA call with ``torch.cuda.set_sync_debug_mode("warn")`` (hidden syncs inside ops included).
    Expected with ep = 1 and the ``grouped_mm`` expert backend: 1 per step (the metrics read).
-4. Runs each expert backend available (loop, grouped_mm) for a few bf16 steps and reports its
-   step time.
+4. Runs each expert backend available (loop, grouped_mm, megablocks when installed) and flash
+   attention (when flash-attn is installed) for a few bf16 steps and reports their step times.
 
 Prints one JSON object; exits 1 when a check fails. Never part of CI (no GPU there); the numbers
 of the last run are in docs/performance.md.
@@ -54,18 +54,19 @@ def peak_tflops(name: str) -> float | None:
     return None
 
 
-def make_trainer(a, precision: str, steps: int, backend: str = "auto"):
+def make_trainer(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa"):
     from moetrain.train.trainer import Trainer
 
     cfg = resolve_vocab(load_config(a.config, [
         "parallel.dp=1", "parallel.ep=1", f"train.precision={precision}", f"train.steps={steps}",
         "train.val_every=0", "checkpoint.every=0", "checkpoint.resume=false", f"moe.expert_backend={backend}",
-        f"data.path={a.data}", "data.verify=size", f"run.dir={tempfile.mkdtemp()}"]))
+        f"model.attention_backend={attention}", f"data.path={a.data}", "data.verify=size",
+        f"run.dir={tempfile.mkdtemp()}"]))
     return Trainer(cfg, write_files=False)
 
 
-def train(a, precision: str, steps: int, backend: str = "auto") -> dict:
-    trainer = make_trainer(a, precision, steps, backend)
+def train(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa") -> dict:
+    trainer = make_trainer(a, precision, steps, backend, attention)
     results = [trainer.train_step() for _ in range(steps)]
     times = [r.extra["step_time_s"] for r in results[2:]] or [results[-1].extra["step_time_s"]]
     step_s = statistics.median(times)
@@ -133,15 +134,26 @@ def main() -> int:
         failures.append(f"{out['syncs']['python_reads_per_step']} Python-level reads of CUDA tensors per step "
                         f"(expected 1): {out['syncs']['read_stacks']}")
 
-    # 4. each expert backend.
+    # 4. each expert backend (megablocks when installed) and flash attention (when installed).
+    import importlib.util
+
     out["expert_backends"] = {}
-    for backend in ("loop", "grouped_mm"):
+    backends = ["loop", "grouped_mm"] + (["megablocks"] if importlib.util.find_spec("megablocks") else [])
+    for backend in backends:
         try:
             r = train(a, "bf16", 6, backend)
             out["expert_backends"][backend] = {"step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"]}
         except Exception as e:  # noqa: BLE001 - reported, and a failure of the check
             out["expert_backends"][backend] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"expert backend {backend}: {e}")
+    if importlib.util.find_spec("flash_attn"):
+        try:
+            r = train(a, "bf16", 6, "auto", attention="flash")
+            out["attention_flash"] = {"step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"],
+                                      "over_sdpa": r["step_s"] / bf16["step_s"]}
+        except Exception as e:  # noqa: BLE001
+            out["attention_flash"] = {"error": f"{type(e).__name__}: {e}"}
+            failures.append(f"flash attention: {e}")
     out["wall_s"] = time.time() - t0
     out["failures"] = failures
     print(json.dumps(out, indent=1, default=str))

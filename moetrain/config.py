@@ -144,7 +144,10 @@ class ParallelConfig:
     and the loss); the other blocks split evenly over the remaining stages (Megatron-Core's
     ``decoder_first/last_pipeline_num_layers``). ``None`` splits evenly; giving the end stages
     fewer blocks balances the embedding and, above all, the head: see
-    :func:`pipeline_stage_layers`."""
+    :func:`pipeline_stage_layers`. ``grad_bucket_mb``: MiB per bucket of the data-parallel
+    gradient all-reduce (without ZeRO); buckets start during the last micro-batch's backward as
+    soon as their gradients exist, so smaller ones start earlier at the cost of more collectives
+    (PyTorch DDP's default is 25, Megatron-Core's about 40M parameters)."""
 
     dp: int = 1
     tp: int = 1
@@ -160,6 +163,7 @@ class ParallelConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
+    grad_bucket_mb: float = 32.0
 
     @property
     def world_size(self) -> int:
@@ -591,6 +595,7 @@ def validate(cfg: Config) -> None:
         positive("model.vocab_size", m.vocab_size)
     if ln.cpus_per_task is not None:
         positive("launch.cpus_per_task", ln.cpus_per_task)
+    positive("parallel.grad_bucket_mb", par.grad_bucket_mb)
 
     # Model shape.
     if m.hidden % m.heads:

@@ -95,6 +95,8 @@ CASES = [
     # Gradient accumulation: 1 and 4 micro-batches per step give the same step as 2.
     ({"dp": 2, "ep": 2}, {"micro_batch_size": 4}),
     ({"dp": 1}, {"micro_batch_size": 1}),
+    # Many small gradient buckets, started during the last backward (OverlappedGradReducer).
+    ({"dp": 4, "ep": 2, "grad_bucket_mb": 0.01}, {}),
 ]
 
 

@@ -81,8 +81,15 @@ class LocalDispatcher:
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Group assignments by expert. Returns x_ND (rows grouped by expert), counts_E (rows per
         expert, int64 on x's device) and the handle for :meth:`combine`."""
-        x_ND, counts_E, handle = permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
-        return x_ND, counts_E, handle
+        return self.finish(self.start(x_TD, expert_idx_TK, capacity))
+
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
+        """First half of :meth:`dispatch` (here all of it: nothing travels)."""
+        return permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
+
+    def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Second half of :meth:`dispatch`."""
+        return pending
 
     def combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Inverse of :meth:`dispatch`: y_ND → y_(T·K)D in assignment order (dropped rows zero)."""
@@ -171,14 +178,21 @@ class GroupedExperts(nn.Module):
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
         if self.backend == "megablocks":
             return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
-        outs = []
-        # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate
-        # and zero-fill a whole [El, ...] gradient per expert).
-        for x, w1_e, w3_e, w2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0), w2.unbind(0)):
-            # Empty groups still touch the weights so every expert gets a (zero) gradient.
-            h = F.silu(x @ w1_e) * (x @ w3_e)
-            outs.append(h @ w2_e)
-        return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
+        return _loop_swiglu(x_ND, w1, w3, w2, sizes)
+
+
+@torch.compiler.disable  # per-expert GEMMs of data-dependent sizes: nothing to fuse, endless recompiles
+def _loop_swiglu(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, sizes: list[int]
+                 ) -> torch.Tensor:
+    """The reference expert computation: one SwiGLU per expert on its ``sizes[e]`` rows."""
+    outs = []
+    # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate and
+    # zero-fill a whole [El, ...] gradient per expert).
+    for x, w1_e, w3_e, w2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0), w2.unbind(0)):
+        # Empty groups still touch the weights so every expert gets a (zero) gradient.
+        h = F.silu(x @ w1_e) * (x @ w3_e)
+        outs.append(h @ w2_e)
+    return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 
 
 def _megablocks_swiglu(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -242,6 +256,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden, num_experts, 0, num_experts)
         self.shared = FeedForward(dim, hidden * shared_experts) if shared_experts else None
         self.dispatcher: Any = LocalDispatcher(num_experts)
+        # Compute the shared experts while the dispatch is in flight (off: after it, for the
+        # overlap benchmark's baseline).
+        self.overlap_shared = True
         # Set by the trainer: gradient given to the aux losses in backward (1 / micro-batches).
         self.aux_loss_scale = 1.0
         # Sums the per-sequence expert counts over the ranks that share a sequence (context /
@@ -309,7 +326,11 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts)
-        x_ND, counts_El, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, capacity)
+        pending = self.dispatcher.start(x_TD, topk_idx_TK, capacity)
+        # The shared experts need no routed token: they compute while the dispatch all-to-all is
+        # in flight (under expert parallelism the rows travel asynchronously until finish()).
+        shared_TD = self.shared(x_TD) if self.shared is not None and self.overlap_shared else None
+        x_ND, counts_El, handle = self.dispatcher.finish(pending)
 
         # 4. expert compute, rows grouped by local expert.
         y_ND = self.experts(x_ND, counts_El, handle.host_counts)
@@ -318,7 +339,7 @@ class MoE(nn.Module):
         y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
         y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            y_TD = y_TD + (shared_TD if shared_TD is not None else self.shared(x_TD))
 
         if not is_recomputing():  # activation recomputation must not count twice
             self._record_stats(aux, z, topk_idx_TK, handle)

@@ -66,6 +66,9 @@ class SingleStageRunner:
         # [zero] called as (index, count) before each micro-batch's forward (ZeRO sets
         # FSDP's gradient sync and resharding there); None without ZeRO.
         self.before_micro_batch: Callable[[int, int], None] | None = None
+        # Called before the step's last micro-batch: the data-parallel gradient reduction starts
+        # during its backward (OverlappedGradReducer.arm); None: reduce after the backward.
+        self.before_last_micro_batch: Callable[[], None] | None = None
 
     def _loss(self, mb: MicroBatch) -> torch.Tensor:
         doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
@@ -76,6 +79,8 @@ class SingleStageRunner:
         for i, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:  # [zero]
                 self.before_micro_batch(i, len(micro_batches))
+            if i == len(micro_batches) - 1 and self.before_last_micro_batch is not None:
+                self.before_last_micro_batch()
             with loss_context(self.ps):
                 loss = self._loss(mb)
                 (loss / len(micro_batches)).backward()

@@ -11,8 +11,13 @@ gradients then have to be *averaged* over the ranks that saw different data:
   all-to-all backward brings them home), so they are summed over ``edp_tp`` and divided by the
   same dp·cp.
 
-Reduction happens once per optimizer step, after the last micro-batch (no communication during
-gradient accumulation), in flat buckets to keep the number of collectives small.
+Reduction happens once per optimizer step (no communication during gradient accumulation), in
+flat buckets to keep the number of collectives small. :class:`OverlappedGradReducer` starts each
+bucket's all-reduce during the last micro-batch's backward, as soon as autograd has produced its
+gradients (PyTorch DDP's bucketing, Li et al. 2020 §3.2.3, in reverse parameter order), so the
+communication runs while earlier layers still compute their gradients; what it cannot start
+early (DTensor and tp-summed gradients, pipeline stages) goes through :func:`reduce_gradients`
+after the backward, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from moetrain.model.moe import GroupedExperts
 from moetrain.parallel.state import DP_CP, EDP_TP, EP, PP, TP, ParallelState
+from moetrain.parallel.tensor import TP_PARTIAL
 
 BUCKET_BYTES = 32 * 2**20
 
@@ -104,7 +110,7 @@ def reduced_by_fsdp(p: nn.Parameter) -> bool:
 
 
 @torch.no_grad()
-def reduce_gradients(parts: list[nn.Module], ps: ParallelState) -> None:
+def reduce_gradients(parts: list[nn.Module], ps: ParallelState, exclude: frozenset[int] = frozenset()) -> None:
     """Average gradients over the data-parallel ranks (see the module docstring).
 
     Parameters without a gradient get a zero gradient first so every rank joins every bucket.
@@ -113,11 +119,12 @@ def reduce_gradients(parts: list[nn.Module], ps: ParallelState) -> None:
     ``_moetrain_tp_partial`` (plain parameters fed different tokens on each tp rank, e.g. the
     router under sequence parallelism) are also summed over tp, FSDP's shards of them included.
     ``Partial(sum)`` DTensor gradients (norm weights under sequence parallelism) are first summed
-    over their partial axes and become ``Replicate``.
+    over their partial axes and become ``Replicate``. Parameters whose ``id`` is in ``exclude`` are
+    left alone (an :class:`OverlappedGradReducer` reduces them).
     """
     all_dense, expert = split_expert_params(parts)
-    dense = [p for p in all_dense if not reduced_by_fsdp(p)]
-    expert = [p for p in expert if not reduced_by_fsdp(p)]
+    dense = [p for p in all_dense if not reduced_by_fsdp(p) and id(p) not in exclude]
+    expert = [p for p in expert if not reduced_by_fsdp(p) and id(p) not in exclude]
     # [zero] FSDP averages over dp_cp only: tp-partial parameters under FSDP still need the tp sum.
     tp_partial = [p for p in all_dense if getattr(p, "_moetrain_tp_partial", False)]
     for p in dense + expert + tp_partial:
@@ -135,6 +142,101 @@ def reduce_gradients(parts: list[nn.Module], ps: ParallelState) -> None:
         elif divisor != 1:
             for p in expert:
                 p.grad.div_(divisor)
+
+
+class _Bucket:
+    """Parameters whose gradients are all-reduced together, flattened into one buffer."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup):
+        self.params, self.group = params, group
+        self.ready = 0
+        self.flat: torch.Tensor | None = None
+        self.work = None
+
+
+class OverlappedGradReducer:
+    """Data-parallel gradient averaging that overlaps the last micro-batch's backward.
+
+    Eligible are plain (non-DTensor) parameters outside FSDP and not summed over tp: dense ones
+    are averaged over ``dp_cp``, experts over ``edp_tp`` (divided by dp·cp as in
+    :func:`reduce_gradients`). They are cut into ≤ ``bucket_bytes`` buckets in reverse
+    registration order, which is roughly the order backward produces their gradients. During the
+    backward after :meth:`arm`, a ``post_accumulate_grad`` hook counts each bucket's parameters;
+    a complete bucket is flattened and its all-reduce started asynchronously — in bucket order on
+    every rank, so the collectives pair up (a bucket that completes early waits for the ones
+    before it). :meth:`finish` starts what is left (parameters that got no gradient get zeros),
+    reduces the other parameters with :func:`reduce_gradients`, then waits, averages and writes
+    the results back into ``.grad``.
+
+    Without :meth:`arm` (pipeline schedules, whose backward order is theirs) :meth:`finish` does
+    the whole reduction after the backward.
+    """
+
+    def __init__(self, parts: list[nn.Module], ps: ParallelState, bucket_bytes: int = BUCKET_BYTES):
+        self.parts, self.ps = parts, ps
+        self.divisor = float(ps.size(DP_CP))
+        dense, expert = split_expert_params(parts)
+        self.buckets: list[_Bucket] = []
+        for params, axis in ((dense, DP_CP), (expert, EDP_TP)):
+            if ps.size(axis) == 1:  # nothing to communicate (experts are only divided, by finish)
+                continue
+            eligible = [p for p in reversed(params) if p.requires_grad and not isinstance(p, DTensor)
+                        and not reduced_by_fsdp(p) and not getattr(p, TP_PARTIAL, False)]
+            current: list[nn.Parameter] = []
+            size = 0
+            for p in eligible:
+                current.append(p)
+                size += p.numel() * p.element_size()
+                if size >= bucket_bytes:
+                    self.buckets.append(_Bucket(current, ps.group(axis)))
+                    current, size = [], 0
+            if current:
+                self.buckets.append(_Bucket(current, ps.group(axis)))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.overlapped = frozenset(self._bucket_of)
+        self.armed = False
+        self._next = 0  # index of the next bucket to start
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+
+    def arm(self) -> None:
+        """Start reducing during the coming backward (call before the step's last micro-batch)."""
+        self.armed = True
+        for b in self.buckets:
+            b.ready, b.flat, b.work = 0, None, None
+        self._next = 0
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.ready += 1
+        # Start every complete bucket whose predecessors have started: the same order on all ranks.
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    @torch.no_grad()
+    def _start(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        b.flat = _flatten_dense_tensors(grads)
+        b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Complete the step's reduction: every gradient averaged over its data-parallel ranks."""
+        for b in self.buckets[self._next:]:
+            self._start(b)
+        reduce_gradients(self.parts, self.ps, exclude=self.overlapped)
+        for b in self.buckets:
+            b.work.wait()
+            b.flat.div_(self.divisor)
+            for p, g in zip(b.params, _unflatten_dense_tensors(b.flat, b.params)):
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)
+            b.flat = b.work = None
+        self.armed, self._next = False, 0
 
 
 @torch.no_grad()

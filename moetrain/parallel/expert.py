@@ -57,6 +57,14 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+        """Phases 1-4: x_ND (received rows grouped by local expert), counts_El ([El] int64 on
+        the device) and the handle for :meth:`combine`."""
+        return self.finish(self.start(x_TD, expert_idx_TK, capacity))
+
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
+        """Phases 1-3; the rows' all-to-all is left in flight (a functional collective: it is
+        waited for where its result is first used, in :meth:`finish`), so the caller can
+        compute meanwhile."""
         P, El = self.ep, self.num_local
         # 1. permute by global expert id; rows for ep rank r are contiguous.
         x_sorted, counts_E, local = permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
@@ -70,15 +78,20 @@ class AllToAllDispatcher:
         input_splits = [sum(row) for row in send_PE]
         output_splits = [sum(row) for row in recv_PE]
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
-        # 3. rows to the ranks holding their experts.
+        # 3. rows to the ranks holding their experts (in flight until used).
         x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
-        # 4. (source, local expert) order → (local expert, source) order, on the device.
+        # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_TD.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
         regroup = torch.argsort(e * P + src, stable=True)
-        x_grouped = x_recv[regroup]
         counts_El = recv_counts.view(P, El).sum(0)
-        return x_grouped, counts_El, AllToAllHandle(local, input_splits, output_splits, regroup, host_counts)
+        return x_recv, counts_El, AllToAllHandle(local, input_splits, output_splits, regroup, host_counts)
+
+    def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+        """Phase 4: wait for the rows and regroup them (source, local expert) → (local expert,
+        source)."""
+        x_recv, counts_El, handle = pending
+        return x_recv[handle.regroup], counts_El, handle
 
     def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         # 4'. back to (source, local expert) order.

@@ -14,8 +14,13 @@ and what it communicates per FSDP group of Ψ parameter bytes:
 * **2 — + gradients sharded.** As 1, but gradients are reduce-scattered after *every*
   micro-batch (A × Ψ) and only the 1/N gradient shard is kept between micro-batches.
 * **3 — + parameters sharded.** ``reshard_after_forward=True``: parameters are freed after each
-  group's forward and all-gathered again for its backward (2 all-gathers per micro-batch);
-  gradients reduce-scatter after every micro-batch.
+  group's forward and all-gathered again for its backward (2 all-gathers per micro-batch, but
+  one for the last block, whose backward follows its forward at once); gradients reduce-scatter
+  after every micro-batch.
+
+Overlap: each block's forward starts the next block's all-gathers, each block's backward the
+previous block's (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``, one
+block ahead), so the communication of block i+1 runs during the compute of block i.
 
 Where FSDP2 differs from the paper's wording (same communication volume, less memory):
 stages 1 and 2 hold full parameters from the first forward of a step to the last backward; the
@@ -77,8 +82,9 @@ def apply_zero(model: Transformer, ps: ParallelState, stage: int, precision: str
     policy = fsdp_policy(precision)
     wrapped: list[FSDPModule] = []
 
-    def shard(module: nn.Module, mesh, mp_policy: MixedPrecisionPolicy = policy) -> None:
-        fsdp = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    def shard(module: nn.Module, mesh, mp_policy: MixedPrecisionPolicy = policy, reshard_after: bool = reshard
+              ) -> FSDPModule:
+        fsdp = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after, mp_policy=mp_policy)
         fsdp.set_gradient_divide_factor(divide)
         # Sum, then divide: gloo has no pre-multiplied sum. Not on a 1-rank mesh, where torch
         # 2.13 would divide twice (its no-communication path divides, then the post-divide).
@@ -87,16 +93,31 @@ def apply_zero(model: Transformer, ps: ParallelState, stage: int, precision: str
         # join its group's reduce-scatter with a zero gradient.
         fsdp.set_reduce_scatter_unused_params(True, recurse=False)
         wrapped.append(fsdp)
+        return fsdp
 
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    units: list[list[FSDPModule]] = []  # per block: its FSDP modules, the block's own last
+    for i, block in enumerate(blocks):
+        # ZeRO-3 keeps the last block's parameters after its forward: its backward comes next
+        # (after the head's), and resharding would only all-gather them again at once.
+        keep = reshard and i == len(blocks) - 1
+        unit = []
         # 1. experts on their own expert-data-parallel mesh; the router fp32
         for module in block.modules():
             if isinstance(module, GroupedExperts):
-                shard(module, expert_mesh)
+                unit.append(shard(module, expert_mesh, reshard_after=reshard and not keep))
             elif isinstance(module, Router) and policy.param_dtype != FP32_POLICY.param_dtype:
-                shard(module, dense_mesh, FP32_POLICY)
+                unit.append(shard(module, dense_mesh, FP32_POLICY, reshard_after=reshard and not keep))
         # 2. the rest of the block on dp_cp
-        shard(block, dense_mesh)
+        unit.append(shard(block, dense_mesh, reshard_after=reshard and not keep))
+        units.append(unit)
+    # Explicit prefetch, one block ahead: block i's forward starts block i+1's all-gathers, block
+    # i's backward block i-1's (FSDP2's own prefetching waits until the next module's hooks run).
+    for i, unit in enumerate(units):
+        if i + 1 < len(units):
+            unit[-1].set_modules_to_forward_prefetch(units[i + 1])
+        if i > 0:
+            unit[-1].set_modules_to_backward_prefetch(units[i - 1])
     # 3. the root: embedding, final norm, head
     shard(model, dense_mesh)
     for name, p in model.named_parameters():

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
 from moetrain.data.shards import TokenShards
-from moetrain.parallel.apply import build_model_parts
+from moetrain.parallel.apply import SingleStageRunner, build_model_parts
 from moetrain.parallel.context import cp_shard
-from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
+from moetrain.parallel.data_parallel import OverlappedGradReducer, clip_gradients, global_grad_norm
 from moetrain.parallel.state import CP, DP, DP_CP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
@@ -109,6 +109,12 @@ class Trainer:
         self.model_parts, self.runner = build_model_parts(cfg, self.ps)
         self.optimizers = [build_optimizer(part, cfg.train) for part in self.model_parts]
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
+        # Data-parallel gradient averaging, started during the last micro-batch's backward where
+        # the runner can say when that is (not under a pipeline schedule).
+        self.grad_reducer = OverlappedGradReducer(self.model_parts, self.ps,
+                                                  bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20))
+        if isinstance(self.runner, SingleStageRunner):
+            self.runner.before_last_micro_batch = self.grad_reducer.arm
 
         train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
         self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
@@ -196,7 +202,7 @@ class Trainer:
         # Forward + backward of every micro-batch; each MoE layer sums its stats in stats_accum.
         lm_sum = self.runner.forward_backward(micro_batches)
 
-        reduce_gradients(self.model_parts, self.ps)
+        self.grad_reducer.finish()
         grad_norm = global_grad_norm(self.model_parts, self.ps)
         if self.cfg.train.grad_clip > 0:
             clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)

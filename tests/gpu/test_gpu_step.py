@@ -62,3 +62,52 @@ def test_expert_backends_agree_on_cuda():
         out[backend] = (y.float(), x.grad, ex.w1.grad)
     for a, b in zip(out["loop"], out["grouped_mm"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def _needs(module: str):
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"needs {module}")
+
+
+@_needs("megablocks")
+def test_megablocks_experts_equal_loop():
+    from moetrain.model.moe import GroupedExperts
+
+    dev = torch.device("cuda")
+    out = {}
+    for backend in ("loop", "megablocks"):
+        torch.manual_seed(0)
+        ex = GroupedExperts(128, 256, 4, backend=backend).to(dev)
+        for w in (ex.w1, ex.w3, ex.w2):
+            torch.nn.init.normal_(w, std=0.05)
+        ex.compute_dtype = torch.bfloat16
+        x = torch.randn(64, 128, device=dev, requires_grad=True)
+        y = ex(x, torch.tensor([16, 0, 40, 8], device=dev))
+        y.float().pow(2).sum().backward()
+        out[backend] = (y.float(), x.grad, ex.w1.grad)
+    for a, b in zip(out["loop"], out["megablocks"]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@_needs("flash_attn")
+@pytest.mark.parametrize("with_doc", [False, True])
+def test_flash_attention_equals_sdpa(with_doc):
+    from moetrain.model.attention import DocumentMask, FlashAttention, sdpa_attention
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(2, h, 256, 64, device=dev, generator=g, dtype=torch.bfloat16, requires_grad=True)
+               for h in (8, 4, 4))
+    doc = None
+    if with_doc:
+        ids = torch.repeat_interleave(torch.arange(4, device=dev), torch.tensor([50, 70, 100, 36], device=dev))
+        doc = DocumentMask(torch.stack([ids, ids.flip(0)]), torch.arange(256, device=dev))
+    outs = []
+    for kernel in (FlashAttention(), sdpa_attention):
+        out = kernel(q, k, v, doc)
+        out.float().sum().backward()
+        outs.append((out.float(), q.grad.clone()))
+        q.grad = k.grad = v.grad = None
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=5e-2, atol=5e-2)
