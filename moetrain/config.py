@@ -110,8 +110,17 @@ class MoEConfig:
     the dropped fraction is logged). ``expert_backend``: how the experts compute —
     ``loop`` one GEMM per expert (the reference path; the faster one on CPU), ``grouped_mm``
     ``torch.nn.functional.grouped_mm`` (all experts in one kernel, no host read; the fast path
-    on CUDA in bf16), ``auto`` the faster for the device and precision (logged at start),
-    ``megablocks`` not available yet."""
+    on CUDA in bf16), ``auto`` the faster for the device and precision, ``megablocks``
+    (MegaBlocks' grouped GEMM; CUDA, bf16, installed separately). ``score_function``: ``softmax``
+    over the experts, or ``sigmoid`` per expert (DeepSeek-V3 §2.1.2); the chosen scores are
+    renormalised with ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+    ``bias_update_rate``: > 0 turns on aux-loss-free balancing (DeepSeek-V3 §2.1.2, their γ =
+    0.001): a per-expert bias, added to the scores for the top-k choice only, moves by this much
+    after every step towards the mean load; ``aux_loss_coef`` stays as the complementary
+    sequence-wise loss (0 turns it off). ``max_nodes_per_token``: node-limited routing — each
+    token's experts lie on at most this many NVLink domains (nodes) of its expert-parallel group,
+    taken from the rank map, so its all-to-all crosses the network to at most that many
+    (DeepSeek-V3 §2.2: M = 4)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -123,6 +132,10 @@ class MoEConfig:
     z_loss_coef: float = 0.001
     capacity_factor: float | None = None
     norm_topk_prob: bool = True
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    max_nodes_per_token: int | None = None
     expert_backend: Literal["auto", "loop", "grouped_mm", "megablocks"] = "auto"
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -616,6 +629,15 @@ def validate(cfg: Config) -> None:
         if moe.top_k > moe.num_experts:
             raise field_error("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
                        f"use top_k <= {moe.num_experts}")
+        if moe.routed_scaling_factor <= 0:
+            raise field_error("moe.routed_scaling_factor", moe.routed_scaling_factor, "must be positive",
+                              "use 1.0 (no scaling) or e.g. 2.5 (DeepSeek-V3)")
+        if moe.bias_update_rate < 0:
+            raise field_error("moe.bias_update_rate", moe.bias_update_rate, "must not be negative",
+                              "use 0 (off) or a small rate such as 0.001")
+        if moe.max_nodes_per_token is not None and moe.max_nodes_per_token < 1:
+            raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "must be at least 1",
+                              "use null (no limit) or e.g. 4")
         if moe.capacity_factor is not None and moe.capacity_factor <= 0:
             raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
                        "use null for dropless or a value such as 1.25")

@@ -14,7 +14,7 @@ import zlib
 import torch
 from torch import nn
 
-from moetrain.model.moe import GroupedExperts
+from moetrain.model.moe import GroupedExperts, MoE
 from moetrain.model.layers import RMSNorm
 
 
@@ -41,6 +41,8 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
         full = f"{prefix}{mod_name}"
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, MoE) and module.expert_bias is not None:
+            module.expert_bias.zero_()  # aux-loss-free balancing starts unbiased
         elif isinstance(module, GroupedExperts):
             for pname in ("w1", "w3", "w2"):
                 p = getattr(module, pname)

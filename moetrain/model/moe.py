@@ -247,9 +247,23 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int = 0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, capacity_factor: float | None = None,
-                 norm_topk_prob: bool = True):
+                 norm_topk_prob: bool = True, score_function: str = "softmax", routed_scaling_factor: float = 1.0,
+                 bias_update_rate: float = 0.0):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.score_function, self.routed_scaling_factor = score_function, routed_scaling_factor
+        # Aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores
+        # for the top-k choice only, moved by bias_update_rate after every optimizer step
+        # (update_expert_bias). A buffer, so checkpoints carry it.
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        else:
+            self.expert_bias = None
+        # Node-limited routing (set by moetrain.parallel.expert.configure_node_limited): the
+        # group (NVLink domain) of each expert's rank and how many groups a token may use.
+        self.expert_groups: ExpertGroups | None = None
+        self.max_groups: int | None = None
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
         self.router = Router(dim, num_experts, bias=False)
@@ -288,6 +302,41 @@ class MoE(nn.Module):
         for k, v in new.items():
             self.stats_accum[k] = self.stats_accum[k] + v if k in self.stats_accum else v
 
+    def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Routing of T tokens from their fp32 logits [T, E]: (scores [T, E], combine weights
+        [T, K], expert ids [T, K]).
+
+        1. scores: ``softmax`` over the experts (Mixtral, Switch) or an independent ``sigmoid``
+           per expert (DeepSeek-V3 §2.1.2 eq. 15);
+        2. the choice uses scores + ``expert_bias`` when aux-loss-free balancing is on (the bias
+           never enters the weights);
+        3. node-limited routing (DeepSeek-V3 §2.2 "node-limited routing", Megatron-Core's
+           group-limited top-k): with ``max_groups`` M, each group of experts (the experts of
+           one NVLink domain's ranks) is scored by the sum of its top ⌈K / M⌉ choice scores, the
+           M best groups kept, the other experts masked;
+        4. top-k of the choice; the weights are the unbiased scores of the chosen experts,
+           renormalised to sum to 1 with ``norm_topk_prob``, times ``routed_scaling_factor``.
+        """
+        scores_TE = logits_TE.softmax(-1) if self.score_function == "softmax" else logits_TE.sigmoid()
+        choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+        if self.max_groups is not None:
+            choice_TE = limit_to_groups(choice_TE, self.expert_groups, self.max_groups, self.top_k)
+        topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        topk_p_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.norm_topk_prob:
+            topk_p_TK = topk_p_TK / (topk_p_TK.sum(-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            topk_p_TK = topk_p_TK * self.routed_scaling_factor
+        return scores_TE, topk_p_TK, topk_idx_TK
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-loss-free balancing step (DeepSeek-V3 §2.1.2): bias_e += rate · sign(mean load −
+        load_e). ``tokens_per_expert``: [E], this step's assignments over the whole global batch
+        (the same on every rank, so the bias is too); on the device, no host read."""
+        load = tokens_per_expert.to(self.expert_bias.dtype)
+        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
+
     def router_losses(self, logits_BSE: torch.Tensor, probs_BSE: torch.Tensor, idx_BSK: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load-balancing loss per sequence and router z-loss.
@@ -314,12 +363,12 @@ class MoE(nn.Module):
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
 
-        # 1. route: softmax over all experts in fp32, pick top-k.
+        # 1. route (fp32): scores, the top-k choice and its combine weights; the losses.
         logits_TE = self.router(x_TD)
-        probs_TE = logits_TE.softmax(-1)
-        topk_p_TK, topk_idx_TK = probs_TE.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            topk_p_TK = topk_p_TK / topk_p_TK.sum(-1, keepdim=True)
+        scores_TE, topk_p_TK, topk_idx_TK = self.route(logits_TE)
+        # The balance loss wants a distribution per token: sigmoid scores are normalised first
+        # (DeepSeek-V3 eq. 18).
+        probs_TE = scores_TE if self.score_function == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
         aux, z, _ = self.router_losses(logits_TE.view(B, S, -1), probs_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1))
 
         # 2.-3. permute by expert and dispatch to the ranks holding them.
@@ -348,6 +397,46 @@ class MoE(nn.Module):
         if self.training and total_aux.requires_grad:
             out = AttachAuxLoss.apply(out, total_aux, self.aux_loss_scale)
         return out
+
+
+def limit_to_groups(choice_TE: torch.Tensor, groups: "ExpertGroups", max_groups: int, top_k: int) -> torch.Tensor:
+    """Mask (−inf) the experts outside each token's ``max_groups`` best groups.
+
+    choice_TE: [T, E] scores; ``groups``: the group of each expert (G groups of equal size); a
+    group's score is the sum of its top ⌈top_k / max_groups⌉ expert scores (DeepSeek-V3's "sum
+    of the highest K_r / M affinity scores of the experts distributed on each node").
+    """
+    T, E = choice_TE.shape
+    G = groups.num_groups
+    per = E // G
+    k = min(per, -(-top_k // max_groups))
+    group_scores_TG = choice_TE[:, groups.order].view(T, G, per).topk(k, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros(T, G, dtype=torch.bool, device=choice_TE.device)
+    keep_TG.scatter_(1, group_scores_TG.topk(max_groups, dim=-1).indices, True)
+    return choice_TE.masked_fill(~keep_TG[:, groups.of_expert], float("-inf"))
+
+
+@dataclass
+class ExpertGroups:
+    """Experts grouped by the NVLink domain of the rank that holds them (node-limited routing).
+
+    of_expert: [E] int64, the group of each expert; order: [E] int64, the experts sorted by group
+    (stable); num_groups: G (a host int: no device read to learn it)."""
+
+    of_expert: torch.Tensor
+    order: torch.Tensor
+    num_groups: int
+
+    @classmethod
+    def from_list(cls, group_of_expert: list[int], device: torch.device) -> "ExpertGroups":
+        """Raises ValueError: groups of unequal size."""
+        sizes = {g: group_of_expert.count(g) for g in set(group_of_expert)}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"expert groups of unequal sizes {sorted(sizes.values())}")
+        ids = sorted(sizes)
+        dense = [ids.index(g) for g in group_of_expert]  # 0..G-1
+        of_expert = torch.tensor(dense, dtype=torch.int64, device=device)
+        return cls(of_expert, torch.argsort(of_expert, stable=True), len(ids))
 
 
 def handle_kept(handle: Any) -> torch.Tensor | None:

@@ -43,7 +43,8 @@ class Block(nn.Module):
         self.feed_forward: FeedForward | None = None
         if moe.is_moe_layer(layer):
             self.moe = MoE(m.hidden, moe.ffn_hidden, moe.num_experts, moe.top_k, moe.shared_experts,
-                           moe.aux_loss_coef, moe.z_loss_coef, moe.capacity_factor, moe.norm_topk_prob)
+                           moe.aux_loss_coef, moe.z_loss_coef, moe.capacity_factor, moe.norm_topk_prob,
+                           moe.score_function, moe.routed_scaling_factor, moe.bias_update_rate)
         else:
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 

@@ -37,7 +37,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
-from moetrain.parallel.expert import apply_expert_parallel, configure_sequence_split
+from moetrain.parallel.expert import apply_expert_parallel, configure_node_limited, configure_sequence_split
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, CP_TP, EP, PP, TP, ParallelState
@@ -159,6 +159,9 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 4. expert parallelism: local experts + all-to-all dispatch.
         if ps.size(EP) > 1:
             apply_expert_parallel(part.moe_layers(), ps)
+        # 4a. node-limited routing: each token's experts on at most M of the ep group's domains.
+        if cfg.moe.max_nodes_per_token is not None and part.moe_layers():
+            configure_node_limited(part.moe_layers(), ps, cfg.moe.max_nodes_per_token)
         # 4b. MoE losses of sequences split over cp × tp ranks (per-sequence balance counts).
         if ps.size(CP_TP) > 1:
             configure_sequence_split(part.moe_layers(), ps)

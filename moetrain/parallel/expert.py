@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from moetrain.model.moe import DispatchHandle, GroupedExperts, MoE, permute_by_expert, unpermute
+from moetrain.config import field_error
+from moetrain.model.moe import DispatchHandle, ExpertGroups, GroupedExperts, MoE, permute_by_expert, unpermute
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
 
@@ -49,11 +50,17 @@ class AllToAllHandle:
 class AllToAllDispatcher:
     """Dropless token dispatch over the ep group (see the module docstring for the phases)."""
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup):
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, domains: list[int] | None = None):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
+        # Rows this rank's dispatches sent to ep ranks in its own NVLink domain and in others
+        # (host counts, from the split sizes; the trainer reads and resets them every step).
+        me = dist.get_rank(group)
+        domains = domains or [0] * self.ep
+        self._remote = [d != domains[me] for d in domains]
+        self.rows_sent = [0, 0]  # [same domain, other domains]
 
     def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
@@ -77,6 +84,9 @@ class AllToAllDispatcher:
         recv_PE = [host[(P + r) * El:(P + r + 1) * El] for r in range(P)]
         input_splits = [sum(row) for row in send_PE]
         output_splits = [sum(row) for row in recv_PE]
+        inter = sum(n for n, remote in zip(input_splits, self._remote) if remote)
+        self.rows_sent[0] += sum(input_splits) - inter
+        self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
         x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
@@ -117,7 +127,8 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None
         dim, hidden = old.w1.shape[1], old.w1.shape[2]
         with torch.device(old.w1.device):
             moe.experts = GroupedExperts(dim, hidden, n_local, expert_offset=ep_rank * n_local, num_experts=E)
-        moe.dispatcher = AllToAllDispatcher(E, group)
+        moe.dispatcher = AllToAllDispatcher(E, group, [ps.domains[r] for r in ps.group_ranks(EP)]
+                                            if ps.domains is not None else None)
 
 
 class _SumOverGroup:
@@ -149,3 +160,36 @@ def configure_sequence_split(moe_layers: dict[str, MoE], ps: ParallelState) -> N
         moe.seq_split_size = ps.size(CP_TP)
         moe.seq_split_scale = float(ps.size(CP))
         moe.token_split_scale = 1.0 / ps.size(TP)
+
+
+def configure_node_limited(moe_layers: dict[str, MoE], ps: ParallelState, max_nodes: int) -> int:
+    """Node-limited routing (``moe.max_nodes_per_token``): group the experts by the NVLink domain
+    (node) of the ep rank that holds them — from ``ps.domains``, the rank map's — and let each
+    token choose among its ``max_nodes`` best groups only, so its dispatch crosses the network to
+    at most that many nodes. Returns the number of domains the ep group spans (with no more than
+    ``max_nodes`` of them nothing is limited).
+
+    Raises:
+        ConfigError: the domains hold unequal numbers of experts, or ``max_nodes`` domains hold
+            fewer experts than ``moe.top_k``.
+    """
+    ep_ranks = ps.group_ranks(EP)
+    domains = [ps.domains[r] if ps.domains is not None else 0 for r in ep_ranks]
+    for moe in moe_layers.values():
+        E = moe.num_experts
+        per_rank = E // len(ep_ranks)
+        try:
+            groups = ExpertGroups.from_list([domains[e // per_rank] for e in range(E)], ps.device)
+        except ValueError as e:
+            raise field_error("moe.max_nodes_per_token", max_nodes, f"the ep group's NVLink domains hold "
+                              f"different numbers of its ranks ({e})",
+                              "use a layout whose ep groups span whole domains, or max_nodes_per_token=null") from None
+        if groups.num_groups <= max_nodes:
+            moe.expert_groups, moe.max_groups = None, None
+            continue
+        if max_nodes * (E // groups.num_groups) < moe.top_k:
+            raise field_error("moe.max_nodes_per_token", max_nodes, f"{max_nodes} of {groups.num_groups} domains "
+                              f"hold {max_nodes * (E // groups.num_groups)} experts, fewer than top_k={moe.top_k}",
+                              f"raise max_nodes_per_token to at least {-(-moe.top_k // (E // groups.num_groups))}")
+        moe.expert_groups, moe.max_groups = groups, max_nodes
+    return len(set(domains))

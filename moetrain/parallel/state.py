@@ -82,13 +82,17 @@ class ParallelState:
     rank: int
     world_size: int
     flat: dict[str, DeviceMesh]  # the flattened axes (dp_cp, cp_tp, edp_tp), kept as returned
+    # NVLink domain of every global rank (from the rank map), for node-limited routing; None: one
+    domains: list[int] | None = None
     _axes: dict[str, tuple] = field(default_factory=dict, repr=False)  # see _axis
 
     @classmethod
-    def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None
-              ) -> "ParallelState":
+    def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None,
+              domains: Sequence[int] | None = None) -> "ParallelState":
         """Create both meshes. ``mesh_ranks``: global ranks laid out ``[pp, dp, cp, tp]`` (from
-        :func:`moetrain.topology.build_rank_map`); ``None`` is the identity order.
+        :func:`moetrain.topology.build_rank_map`); ``None`` is the identity order. ``domains``:
+        the NVLink domain (node) of every global rank, from the same rank map; ``None``: all in
+        one.
 
         Raises:
             ValueError: the process group's world size differs from pp × dp × cp × tp, or
@@ -110,8 +114,11 @@ class ParallelState:
         expert_ranks = ranks.reshape(p.pp, p.dp * p.cp, p.tp).reshape(p.pp, p.edp, p.ep, p.tp)
         expert_mesh = DeviceMesh(dev_type, expert_ranks, mesh_dim_names=EXPERT_AXES)
         flat[EDP_TP] = expert_mesh[(EDP, TP)]._flatten(EDP_TP)
+        if domains is not None and len(domains) != world:
+            raise ValueError(f"domains gives {len(domains)} ranks' NVLink domains, the world has {world}")
         return cls(parallel=p, mesh=mesh, expert_mesh=expert_mesh, device=device,
-                   rank=dist.get_rank(), world_size=world, flat=flat)
+                   rank=dist.get_rank(), world_size=world, flat=flat,
+                   domains=list(domains) if domains is not None else None)
 
     def _axis(self, axis: str) -> tuple[DeviceMesh, dist.ProcessGroup, int, int]:
         """(1-D mesh, group, size, coordinate) of an axis. Cached: slicing a DeviceMesh works on

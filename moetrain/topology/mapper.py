@@ -159,6 +159,10 @@ class RankMap:
     def local_of(self, rank: int) -> int:
         return rank % self.tasks_per_node
 
+    def domain_of(self, rank: int) -> int:
+        """The NVLink (NVSwitch) domain of ``rank``'s node."""
+        return int(self._geo.domain[self.node_of(rank)])
+
     def coords(self, rank: int) -> dict[str, Any]:
         """``{"rank", "node", "node_name", "local_rank", "pp", "dp", "cp", "tp", "ep", "edp"}``.
 

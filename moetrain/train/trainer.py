@@ -21,6 +21,7 @@ clusters). ``tests/test_host_syncs.py`` counts them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -40,7 +41,8 @@ from moetrain.data.shards import TokenShards
 from moetrain.parallel.apply import SingleStageRunner, build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import OverlappedGradReducer, clip_gradients, global_grad_norm
-from moetrain.parallel.state import CP, DP, DP_CP, PP, TP, ParallelState, init_distributed
+from moetrain.parallel.precision import compute_dtype
+from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
@@ -77,7 +79,7 @@ class StopFlag:
 
 class Trainer:
     def __init__(self, cfg: Config, *, job_id: str = "local", restart: int = 0, stop_flag: StopFlag | None = None,
-                 mesh_ranks: Any = None, write_files: bool = True):
+                 mesh_ranks: Any = None, rank_domains: list[int] | None = None, write_files: bool = True):
         """``write_files=False`` (tests) writes no metrics, heartbeats or events; checkpoints are
         still written when asked for."""
         self.cfg = cfg
@@ -85,8 +87,8 @@ class Trainer:
         self.write_files = write_files
         self.device = init_distributed(cfg.parallel.backend, cfg.parallel.collective_timeout_s)
         if mesh_ranks is None:
-            mesh_ranks = topology_mesh_ranks(cfg)
-        self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks)
+            mesh_ranks, rank_domains = topology_mesh_ranks(cfg)
+        self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks, rank_domains)
         torch.manual_seed(cfg.run.seed)
 
         # A new attempt takes the run directory's fence first: writes of older attempts stop.
@@ -212,13 +214,20 @@ class Trainer:
         self.step += 1
 
         scalars, loads = self._reduce_metrics(lm_sum, accum)
-        # The step's one host read: loss, aux, z, dropped fraction, grad norm and expert loads.
+        for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
+            if moe.expert_bias is not None:
+                moe.update_expert_bias(loads[name])
+        a2a = self._a2a_bytes()
+        # The step's one host read: loss, aux, z, dropped fraction, grad norm, [dispatch bytes],
+        # expert loads.
         names = list(loads)
-        flat = torch.cat([scalars, grad_norm.double().reshape(1)] + [loads[n] for n in names])
+        head = [scalars, grad_norm.double().reshape(1)] + ([a2a] if a2a is not None else [])
+        flat = torch.cat(head + [loads[n] for n in names])
         host = flat.tolist()
         lm, aux, z, dropped, norm = host[:5]
-        E = len(host[5:]) // max(1, len(names))
-        rows = {n: host[5 + i * E: 5 + (i + 1) * E] for i, n in enumerate(names)}
+        at = 7 if a2a is not None else 5
+        E = len(host[at:]) // max(1, len(names))
+        rows = {n: host[at + i * E: at + (i + 1) * E] for i, n in enumerate(names)}
         dt = time.perf_counter() - t0
         extra: dict[str, Any] = {
             "tokens_per_s": self.tokens_per_step / dt,
@@ -229,7 +238,26 @@ class Trainer:
                                 "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
                             for n, row in rows.items()},
         }
+        if a2a is not None:
+            extra["dispatch_bytes"] = {"intra_node": int(host[5]), "inter_node": int(host[6])}
         return StepResult(self.step, lm, aux, z, norm, lr, extra)
+
+    def _a2a_bytes(self) -> torch.Tensor | None:
+        """Bytes the forward dispatch all-to-alls of this step sent within and across NVLink
+        domains, summed over all ranks ([2] float64 on the device; None without expert
+        parallelism). From the split sizes already on the host: no device read."""
+        if self.ps.size(EP) == 1 or not self.moe_layers:
+            return None
+        intra = inter = 0
+        for moe in self.moe_layers.values():
+            row_bytes = self.cfg.model.hidden * compute_dtype(self.cfg.train.precision).itemsize
+            intra += moe.dispatcher.rows_sent[0] * row_bytes
+            inter += moe.dispatcher.rows_sent[1] * row_bytes
+            moe.dispatcher.rows_sent = [0, 0]
+        full = functools.partial(torch.full, (), dtype=torch.float64, device=self.device)  # fill kernels, no copy
+        out = torch.stack([full(float(intra)), full(float(inter))])
+        dist.all_reduce(out)
+        return out
 
     def _reduce_metrics(self, lm_sum: torch.Tensor, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's metrics, reduced over the ranks, on the device: ([lm, aux, z, dropped] as
@@ -371,16 +399,16 @@ class Trainer:
             self.heartbeat.beat(self.step, phase)
 
 
-def topology_mesh_ranks(cfg: Config) -> list:
+def topology_mesh_ranks(cfg: Config) -> tuple[list, list[int]]:
     """The [pp, dp, cp, tp] rank layout from the topology mapper (the job's nodes and cluster
-    profile), computed on rank 0 and broadcast so every rank builds the same mesh — the map that
-    ``python -m moetrain.ranks`` shows is the one used."""
+    profile) and the NVLink domain of every rank, computed on rank 0 and broadcast so every rank
+    builds the same mesh — the map that ``python -m moetrain.ranks`` shows is the one used."""
     from moetrain.topology import build_rank_map
 
     holder: list = [None]
     if dist.get_rank() == 0:
         rank_map = build_rank_map(cfg)
-        holder[0] = rank_map.mesh_ranks.tolist()
+        holder[0] = (rank_map.mesh_ranks.tolist(), [rank_map.domain_of(r) for r in range(rank_map.world)])
         for rule in rank_map.rules:
             if rule.status == "broken":
                 log.warning("rank placement breaks %r: %s", rule.text, rule.detail)

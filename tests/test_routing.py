@@ -1,0 +1,160 @@
+"""Routing at the frontier (moetrain.model.moe.MoE.route): sigmoid scores, routed scaling,
+aux-loss-free balancing and node-limited routing, proved against a per-token reference; the
+balancing bias is the same in every layout and across a resume; node-limited routing keeps each
+token's experts on at most M NVLink domains of its ep group (taken from the rank map).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moetrain.model.moe import ExpertGroups, MoE
+from moetrain.train.trainer import Trainer
+
+from conftest import tiny_config
+from multiproc import run_distributed
+from test_equivalence import assert_matches, full_grads, merged
+
+
+def reference_route(logits, score_function, bias, groups, max_groups, top_k, norm, scale):
+    """One token at a time, written from DeepSeek-V3 §2.1.2 / §2.2 as directly as possible."""
+    T, E = logits.shape
+    weights, chosen = torch.zeros(T, top_k), torch.zeros(T, top_k, dtype=torch.long)
+    for t in range(T):
+        if score_function == "softmax":
+            s = [math.exp(x) for x in logits[t].tolist()]
+            s = [x / sum(s) for x in s]
+        else:
+            s = [1 / (1 + math.exp(-x)) for x in logits[t].tolist()]
+        choice = [s[e] + (bias[e] if bias is not None else 0.0) for e in range(E)]
+        allowed = set(range(E))
+        if max_groups is not None:
+            ids = sorted(set(groups))
+            k = min(E // len(ids), -(-top_k // max_groups))
+            gscore = {g: sum(sorted((choice[e] for e in range(E) if groups[e] == g), reverse=True)[:k]) for g in ids}
+            best = sorted(ids, key=lambda g: -gscore[g])[:max_groups]
+            allowed = {e for e in range(E) if groups[e] in best}
+        top = sorted(allowed, key=lambda e: -choice[e])[:top_k]
+        w = [s[e] for e in top]
+        if norm:
+            w = [x / sum(w) for x in w]
+        weights[t] = torch.tensor([x * scale for x in w])
+        chosen[t] = torch.tensor(top)
+    return weights, chosen
+
+
+CASES = [
+    ("softmax", False, None, None, True, 1.0),
+    ("sigmoid", False, None, None, True, 2.5),
+    ("sigmoid", True, None, None, False, 1.0),
+    ("softmax", True, [0, 0, 1, 1, 2, 2, 3, 3], 2, True, 1.0),
+    ("sigmoid", True, [0, 1, 0, 1, 2, 3, 2, 3], 1, True, 2.5),  # domains interleaved over experts
+]
+
+
+@pytest.mark.parametrize("score_function, with_bias, groups, max_groups, norm, scale", CASES,
+                         ids=["softmax", "sigmoid-scaled", "sigmoid-bias-unnormed", "grouped-2-of-4",
+                              "interleaved-1-of-4"])
+def test_route_equals_reference(score_function, with_bias, groups, max_groups, norm, scale):
+    torch.manual_seed(0)
+    moe = MoE(dim=8, hidden=16, num_experts=8, top_k=2, norm_topk_prob=norm, score_function=score_function,
+              routed_scaling_factor=scale, bias_update_rate=0.001 if with_bias else 0.0)
+    bias = None
+    if with_bias:
+        moe.expert_bias.copy_(torch.randn(8) * 0.3)
+        bias = moe.expert_bias.tolist()
+    if groups is not None:
+        moe.expert_groups, moe.max_groups = ExpertGroups.from_list(groups, torch.device("cpu")), max_groups
+    logits = torch.randn(64, 8) * 2
+    _, weights, chosen = moe.route(logits)
+    ref_w, ref_idx = reference_route(logits, score_function, bias, groups, max_groups, 2, norm, scale)
+    assert torch.equal(chosen, ref_idx)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+    if groups is not None:  # every token's experts within max_groups domains
+        g = torch.tensor(groups)[chosen]
+        assert all(len(set(row)) <= max_groups for row in g.tolist())
+
+
+def test_bias_moves_towards_the_mean_load():
+    moe = MoE(dim=8, hidden=16, num_experts=4, top_k=1, bias_update_rate=0.01)
+    moe.update_expert_bias(torch.tensor([10.0, 2.0, 4.0, 4.0]))  # mean 5
+    assert moe.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+    moe.update_expert_bias(torch.tensor([5.0, 5.0, 5.0, 5.0]))  # balanced: no change
+    assert moe.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+
+
+BALANCE = {"bias_update_rate": 0.01, "score_function": "sigmoid", "routed_scaling_factor": 2.0}
+
+
+def bias_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, steps: int, save: bool) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, moe=BALANCE, checkpoint={"resume": True, "every": 0})
+    trainer = Trainer(cfg, write_files=False)
+    start = trainer.step
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    if save:
+        trainer.save_checkpoint()
+    return {"start": start, "losses": losses,
+            "bias": {n: m.expert_bias.clone() for n, m in trainer.moe_layers.items()}}
+
+
+@pytest.fixture(scope="module")
+def bias_reference(tiny_shards, tmp_path_factory):
+    return run_distributed(bias_capture, 1, str(tiny_shards), str(tmp_path_factory.mktemp("bias")), {}, 6, False)[0]
+
+
+def test_bias_trajectory_is_layout_independent(bias_reference, tiny_shards, tmp_path):
+    assert all(b.abs().sum() > 0 for b in bias_reference["bias"].values())
+    for parallel, world in (({"dp": 2, "ep": 2}, 2), ({"dp": 4, "ep": 4}, 4), ({"cp": 2}, 2)):
+        results = run_distributed(bias_capture, world, str(tiny_shards), str(tmp_path / str(world)), parallel, 6, False)
+        for r in results:  # every rank holds the same bias as one process
+            for name, b in r["bias"].items():
+                torch.testing.assert_close(b, bias_reference["bias"][name], rtol=0, atol=1e-7)
+        for a, b in zip(results[0]["losses"], bias_reference["losses"]):
+            assert abs(a - b) <= 1e-5 * b
+
+
+def test_bias_survives_a_resume(bias_reference, tiny_shards, tmp_path):
+    first = run_distributed(bias_capture, 2, str(tiny_shards), str(tmp_path), {"dp": 2, "ep": 2}, 3, True)[0]
+    second = run_distributed(bias_capture, 1, str(tiny_shards), str(tmp_path), {}, 3, False)[0]
+    assert second["start"] == 3
+    for name, b in second["bias"].items():
+        torch.testing.assert_close(b, bias_reference["bias"][name], rtol=0, atol=1e-7)
+    for a, b in zip(first["losses"] + second["losses"], bias_reference["losses"]):
+        assert abs(a - b) <= 1e-5 * b
+
+
+# -- node-limited routing in training: domains from the rank map -------------------------------
+
+DOMAINS = [0, 0, 1, 1]  # dp4 × ep4 on two "nodes" of two ranks: experts {0,1} and {2,3}
+LIMITED = {"max_nodes_per_token": 1, "num_experts": 4, "top_k": 2}
+
+
+def limited_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict, inject: bool) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, moe=moe)
+    kwargs = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(), "rank_domains": DOMAINS
+              } if world == 4 else {}
+    trainer = Trainer(cfg, write_files=False, **kwargs)
+    if inject:  # one process: the grouping the 4-rank layout gets from its domains
+        for m in trainer.moe_layers.values():
+            m.expert_groups, m.max_groups = ExpertGroups.from_list([0, 0, 1, 1], trainer.device), 1
+    captured: dict = {}
+
+    def hook(opt, args, kwargs):
+        if not captured:
+            captured.update(full_grads(trainer))
+
+    trainer.optimizers[0].register_step_pre_hook(hook)
+    results = [trainer.train_step() for _ in range(4)]
+    return {"losses": [r.loss for r in results], "grads": captured,
+            "bytes": [r.extra.get("dispatch_bytes") for r in results]}
+
+
+def test_node_limited_routing_matches_its_reference(tiny_shards, tmp_path):
+    ref = run_distributed(limited_capture, 1, str(tiny_shards), str(tmp_path / "ref"), {}, LIMITED, True)[0]
+    res = run_distributed(limited_capture, 4, str(tiny_shards), str(tmp_path / "ep4"), {"dp": 4, "ep": 4}, LIMITED,
+                          False)
+    assert_matches(merged(res), ref)
+    assert res[0]["bytes"][0]["inter_node"] > 0 and res[0]["bytes"][0]["intra_node"] > 0
