@@ -73,7 +73,23 @@ class ModelConfig:
     padded up to a multiple of ``vocab_multiple`` (Megatron pads so that the vocabulary splits
     evenly over tp). ``seq_len``: tokens per sample. ``rope_theta``: RoPE base (Su et al. 2021).
     ``init_std``: std of the normal initialisation; output projections are scaled by
-    1/sqrt(2·layers) (GPT-2 §2.3)."""
+    1/sqrt(2·layers) (GPT-2 §2.3).
+
+    Options that the Hugging Face architectures need (``moetrain.hf``); each default is the plain
+    Llama/Mixtral block:
+
+    * ``head_dim``: query/key/value width per head; ``null`` is hidden / heads (Qwen3-MoE uses
+      a wider head than that).
+    * ``qk_norm``: RMSNorm of the queries and keys after their projection, before RoPE: ``head``
+      over each head's ``head_dim`` with one weight shared by the heads (Qwen3; Dehghani et al.
+      2023 §3.2), ``projection`` over the whole query (heads·head_dim) and key (kv_heads·head_dim)
+      projection (OLMoE; Muennighoff et al. 2024), ``none``.
+    * ``qkv_bias``: biases on the query, key and value projections (Qwen1.5-MoE / Qwen2-MoE).
+    * ``rope_scaling``: ``llama3`` rescales the RoPE frequencies as Llama 3.1 does (Grattafiori
+      et al. 2024 §3.3.1; Meta's reference ``apply_scaling``): wavelengths longer than
+      ``rope_original_max_positions / rope_low_freq_factor`` tokens are divided by
+      ``rope_scaling_factor``, those shorter than ``rope_original_max_positions /
+      rope_high_freq_factor`` are kept, the ones between interpolated; ``none`` keeps them all."""
 
     layers: int = 4
     hidden: int = 256
@@ -88,6 +104,19 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_backend: Literal["sdpa", "flash"] = "sdpa"
+    head_dim: int | None = None
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    qkv_bias: bool = False
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Width of one attention head: ``head_dim``, or hidden / heads when it is ``null``."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
 
 @dataclass(frozen=True)
@@ -107,7 +136,11 @@ class MoEConfig:
     ``loop`` one GEMM per expert (the reference path; the faster one on CPU), ``grouped_mm``
     ``torch.nn.functional.grouped_mm`` (all experts in one kernel, no host read; the fast path
     on CUDA in bf16), ``auto`` the faster for the device and precision (logged at start),
-    ``megablocks`` not available yet."""
+    ``megablocks`` not available yet. ``shared_ffn_hidden``: inner width of the shared experts'
+    SwiGLU (they are fused into one); ``null`` is shared_experts × ffn_hidden (Qwen1.5-MoE's
+    shared expert is wider than its routed ones). ``shared_expert_gate``: scale the shared
+    experts' output per token by sigmoid(w · x), w a learned [hidden] vector (Qwen1.5-MoE /
+    Qwen2-MoE); ``false`` adds it as it is (DeepSeekMoE)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -120,6 +153,15 @@ class MoEConfig:
     capacity_factor: float | None = None
     norm_topk_prob: bool = True
     expert_backend: Literal["auto", "loop", "grouped_mm", "megablocks"] = "auto"
+    shared_ffn_hidden: int | None = None
+    shared_expert_gate: bool = False
+
+    @property
+    def shared_hidden(self) -> int:
+        """Inner width of the fused shared-expert SwiGLU (0: no shared experts)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_ffn_hidden if self.shared_ffn_hidden is not None else self.shared_experts * self.ffn_hidden
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when block ``layer`` (0-based) carries an MoE layer instead of a dense MLP."""
@@ -211,12 +253,17 @@ class CheckpointConfig:
     """``dir``: ``null`` puts checkpoints in ``<run.dir>/checkpoints``. ``every``: steps between
     checkpoints (0: only at the end and on a requeue signal). ``keep``: complete checkpoints kept
     (older ones are deleted). ``resume``: resume from the latest complete checkpoint when
-    present."""
+    present. ``init_from``: start from the weights of another checkpoint — a weights directory
+    written by ``python -m moetrain.hf import``, a training checkpoint ``step_XXXXXXXX`` or a
+    directory of them (its latest complete one is taken) — with a fresh optimizer, step 0 and the
+    data from its start; ignored when this run has a checkpoint to resume from (resume wins). See
+    :mod:`moetrain.train.weights`."""
 
     dir: str | None = None
     every: int = 50
     keep: int = 2
     resume: bool = True
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -581,12 +628,26 @@ def validate(cfg: Config) -> None:
         positive("launch.cpus_per_task", ln.cpus_per_task)
 
     # Model shape.
-    if m.hidden % m.heads:
-        raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
-                   f"choose heads among {_nearest(m.heads, _divisors(m.hidden))} or change hidden")
-    if (m.hidden // m.heads) % 2:
-        raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
-                   "choose heads so that hidden / heads is even")
+    if m.head_dim is None:
+        if m.hidden % m.heads:
+            raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
+                       f"choose heads among {_nearest(m.heads, _divisors(m.hidden))}, change hidden, "
+                       f"or set model.head_dim")
+        if (m.hidden // m.heads) % 2:
+            raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
+                       "choose heads so that hidden / heads is even, or set an even model.head_dim")
+    elif m.head_dim <= 0 or m.head_dim % 2:
+        raise field_error("model.head_dim", m.head_dim, "must be a positive even number (RoPE rotates pairs)",
+                   "use an even width such as 128, or null for hidden / heads")
+    if m.rope_scaling == "llama3":
+        for name, value in [("model.rope_scaling_factor", m.rope_scaling_factor),
+                            ("model.rope_low_freq_factor", m.rope_low_freq_factor),
+                            ("model.rope_original_max_positions", m.rope_original_max_positions)]:
+            positive(name, value)
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,
+                       f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (the interpolated band "
+                       f"lies between them)", "use e.g. rope_low_freq_factor 1 and rope_high_freq_factor 4 (Llama 3.1)")
     if m.heads % m.kv_heads:
         raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                    f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
@@ -599,6 +660,14 @@ def validate(cfg: Config) -> None:
         if moe.top_k > moe.num_experts:
             raise field_error("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
                        f"use top_k <= {moe.num_experts}")
+        if moe.shared_ffn_hidden is not None and moe.shared_experts == 0:
+            raise field_error("moe.shared_ffn_hidden", moe.shared_ffn_hidden, "moe.shared_experts = 0: no shared "
+                       "experts to size", "set moe.shared_experts >= 1 or shared_ffn_hidden: null")
+        if moe.shared_ffn_hidden is not None:
+            positive("moe.shared_ffn_hidden", moe.shared_ffn_hidden)
+        if moe.shared_expert_gate and moe.shared_experts == 0:
+            raise field_error("moe.shared_expert_gate", True, "moe.shared_experts = 0: no shared experts to gate",
+                       "set moe.shared_experts >= 1 or shared_expert_gate: false")
         if moe.capacity_factor is not None and moe.capacity_factor <= 0:
             raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
                        "use null for dropless or a value such as 1.25")
@@ -674,6 +743,9 @@ def validate(cfg: Config) -> None:
                    f"use global_batch_size >= {par.pp * tr.micro_batch_size * par.dp}")
     if tr.min_lr > tr.lr:
         raise field_error("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
+    if cfg.checkpoint.init_from is not None and not cfg.checkpoint.init_from.strip():
+        raise field_error("checkpoint.init_from", cfg.checkpoint.init_from, "an empty path",
+                   "give a directory written by `python -m moetrain.hf import` or a checkpoint, or null")
 
     # Launch.
     world = par.world_size

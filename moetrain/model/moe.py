@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import FeedForward, cast
+from moetrain.model.layers import FeedForward, Linear, cast
 from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
@@ -207,22 +207,27 @@ class MoE(nn.Module):
     Args:
         dim: hidden size D. hidden: expert ffn width F. num_experts: E. top_k: K.
         shared_experts: number of always-on experts, fused into one SwiGLU of width
-            shared_experts·F (DeepSeekMoE §3.2).
+            shared_experts·F (DeepSeekMoE §3.2), or ``shared_hidden`` when given.
         aux_loss_coef, z_loss_coef: loss weights; see :meth:`router_losses`.
         capacity_factor: None for dropless.
         norm_topk_prob: renormalise the K selected probabilities to sum to 1 (Mixtral).
+        shared_hidden: the shared SwiGLU's width, when not shared_experts·F (Qwen1.5-MoE).
+        shared_gate: scale the shared output per token by sigmoid(``shared_gate`` x), a
+            [1, D] projection (Qwen1.5-MoE / Qwen2-MoE).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int = 0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, capacity_factor: float | None = None,
-                 norm_topk_prob: bool = True):
+                 norm_topk_prob: bool = True, shared_hidden: int | None = None, shared_gate: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
         self.router = Router(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, num_experts, 0, num_experts)
-        self.shared = FeedForward(dim, hidden * shared_experts) if shared_experts else None
+        width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
+        self.shared = FeedForward(dim, width) if width else None
+        self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
         self.dispatcher: Any = LocalDispatcher(num_experts)
         # Set by the trainer: gradient given to the aux losses in backward (1 / micro-batches).
         self.aux_loss_scale = 1.0
@@ -300,7 +305,10 @@ class MoE(nn.Module):
         y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
         y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            shared_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
 
         if not is_recomputing():  # activation recomputation must not count twice
             self._record_stats(aux, z, topk_idx_TK, handle)
