@@ -163,6 +163,10 @@ def test_cli_import_and_export(converted, tmp_path, capsys):
     # An existing output is refused, not overwritten.
     assert hf_main(["export", str(tmp_path / "w"), "--out", str(tmp_path / "e")]) == 2
     assert "already exists" in capsys.readouterr().err
+    # An architecture that cannot hold the model: refused by the moetrain field, nothing written.
+    assert hf_main(["export", str(tmp_path / "w"), "--out", str(tmp_path / "q"), "--arch", "llama"]) == 2
+    assert "model.qk_norm = 'projection': LlamaForCausalLM has q/k norm 'none'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("q*"))
 
 
 def test_corrupt_weights_are_refused(converted, tmp_path):
@@ -264,3 +268,23 @@ def test_init_from_is_checked_before_launch(converted, tmp_path):
         check_init_from(wider)
     with pytest.raises(ConfigError, match=r"checkpoint.init_from = .*no such directory.*Fix:"):
         check_init_from(c["cfg"].replace(checkpoint={"init_from": str(tmp_path / "nowhere")}))
+
+
+def test_bf16_model_keeps_its_dtype_and_loads_into_fp32_weights(converted, tmp_path):
+    import copy
+
+    c = converted["qwen2_moe"]
+    copy.deepcopy(c["hf"]).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    cfg = import_hf(tmp_path / "bf16", tmp_path / "w", progress=False)
+    export_hf(tmp_path / "w", tmp_path / "e", progress=False)
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as a, \
+            safe_open(str(next((tmp_path / "e").glob("*.safetensors"))), framework="pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for k in a.keys():
+            assert b.get_slice(k).get_dtype() == "BF16" and torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    ours = moetrain_model(cfg, tmp_path / "w")
+    w = ours.layers["1"].moe.experts.w1
+    assert w.dtype == torch.float32  # the master weights stay fp32, holding the bf16 values exactly
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as a:
+        hf_w1 = a.get_tensor("model.layers.1.mlp.experts.2.gate_proj.weight")
+    assert torch.equal(w[2], hf_w1.float().t())

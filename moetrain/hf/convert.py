@@ -47,7 +47,7 @@ from moetrain.config import Config, config_from_dict, to_dict
 from moetrain.hf.arch import ARCHITECTURES, Architecture, architecture_for, choose_architecture, from_hf, to_hf
 from moetrain.hf.tensors import TensorMap, tensor_maps
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
-from moetrain.train.weights import CheckpointReader, expected_shapes, is_weights_dir, write_weights_dir
+from moetrain.train.weights import CheckpointReader, atomic_dir, expected_shapes, is_weights_dir, write_weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         WeightsError: a checkpoint that fails verification, lacks tensors, or no config found.
     """
     out = Path(out)
-    if out.exists():
+    if out.exists():  # before the (possibly long) verification of the checkpoint
         raise WeightsError(f"{out}: already exists; remove it or choose another --out")
     reader = CheckpointReader(ckpt, progress=progress)
     cfg, base, side_dir = _export_sources(reader, config_path)
@@ -270,28 +270,26 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         return have[m.ours][1] if dtype == "auto" else DTYPES[dtype]
 
     entries = [(name, out_dtype(m), m.hf_shape()) for m in maps for name in m.hf_names()]
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    writer = ShardedWriter(tmp, plan_shards(entries, max_shard_bytes), hf_file_name, {"format": "pt"}, progress,
-                           desc=f"export {out.name}")
-    for group in _layer_groups(maps):
-        tensors = reader.read([m.ours for m in group])
-        for m in group:
-            for name, t in m.to_hf(tensors.pop(m.ours)):
-                writer.write(name, t.to(out_dtype(m)))
-    writer.close()
-    total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in entries)
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": writer.weight_map}, indent=2))
     main_dtype = max({d for _, d, _ in entries}, key=lambda d: sum(1 for e in entries if e[1] == d))
-    eos = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
-    hf_config = to_hf(cfg, arch, base, str(main_dtype).removeprefix("torch."), eos)
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    if side_dir is not None and (side_dir / "generation_config.json").is_file():
-        shutil.copy2(side_dir / "generation_config.json", tmp / "generation_config.json")
-    os.replace(tmp, out)
+    dtype_name = str(main_dtype).removeprefix("torch.")
+    to_hf(cfg, arch, base, dtype_name)  # refuses what the architecture cannot hold, before writing
+    with atomic_dir(out) as tmp:
+        writer = ShardedWriter(tmp, plan_shards(entries, max_shard_bytes), hf_file_name, {"format": "pt"}, progress,
+                               desc=f"export {out.name}")
+        for group in _layer_groups(maps):
+            tensors = reader.read([m.ours for m in group])
+            for m in group:
+                for name, t in m.to_hf(tensors.pop(m.ours)):
+                    writer.write(name, t.to(out_dtype(m)))
+        writer.close()
+        total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": writer.weight_map}, indent=2))
+        eos = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
+        hf_config = to_hf(cfg, arch, base, dtype_name, eos)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if side_dir is not None and (side_dir / "generation_config.json").is_file():
+            shutil.copy2(side_dir / "generation_config.json", tmp / "generation_config.json")
     return out
 
 

@@ -36,6 +36,7 @@ global-shape tensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -91,35 +92,51 @@ def write_weights_dir(out_dir: str | os.PathLike, cfg: Config, tensors: Iterable
     from moetrain.config import to_dict
 
     out = Path(out_dir)
+    with atomic_dir(out) as tmp:
+        groups = plan_shards(entries, max_shard_bytes)
+        writer = ShardedWriter(tmp, groups, weights_file_name, {"format": "pt"}, progress, desc=f"write {out.name}")
+        for name, piece in tensors:
+            writer.write(name, piece)
+        writer.close()
+        if add_files is not None:
+            add_files(tmp)
+        files = dict(writer.files)
+        for f in sorted(tmp.rglob("*")):
+            rel = str(f.relative_to(tmp))
+            if f.is_file() and rel not in files:
+                files[rel] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": 0,
+                    "model": to_dict(cfg.model), "moe": to_dict(cfg.moe),
+                    "tensors": {name: {"file": writer.weight_map[name], "dtype": dtype_name(dtype),
+                                       "shape": list(shape)} for name, dtype, shape in entries},
+                    **(extra or {}), "files": files}
+        with open(tmp / MANIFEST, "w") as fh:
+            json.dump(manifest, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return out
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """A fresh ``<out>.tmp-<pid>`` directory to write into, renamed to ``out`` when the block
+    completes and removed when it raises: ``out`` appears whole or not at all.
+
+    Raises:
+        WeightsError: ``out`` exists already.
+    """
     if out.exists():
         raise WeightsError(f"{out}: already exists; remove it or choose another --out")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    groups = plan_shards(entries, max_shard_bytes)
-    writer = ShardedWriter(tmp, groups, weights_file_name, {"format": "pt"}, progress, desc=f"write {out.name}")
-    for name, piece in tensors:
-        writer.write(name, piece)
-    writer.close()
-    if add_files is not None:
-        add_files(tmp)
-    files = dict(writer.files)
-    for f in sorted(tmp.rglob("*")):
-        rel = str(f.relative_to(tmp))
-        if f.is_file() and rel not in files:
-            files[rel] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": 0,
-                "model": to_dict(cfg.model), "moe": to_dict(cfg.moe),
-                "tensors": {name: {"file": writer.weight_map[name], "dtype": dtype_name(dtype), "shape": list(shape)}
-                            for name, dtype, shape in entries},
-                **(extra or {}), "files": files}
-    with open(tmp / MANIFEST, "w") as fh:
-        json.dump(manifest, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, out)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
