@@ -77,7 +77,23 @@ class ModelConfig:
     ``sdpa`` (``F.scaled_dot_product_attention``; the reference, every device), ``flash``
     (flash-attn's ``flash_attn_func`` / ``flash_attn_varlen_func``: CUDA, bf16, needs the
     ``flash-attn`` package), ``flex`` (``torch.nn.attention.flex_attention``, compiled: CUDA; it
-    has no backward on CPU in torch 2.13)."""
+    has no backward on CPU in torch 2.13).
+
+    Options that the Hugging Face architectures need (``moetrain.hf``); each default is the plain
+    Llama/Mixtral block:
+
+    * ``head_dim``: query/key/value width per head; ``null`` is hidden / heads (Qwen3-MoE uses
+      a wider head than that).
+    * ``qk_norm``: RMSNorm of the queries and keys after their projection, before RoPE: ``head``
+      over each head's ``head_dim`` with one weight shared by the heads (Qwen3; Dehghani et al.
+      2023 §3.2), ``projection`` over the whole query (heads·head_dim) and key (kv_heads·head_dim)
+      projection (OLMoE; Muennighoff et al. 2024), ``none``.
+    * ``qkv_bias``: biases on the query, key and value projections (Qwen1.5-MoE / Qwen2-MoE).
+    * ``rope_scaling``: ``llama3`` rescales the RoPE frequencies as Llama 3.1 does (Grattafiori
+      et al. 2024 §3.3.1; Meta's reference ``apply_scaling``): wavelengths longer than
+      ``rope_original_max_positions / rope_low_freq_factor`` tokens are divided by
+      ``rope_scaling_factor``, those shorter than ``rope_original_max_positions /
+      rope_high_freq_factor`` are kept, the ones between interpolated; ``none`` keeps them all."""
 
     layers: int = 4
     hidden: int = 256
@@ -92,6 +108,19 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_backend: Literal["sdpa", "flash", "flex"] = "sdpa"
+    head_dim: int | None = None
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    qkv_bias: bool = False
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Width of one attention head: ``head_dim``, or hidden / heads when it is ``null``."""
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
 
 @dataclass(frozen=True)
@@ -120,7 +149,11 @@ class MoEConfig:
     sequence-wise loss (0 turns it off). ``max_nodes_per_token``: node-limited routing — each
     token's experts lie on at most this many NVLink domains (nodes) of its expert-parallel group,
     taken from the rank map, so its all-to-all crosses the network to at most that many
-    (DeepSeek-V3 §2.2: M = 4)."""
+    (DeepSeek-V3 §2.2: M = 4). ``shared_ffn_hidden``: inner width of the shared experts'
+    SwiGLU (they are fused into one); ``null`` is shared_experts × ffn_hidden (Qwen1.5-MoE's
+    shared expert is wider than its routed ones). ``shared_expert_gate``: scale the shared
+    experts' output per token by sigmoid(w · x), w a learned [hidden] vector (Qwen1.5-MoE /
+    Qwen2-MoE); ``false`` adds it as it is (DeepSeekMoE)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -137,6 +170,15 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     max_nodes_per_token: int | None = None
     expert_backend: Literal["auto", "loop", "grouped_mm", "megablocks"] = "auto"
+    shared_ffn_hidden: int | None = None
+    shared_expert_gate: bool = False
+
+    @property
+    def shared_hidden(self) -> int:
+        """Inner width of the fused shared-expert SwiGLU (0: no shared experts)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_ffn_hidden if self.shared_ffn_hidden is not None else self.shared_experts * self.ffn_hidden
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when block ``layer`` (0-based) carries an MoE layer instead of a dense MLP."""
@@ -240,12 +282,17 @@ class CheckpointConfig:
     """``dir``: ``null`` puts checkpoints in ``<run.dir>/checkpoints``. ``every``: steps between
     checkpoints (0: only at the end and on a requeue signal). ``keep``: complete checkpoints kept
     (older ones are deleted). ``resume``: resume from the latest complete checkpoint when
-    present."""
+    present. ``init_from``: start from the weights of another checkpoint — a weights directory
+    written by ``python -m moetrain.hf import``, a training checkpoint ``step_XXXXXXXX`` or a
+    directory of them (its latest complete one is taken) — with a fresh optimizer, step 0 and the
+    data from its start; ignored when this run has a checkpoint to resume from (resume wins). See
+    :mod:`moetrain.train.weights`."""
 
     dir: str | None = None
     every: int = 50
     keep: int = 2
     resume: bool = True
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -611,12 +658,26 @@ def validate(cfg: Config) -> None:
     positive("parallel.grad_bucket_mb", par.grad_bucket_mb)
 
     # Model shape.
-    if m.hidden % m.heads:
-        raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
-                   f"choose heads among {_nearest(m.heads, _divisors(m.hidden))} or change hidden")
-    if (m.hidden // m.heads) % 2:
-        raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
-                   "choose heads so that hidden / heads is even")
+    if m.head_dim is None:
+        if m.hidden % m.heads:
+            raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
+                       f"choose heads among {_nearest(m.heads, _divisors(m.hidden))}, change hidden, "
+                       f"or set model.head_dim")
+        if (m.hidden // m.heads) % 2:
+            raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
+                       "choose heads so that hidden / heads is even, or set an even model.head_dim")
+    elif m.head_dim <= 0 or m.head_dim % 2:
+        raise field_error("model.head_dim", m.head_dim, "must be a positive even number (RoPE rotates pairs)",
+                   "use an even width such as 128, or null for hidden / heads")
+    if m.rope_scaling == "llama3":
+        for name, value in [("model.rope_scaling_factor", m.rope_scaling_factor),
+                            ("model.rope_low_freq_factor", m.rope_low_freq_factor),
+                            ("model.rope_original_max_positions", m.rope_original_max_positions)]:
+            positive(name, value)
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,
+                       f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (the interpolated band "
+                       f"lies between them)", "use e.g. rope_low_freq_factor 1 and rope_high_freq_factor 4 (Llama 3.1)")
     if m.heads % m.kv_heads:
         raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                    f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
@@ -638,6 +699,14 @@ def validate(cfg: Config) -> None:
         if moe.max_nodes_per_token is not None and moe.max_nodes_per_token < 1:
             raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "must be at least 1",
                               "use null (no limit) or e.g. 4")
+        if moe.shared_ffn_hidden is not None and moe.shared_experts == 0:
+            raise field_error("moe.shared_ffn_hidden", moe.shared_ffn_hidden, "moe.shared_experts = 0: no shared "
+                       "experts to size", "set moe.shared_experts >= 1 or shared_ffn_hidden: null")
+        if moe.shared_ffn_hidden is not None:
+            positive("moe.shared_ffn_hidden", moe.shared_ffn_hidden)
+        if moe.shared_expert_gate and moe.shared_experts == 0:
+            raise field_error("moe.shared_expert_gate", True, "moe.shared_experts = 0: no shared experts to gate",
+                       "set moe.shared_experts >= 1 or shared_expert_gate: false")
         if moe.capacity_factor is not None and moe.capacity_factor <= 0:
             raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
                        "use null for dropless or a value such as 1.25")
@@ -716,6 +785,9 @@ def validate(cfg: Config) -> None:
     if cfg.data.reset_position_ids and not cfg.data.document_mask:
         raise field_error("data.reset_position_ids", True, "positions restart per document only with document masking",
                           "set data.document_mask=true as well, or reset_position_ids=false")
+    if cfg.checkpoint.init_from is not None and not cfg.checkpoint.init_from.strip():
+        raise field_error("checkpoint.init_from", cfg.checkpoint.init_from, "an empty path",
+                   "give a directory written by `python -m moetrain.hf import` or a checkpoint, or null")
 
     # Launch.
     world = par.world_size

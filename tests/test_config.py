@@ -47,6 +47,13 @@ def test_demo_config_loads_with_overrides():
     ({"parallel": {"tp": 3}}, "parallel.tp", ["not divisible", "choose tp"]),
     ({"train": {"steps": 0}}, "train.steps", ["must be positive"]),
     ({"launch": {"nodes": 2}, "parallel": {"dp": 2}}, "launch.nodes", ["local executor"]),
+    ({"model": {"head_dim": 7}}, "model.head_dim", ["positive even", "null for hidden / heads"]),
+    ({"model": {"qk_norm": "layer"}}, "model.qk_norm", ["'none'", "'head'", "'projection'"]),
+    ({"model": {"rope_scaling": "llama3", "rope_high_freq_factor": 1.0}}, "model.rope_high_freq_factor",
+     ["must exceed model.rope_low_freq_factor"]),
+    ({"moe": {"shared_ffn_hidden": 64}}, "moe.shared_ffn_hidden", ["moe.shared_experts = 0"]),
+    ({"moe": {"shared_expert_gate": True}}, "moe.shared_expert_gate", ["no shared experts to gate"]),
+    ({"checkpoint": {"init_from": " "}}, "checkpoint.init_from", ["an empty path"]),
 ])
 def test_config_errors_name_field_value_and_fix(data, field, words):
     with pytest.raises(ConfigError) as exc:

@@ -1,7 +1,8 @@
 """Checks and resolution done once, before any process starts.
 
 ``preflight(cfg)`` returns the resolved config (vocabulary size taken from the data manifest)
-or raises :class:`moetrain.config.ConfigError` naming the field, the value and the fix.
+or raises :class:`moetrain.config.ConfigError` naming the field, the value and the fix. A
+``checkpoint.init_from`` must hold weights of the configured model's names and shapes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from moetrain.config import Config, ConfigError, padded_vocab
 from moetrain.data.shards import ShardError, read_manifest
 from moetrain.parallel.support import check_supported
+from moetrain.train.weights import check_init_from
 
 
 def resolve_vocab(cfg: Config) -> Config:
@@ -36,6 +38,7 @@ def preflight(cfg: Config) -> Config:
     docstring): what this version supports, the vocabulary, the SLURM request."""
     check_supported(cfg)
     cfg = resolve_vocab(cfg)
+    check_init_from(cfg)
     if cfg.launch.cluster == "slurm":
         from moetrain.launch.slurm import validate_slurm
 

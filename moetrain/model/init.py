@@ -2,7 +2,8 @@
 
 Each parameter (and each expert of a stacked expert tensor) draws from its own generator seeded
 by ``(seed, name)``, so a rank that holds only some experts, or a pipeline stage that holds only
-some blocks, gets exactly the values the single-process model has. Norm weights start at 1.
+some blocks, gets exactly the values the single-process model has. Norm weights start at 1,
+biases at 0.
 Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
 """
 
@@ -60,6 +61,8 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             leaf = mod_name.rsplit(".", 1)[-1]
             s = out_std if leaf in ("wo", "w2") else std
             _fill_normal(module.weight, s, seed, f"{full}.weight")
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
 
 
 def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -72,6 +75,17 @@ def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         return p, (0,) * p.ndim
     _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return p.to_local(), tuple(offset)
+
+
+def local_piece(p: torch.Tensor, row_offset: int = 0) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """This rank's piece of parameter ``p`` (a DTensor's local shard, or ``p`` itself) and where it
+    lies in the single-process model's tensor: one slice per dim. ``row_offset`` is added to dim
+    0: the module's ``expert_offset`` for an expert tensor, whose [El, ...] rows are experts
+    expert_offset.. of the global [E, ...] one. Tensor-parallel and FSDP shards (also FSDP over
+    tensor parallelism) are contiguous blocks of the whole tensor."""
+    local, offset = _local_and_offset(p)
+    starts = (offset[0] + row_offset,) + tuple(offset[1:])
+    return local, tuple(slice(s, s + n) for s, n in zip(starts, local.shape))
 
 
 def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:

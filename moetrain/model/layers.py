@@ -17,6 +17,8 @@ compute the same thing (see :mod:`moetrain.parallel.precision`).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -77,14 +79,45 @@ def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
             m.compute_dtype = dtype
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency rescaling (``model.rope_scaling: llama3``; Grattafiori et al.
+    2024 §3.3.1, Meta's reference ``apply_scaling``). A frequency f has wavelength λ = 2π / f
+    tokens; with L = ``original_max_positions``:
+
+    * λ < L / ``high_freq_factor`` (high frequencies): kept;
+    * λ > L / ``low_freq_factor`` (low frequencies): f / ``factor``;
+    * between: (1 − s) · f / ``factor`` + s · f with s = (L / λ − low_freq_factor) /
+      (high_freq_factor − low_freq_factor), a linear blend in L / λ.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def __call__(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Rescaled frequencies: inv_freq [Dh/2] fp32 → [Dh/2] fp32."""
+        L = self.original_max_positions
+        wavelen = 2 * math.pi / inv_freq
+        s = (L / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - s) * inv_freq / self.factor + s * inv_freq
+        out = torch.where(wavelen > L / self.low_freq_factor, inv_freq / self.factor, blended)
+        return torch.where(wavelen < L / self.high_freq_factor, inv_freq, out)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding tables (Su et al. 2021, RoFormer eq. 34).
 
     positions: [S] integer positions (global positions under context parallelism), or [B, S]
-    when they differ per sample (positions restarting at every document).
+    when they differ per sample (positions restarting at every document). ``scaling`` rescales
+    the frequencies (e.g. :class:`Llama3RopeScaling`); ``None`` keeps θ^(−2i/Dh).
     Returns cos, sin: [S, Dh/2] (or [B, S, Dh/2]) in fp32.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling(inv_freq)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -104,22 +137,61 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 AttentionKernel = Callable[..., torch.Tensor]
 
 
+class QKNorm(RMSNorm):
+    """RMSNorm of the queries or keys after their projection, before RoPE. x: [B, S, heads, Dh]
+    → the same shape and dtype.
+
+    * ``per_head`` (Qwen3): over each head's Dh; ``weight`` [Dh] is shared by the heads.
+    * otherwise (OLMoE): over the whole projection, all heads·Dh values of a token; ``weight``
+      [heads·Dh]. Under tensor parallelism this rank holds a slice of the heads, so
+      :mod:`moetrain.parallel.tensor` sets ``tp_slice`` (this rank's (first row, rows) of the
+      weight) and ``stat_reducer`` (sums the sum of squares over the tp ranks, with autograd).
+    """
+
+    def __init__(self, width: int, eps: float, per_head: bool):
+        super().__init__(width, eps)
+        self.per_head = per_head
+        self.tp_slice: tuple[int, int] | None = None
+        self.stat_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.per_head:
+            return super().forward(x)
+        xf = x.float()
+        sum_sq = xf.pow(2).sum((-2, -1), keepdim=True)
+        if self.stat_reducer is not None:
+            sum_sq = self.stat_reducer(sum_sq)
+        w = cast(self.weight, self.compute_dtype)
+        if self.tp_slice is not None:
+            w = w.narrow(0, *self.tp_slice)
+        xf = xf * torch.rsqrt(sum_sq / self.weight.shape[0] + self.eps)
+        return (xf * w.float().view(x.shape[-2:])).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query attention (Ainslie et al. 2023) with RoPE.
 
     ``n_heads``/``n_kv_heads`` are the heads held by this module (divided by tp after tensor
     parallelism). ``kernel`` computes the core attention (:mod:`moetrain.model.attention`); it is
     SDPA by default, set from ``model.attention_backend``, and replaced by ring attention under
-    context parallelism.
+    context parallelism. ``qkv_bias``: biases on wq/wk/wv. ``qk_norm``: ``none``, ``head`` or
+    ``projection`` (:class:`QKNorm`, ``model.qk_norm``).
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
+                 qk_norm: str = "none", norm_eps: float = 1e-5):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.wq = Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wq = Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
+        self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm: QKNorm | None = None
+        self.k_norm: QKNorm | None = None
+        if qk_norm != "none":
+            per_head = qk_norm == "head"
+            self.q_norm = QKNorm(head_dim if per_head else n_heads * head_dim, norm_eps, per_head)
+            self.k_norm = QKNorm(head_dim if per_head else n_kv_heads * head_dim, norm_eps, per_head)
         self.kernel: AttentionKernel = sdpa_attention
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -129,6 +201,8 @@ class Attention(nn.Module):
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc)  # [B, H, S, Dh]
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

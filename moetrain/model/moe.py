@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import FeedForward, cast
+from moetrain.model.layers import FeedForward, Linear, cast
 from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
@@ -239,16 +239,19 @@ class MoE(nn.Module):
     Args:
         dim: hidden size D. hidden: expert ffn width F. num_experts: E. top_k: K.
         shared_experts: number of always-on experts, fused into one SwiGLU of width
-            shared_experts·F (DeepSeekMoE §3.2).
+            shared_experts·F (DeepSeekMoE §3.2), or ``shared_hidden`` when given.
         aux_loss_coef, z_loss_coef: loss weights; see :meth:`router_losses`.
         capacity_factor: None for dropless.
         norm_topk_prob: renormalise the K selected probabilities to sum to 1 (Mixtral).
+        shared_hidden: the shared SwiGLU's width, when not shared_experts·F (Qwen1.5-MoE).
+        shared_gate: scale the shared output per token by sigmoid(``shared_gate`` x), a
+            [1, D] projection (Qwen1.5-MoE / Qwen2-MoE).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int = 0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, capacity_factor: float | None = None,
                  norm_topk_prob: bool = True, score_function: str = "softmax", routed_scaling_factor: float = 1.0,
-                 bias_update_rate: float = 0.0):
+                 bias_update_rate: float = 0.0, shared_hidden: int | None = None, shared_gate: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.routed_scaling_factor = score_function, routed_scaling_factor
@@ -268,7 +271,9 @@ class MoE(nn.Module):
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
         self.router = Router(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden, num_experts, 0, num_experts)
-        self.shared = FeedForward(dim, hidden * shared_experts) if shared_experts else None
+        width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
+        self.shared = FeedForward(dim, width) if width else None
+        self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
         self.dispatcher: Any = LocalDispatcher(num_experts)
         # Compute the shared experts while the dispatch is in flight (off: after it, for the
         # overlap benchmark's baseline).
@@ -329,6 +334,14 @@ class MoE(nn.Module):
             topk_p_TK = topk_p_TK * self.routed_scaling_factor
         return scores_TE, topk_p_TK, topk_idx_TK
 
+    def _shared_output(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [T, D], scaled per token by sigmoid(gate · x) when gated
+        (Qwen2-MoE)."""
+        shared_TD = self.shared(x_TD)
+        if self.shared_gate is not None:
+            shared_TD = torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
+        return shared_TD
+
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
         """Aux-loss-free balancing step (DeepSeek-V3 §2.1.2): bias_e += rate · sign(mean load −
@@ -378,7 +391,7 @@ class MoE(nn.Module):
         pending = self.dispatcher.start(x_TD, topk_idx_TK, capacity)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).
-        shared_TD = self.shared(x_TD) if self.shared is not None and self.overlap_shared else None
+        shared_TD = self._shared_output(x_TD) if self.shared is not None and self.overlap_shared else None
         x_ND, counts_El, handle = self.dispatcher.finish(pending)
 
         # 4. expert compute, rows grouped by local expert.
@@ -388,7 +401,7 @@ class MoE(nn.Module):
         y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
         y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
         if self.shared is not None:
-            y_TD = y_TD + (shared_TD if shared_TD is not None else self.shared(x_TD))
+            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared_output(x_TD))
 
         if not is_recomputing():  # activation recomputation must not count twice
             self._record_stats(aux, z, topk_idx_TK, handle)

@@ -22,7 +22,7 @@ from torch import nn
 
 from moetrain.config import Config
 from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
-from moetrain.model.layers import Attention, Embedding, FeedForward, Linear, RMSNorm, rope_cos_sin
+from moetrain.model.layers import Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm, rope_cos_sin
 from moetrain.model.moe import MoE
 from moetrain.model.recompute import recompute_context
 
@@ -33,10 +33,10 @@ class Block(nn.Module):
     def __init__(self, cfg: Config, layer: int):
         super().__init__()
         m, moe = cfg.model, cfg.moe
-        head_dim = m.hidden // m.heads
         self.layer = layer
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
-        self.attention = Attention(m.hidden, m.heads, m.kv_heads, head_dim)
+        self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
+                                   m.norm_eps)
         self.attention.kernel = attention_kernel(m.attention_backend)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
         self.moe: MoE | None = None
@@ -44,7 +44,8 @@ class Block(nn.Module):
         if moe.is_moe_layer(layer):
             self.moe = MoE(m.hidden, moe.ffn_hidden, moe.num_experts, moe.top_k, moe.shared_experts,
                            moe.aux_loss_coef, moe.z_loss_coef, moe.capacity_factor, moe.norm_topk_prob,
-                           moe.score_function, moe.routed_scaling_factor, moe.bias_update_rate)
+                           moe.score_function, moe.routed_scaling_factor, moe.bias_update_rate,
+                           shared_hidden=moe.shared_hidden, shared_gate=moe.shared_expert_gate)
         else:
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 
@@ -84,8 +85,11 @@ class Transformer(nn.Module):
             raise ValueError("model.vocab_size is unresolved; resolve it from the data manifest first "
                              "(moetrain.launch.preflight.resolve_vocab) or set it in the config")
         self.cfg = cfg
-        self.head_dim = m.hidden // m.heads
+        self.head_dim = m.resolved_head_dim
         self.rope_theta = m.rope_theta
+        self.rope_scaling = (Llama3RopeScaling(m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                                               m.rope_original_max_positions)
+                             if m.rope_scaling == "llama3" else None)
         self.tok_embeddings: nn.Embedding | None = Embedding(m.vocab_size, m.hidden)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
@@ -118,7 +122,7 @@ class Transformer(nn.Module):
             rope_positions = positions_in_document(doc_ids)[:, positions] if self.reset_position_ids else positions
         else:
             rope_positions = positions
-        cos, sin = rope_cos_sin(rope_positions, self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(rope_positions, self.head_dim, self.rope_theta, self.rope_scaling)
         for block in self.layers.values():
             h = block(h, cos, sin, doc)
         if self.norm is not None:

@@ -18,6 +18,10 @@ ffn_norm, norm                                      (without SP: plain modules o
 attention              PrepareModuleInput           x: ``seq`` → Replicate (all-gather with SP), one DTensor
                                                     for wq/wk/wv so their input gradients are reduced once
 attention.wq/wk/wv     ColwiseParallel              weight Shard(0): this rank's H/t query and G/t kv heads
+                                                    (and bias Shard(0), ``model.qkv_bias``)
+attention.q_norm/      plain (``model.qk_norm``)    ``head``: weight [Dh] replicated; ``projection``: weight
+k_norm                                              [heads·Dh] replicated, this rank uses its heads' rows
+                                                    and sums the sum of squares over tp (:class:`AllReduceSum`)
 attention.wo           RowwiseParallel              weight Shard(1); out ``seq`` (reduce-scatter / all-reduce)
 feed_forward           PrepareModuleInput           as attention
 feed_forward.w1/w3     ColwiseParallel              weight Shard(0) over F
@@ -41,9 +45,9 @@ What each redistribution does in forward and backward (DTensor implements them):
 * Replicate → Shard(1) (the MoE's slice without SP): keep this rank's slice, no communication;
   backward all-gather.
 
-MoE under tensor parallelism (expert-tensor-parallel = 1): the router, the experts and the
-shared experts stay plain parameters and are not split. Every tp rank routes and computes a
-different 1/t of the sequence, so no tp rank repeats another's expert work:
+MoE under tensor parallelism (expert-tensor-parallel = 1): the router, the experts, the
+shared experts and their gate stay plain parameters and are not split. Every tp rank routes and
+computes a different 1/t of the sequence, so no tp rank repeats another's expert work:
 
 1. with SP the MoE takes the SP region's local [B, S/t, D] shard as it is; without SP the
    replicated [B, S, D] input is sliced to this rank's S/t (no communication);
@@ -52,9 +56,11 @@ different 1/t of the sequence, so no tp rank repeats another's expert work:
 
 Gradients then: the experts' are summed over ``edp_tp`` by
 :func:`moetrain.parallel.data_parallel.reduce_gradients` (tp ranks saw different tokens); the
-router and shared-expert parameters are tagged ``_moetrain_tp_partial`` so the same function sums
-them over tp. The per-sequence load-balancing counts are summed over ``cp_tp`` and the z-loss is
-scaled by 1/t by :func:`moetrain.parallel.expert.configure_sequence_split` (step 4b of
+router, shared-expert and shared-gate parameters are tagged ``_moetrain_tp_partial`` so the same
+function sums them over tp. The q/k norm weights are tagged too: each tp rank's gradient covers
+its own heads (of the same tokens), and the sum over tp is the whole gradient. The per-sequence
+load-balancing counts are summed over ``cp_tp`` and the z-loss is scaled by 1/t by
+:func:`moetrain.parallel.expert.configure_sequence_split` (step 4b of
 :func:`moetrain.parallel.apply.build_model_parts`). Norm weights under SP get Partial(sum)
 gradients from DTensor; ``reduce_gradients`` sums them over tp and marks them Replicate.
 """
@@ -62,8 +68,10 @@ gradients from DTensor; ``reduce_gradients`` sums them over tp and marks them Re
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -79,11 +87,41 @@ from moetrain.config import Config
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
 
-__all__ = ["apply_tensor_parallel", "loss_context", "tensor_parallel_plan", "TP_PARTIAL"]
+__all__ = ["AllReduceSum", "apply_tensor_parallel", "loss_context", "tensor_parallel_plan", "TP_PARTIAL"]
 
 # Attribute set on plain parameters that see different tokens on each tp rank: their gradients
 # are summed over tp by reduce_gradients.
 TP_PARTIAL = "_moetrain_tp_partial"
+
+
+class AllReduceSum(torch.autograd.Function):
+    """Forward: the sum of ``x`` over ``group`` (all-reduce). Backward: the sum of the incoming
+    gradients over ``group`` (all-reduce) — every rank's output depends on every rank's input.
+    Used for statistics over a tp-sharded dim (the ``projection`` q/k norm; Megatron-LM sums
+    the LayerNorm statistics of a split hidden dim the same way)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+class _TPSum:
+    """``stat_reducer`` of a projection q/k norm: :class:`AllReduceSum` over tp."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return AllReduceSum.apply(x, self.group)
 
 
 def tensor_parallel_plan(model: Transformer, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -128,7 +166,9 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
 
     Besides the plan (:func:`tensor_parallel_plan`) it (1) ties the head to the embedding again
     when ``model.tie_embeddings`` (both are [V, D] Shard(0), so the tie survives sharding);
-    (2) tags the MoE router and shared-expert parameters ``_moetrain_tp_partial``; (3) under SP
+    (2) tags the MoE router, shared-expert and shared-gate parameters and the q/k norm weights
+    ``_moetrain_tp_partial``, and gives each ``projection`` q/k norm its rows and the tp sum of
+    its statistic (see the module docstring); (3) under SP
     gives RoPE the positions 0..S-1 explicitly: ``Transformer.forward`` sees the embedding's
     S/t local rows, but attention runs on the all-gathered S (context parallelism, applied
     later, replaces them by its chunks' positions).
@@ -149,9 +189,19 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
     for moe in model.moe_layers().values():
-        partial = list(moe.router.parameters()) + (list(moe.shared.parameters()) if moe.shared is not None else [])
-        for p in partial:
-            setattr(p, TP_PARTIAL, True)
+        for name, p in moe.named_parameters():
+            if not name.startswith("experts."):  # router, shared experts, shared gate
+                setattr(p, TP_PARTIAL, True)
+    tp_rank = ps.coord(TP)
+    for block in model.layers.values():
+        for norm in (block.attention.q_norm, block.attention.k_norm):
+            if norm is None:
+                continue
+            setattr(norm.weight, TP_PARTIAL, True)
+            if not norm.per_head:
+                rows = norm.weight.shape[0] // tp
+                norm.tp_slice = (tp_rank * rows, rows)
+                norm.stat_reducer = _TPSum(ps.group(TP))
     if sp:
         model.positions = torch.arange(m.seq_len)
 

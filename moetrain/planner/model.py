@@ -71,7 +71,7 @@ class ModelShape:
                    vocab=vocab, seq_len=m.seq_len, tie_embeddings=m.tie_embeddings,
                    num_experts=moe.num_experts, top_k=moe.top_k if moe.num_experts else 0,
                    expert_ffn=moe.ffn_hidden, shared_experts=moe.shared_experts if moe.num_experts else 0,
-                   moe_layer_flags=flags, vocab_assumed=assumed,
+                   moe_layer_flags=flags, vocab_assumed=assumed, head_dim_override=m.head_dim,
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
                    # a field added to the config later; getattr keeps older configs working
                    max_nodes_per_token=getattr(moe, "max_nodes_per_token", None) if moe.num_experts else None)

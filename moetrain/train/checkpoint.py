@@ -38,7 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from tqdm import tqdm
 
@@ -124,7 +130,8 @@ class Checkpointer:
 
     # -- state dict with layout-independent expert tensors ------------------------------------
 
-    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], for_load: bool = False
+    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None,
+                     for_load: bool = False
                      ) -> tuple[dict, dict, list[tuple[set, set]], dict[str, Callable[[DTensor], torch.Tensor]]]:
         """Merged model and optimizer state dicts of all model parts (their keys are the full
         model's names, so they do not collide), each part's key sets for loading back, and for
@@ -137,12 +144,17 @@ class Checkpointer:
         the [El, ...] tensor over ``edp_tp``: it is all-gathered to [El, ...] for saving (for
         loading only its shape matters) and cut back to this rank's shard after loading, without
         communication (the edp_tp ranks are replicas on the expert mesh, so each holds all of
-        [El, ...]). ``for_load``: skip that all-gather.
+        [El, ...]). ``for_load``: skip that all-gather. ``optimizers=None``: the model only (the
+        optimizer state dict is empty; a fresh optimizer is left untouched, whereas
+        ``get_state_dict`` would initialise its states with a step).
         """
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         msd, osd, keys = {}, {}, []
-        for part, opt in zip(parts, optimizers):
-            m, o = get_state_dict(part, opt, options=opts)
+        for i, part in enumerate(parts):
+            if optimizers is None:
+                m, o = get_model_state_dict(part), {}
+            else:
+                m, o = get_state_dict(part, optimizers[i], options=opts)
             keys.append((set(m), set(o)))
             msd.update(m)
             osd.update(o)
@@ -270,3 +282,15 @@ class Checkpointer:
                 torch.cuda.set_rng_state(r["cuda"])
         log.info("loaded checkpoint %s (step %d) in %.1f s", path, manifest["step"], time.time() - t0)
         return state["train"]
+
+    def load_weights(self, path: Path, parts: list[nn.Module]) -> None:
+        """Load only the model weights of checkpoint ``path`` (any layout) into the model parts;
+        optimizers, train state and RNG are not read or touched (``checkpoint.init_from``)."""
+        t0 = time.time()
+        msd, _, keys, unwrap = self._state_dicts(parts, None, for_load=True)
+        state = {"model": msd}
+        dcp.load(state, checkpoint_id=str(path))
+        loaded = self._unwrap(state["model"], unwrap)
+        for part, (mkeys, _) in zip(parts, keys):
+            set_model_state_dict(part, {k: loaded[k] for k in mkeys})
+        log.info("loaded the weights of checkpoint %s in %.1f s", path, time.time() - t0)

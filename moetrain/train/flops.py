@@ -9,7 +9,7 @@ def active_params(cfg: Config) -> dict[str, int]:
     """Parameters touched per token, by part (embedding excluded from compute, as in
     Kaplan et al. 2020 §2.1). MoE layers count top_k routed experts plus the shared ones."""
     m, moe = cfg.model, cfg.moe
-    head_dim = m.hidden // m.heads
+    head_dim = m.resolved_head_dim
     attn = m.hidden * head_dim * (m.heads * 2 + m.kv_heads * 2)
     dense_mlp = 3 * m.hidden * m.ffn_hidden
     expert = 3 * m.hidden * moe.ffn_hidden
@@ -17,7 +17,7 @@ def active_params(cfg: Config) -> dict[str, int]:
     for layer in range(m.layers):
         blocks += attn
         if moe.is_moe_layer(layer):
-            blocks += expert * (moe.top_k + moe.shared_experts) + m.hidden * moe.num_experts
+            blocks += expert * moe.top_k + 3 * m.hidden * moe.shared_hidden + m.hidden * moe.num_experts
         else:
             blocks += dense_mlp
     head = m.hidden * (m.vocab_size or 0)

@@ -47,6 +47,7 @@ from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
 from moetrain.train.records import Fence, Heartbeat, append_event
+from moetrain.train.weights import load_initial_weights
 
 log = logging.getLogger("moetrain")
 
@@ -133,12 +134,23 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
-        if cfg.checkpoint.resume:
-            self._resume()
+        resumed = self._resume() if cfg.checkpoint.resume else False
+        # Resume wins: once the run has a checkpoint it has moved on from its initial weights.
+        if cfg.checkpoint.init_from is not None and not resumed:
+            self._init_from(cfg.checkpoint.init_from)
 
     # -- resume / checkpoint ------------------------------------------------------------------
 
-    def _resume(self) -> None:
+    def _init_from(self, path: str) -> None:
+        """``checkpoint.init_from``: the weights only; optimizer, step and data position stay fresh."""
+        loaded = load_initial_weights(path, self.model_parts, self.ps)
+        if self.ps.is_logging_rank:
+            log.info("initialised the weights from %s (fresh optimizer, step 0)", loaded)
+            if self.write_files:
+                append_event(self.cfg.run_dir, self.fence, "initialised", weights=str(loaded))
+
+    def _resume(self) -> bool:
+        """Load the latest complete checkpoint when there is one; True if it did."""
         found = self.checkpointer.latest_valid()
         if found is not None:
             _, path = found
@@ -156,6 +168,7 @@ class Trainer:
                 truncate_metrics(self.metrics_path, self.step, self.fence)
                 if found is not None:
                     append_event(self.cfg.run_dir, self.fence, "resumed", step=self.step, checkpoint=str(path))
+        return found is not None
 
     def save_checkpoint(self) -> Path:
         p = self.cfg.parallel

@@ -1,0 +1,363 @@
+"""The supported Hugging Face architectures in moetrain's terms: ``config.json`` ↔ the ``model`` and
+``moe`` config sections, both ways, and what is refused.
+
+==========================  ===========  ====================================================================
+architecture                model_type   moetrain config
+==========================  ===========  ====================================================================
+MixtralForCausalLM          mixtral      every block MoE, softmax top-k renormalised (norm_topk_prob)
+Qwen3MoeForCausalLM         qwen3_moe    qk_norm ``head``; norm_topk_prob as configured; dense blocks from
+                                         decoder_sparse_step / mlp_only_layers; head_dim
+Qwen2MoeForCausalLM         qwen2_moe    one shared expert of shared_expert_intermediate_size with its
+                                         sigmoid gate; q/k/v bias (qkv_bias); norm_topk_prob; dense blocks
+OlmoeForCausalLM            olmoe        qk_norm ``projection``; every block MoE; norm_topk_prob
+LlamaForCausalLM            llama        dense (moe.num_experts 0); rope scaling ``llama3``
+==========================  ===========  ====================================================================
+
+All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention,
+RoPE (``default`` or ``llama3``), tied or separate embeddings (``tie_word_embeddings``).
+
+Refused, naming the field (never converted approximately): any other architecture or
+``model_type``; a config.json key this mapping does not know (a new field could change the
+forward pass); sliding-window attention; RoPE types other than default and llama3, or partial
+rotary; an activation other than silu; attention or MLP biases beyond Qwen2-MoE's q/k/v bias
+(``attention_bias``, ``mlp_bias``); OLMoE's ``clip_qkv``; router jitter noise; attention dropout;
+quantized weights; a pattern of dense and MoE blocks moetrain's ``moe.every`` /
+``moe.first_dense`` cannot express. In the other direction, a moetrain model the target
+architecture cannot hold (e.g. shared experts without a gate, or moetrain's ``moe.every`` for
+Mixtral) is refused with the moetrain field.
+
+Training hyperparameters that ride along: ``router_aux_loss_coef`` ↔ ``moe.aux_loss_coef`` (HF's
+load-balancing loss is over the whole batch, moetrain's per sequence: same intent, see
+:meth:`moetrain.model.moe.MoE.router_losses`), ``initializer_range`` ↔ ``model.init_std``;
+``moe.z_loss_coef`` is 0 on import (these architectures define no z-loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from moetrain.config import Config
+from moetrain.hf.tensors import MIXTRAL_MOE, QWEN_MOE
+
+__all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
+
+
+class UnsupportedModel(ValueError):
+    """The model uses something moetrain cannot represent exactly; the message names it."""
+
+
+# Keys of every config.json that do not change the forward pass (or that the mapping reads).
+_INERT = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_router_logits", "output_attentions",
+    "output_hidden_states", "return_dict", "tokenizer_class", "max_position_embeddings", "initializer_range",
+    "router_aux_loss_coef",
+})
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its class name, ``model_type``, MoE tensor names (see
+    :mod:`moetrain.hf.tensors`), the ``config.json`` keys its mapping reads, and the RoPE base HF
+    assumes when config.json has none."""
+
+    name: str
+    model_type: str
+    moe_names: tuple[str, str, str, str, str]
+    keys: frozenset
+    default_theta: float = 10000.0
+
+
+_COMMON = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "rms_norm_eps", "hidden_act", "attention_dropout", "tie_word_embeddings", "head_dim",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+})
+_QWEN = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                   "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "use_sliding_window", "sliding_window",
+                   "max_window_layers", "layer_types"})
+
+MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", MIXTRAL_MOE, _COMMON | {
+    "num_local_experts", "num_experts_per_tok", "sliding_window", "router_jitter_noise"}, default_theta=1e6)
+QWEN3_MOE = Architecture("Qwen3MoeForCausalLM", "qwen3_moe", QWEN_MOE, _COMMON | _QWEN | {"attention_bias"})
+QWEN2_MOE = Architecture("Qwen2MoeForCausalLM", "qwen2_moe", QWEN_MOE, _COMMON | _QWEN | {
+    "qkv_bias", "shared_expert_intermediate_size"})
+OLMOE = Architecture("OlmoeForCausalLM", "olmoe", QWEN_MOE, _COMMON | {
+    "num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv", "attention_bias"})
+LLAMA = Architecture("LlamaForCausalLM", "llama", QWEN_MOE, _COMMON | {"attention_bias", "mlp_bias", "pretraining_tp"})
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA)}
+
+
+def _supported() -> str:
+    return ", ".join(f"{a.name} ({a.model_type})" for a in ARCHITECTURES.values())
+
+
+def architecture_for(hf: dict) -> Architecture:
+    """The architecture of a ``config.json`` dict.
+
+    Raises:
+        UnsupportedModel: an unknown ``model_type`` or a class other than the causal LM.
+    """
+    model_type = hf.get("model_type")
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None:
+        names = hf.get("architectures") or [model_type]
+        raise UnsupportedModel(f"architecture {', '.join(map(str, names))} (model_type {model_type!r}) is not "
+                               f"supported; moetrain converts {_supported()}")
+    names = hf.get("architectures")
+    if names is not None and list(names) != [arch.name]:
+        raise UnsupportedModel(f"config.json architectures = {names!r}: moetrain converts {arch.name} only for "
+                               f"model_type {model_type!r}")
+    return arch
+
+
+class _Reader:
+    """Reads config.json keys with HF's defaults and refuses what cannot be represented."""
+
+    def __init__(self, arch: Architecture, hf: dict):
+        self.arch, self.hf = arch, hf
+
+    def refuse(self, key: str, value: Any, why: str) -> UnsupportedModel:
+        return UnsupportedModel(f"{self.arch.name}: config.json {key} = {value!r}: {why}; moetrain converts only "
+                                f"what it represents exactly")
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        if key not in self.hf:
+            if default is _MISSING:
+                raise UnsupportedModel(f"{self.arch.name}: config.json has no {key}, which moetrain needs")
+            return default
+        return self.hf[key]
+
+    def expect(self, key: str, ok: Callable[[Any], bool], default: Any, why: str) -> Any:
+        value = self.get(key, default)
+        if not ok(value):
+            raise self.refuse(key, value, why)
+        return value
+
+    def check_keys(self) -> None:
+        unknown = sorted(k for k in self.hf if k not in self.arch.keys and k not in _INERT)
+        if unknown:
+            raise self.refuse(unknown[0], self.hf[unknown[0]],
+                              f"a field moetrain's {self.arch.model_type} mapping does not know"
+                              + (f" (also unknown: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""))
+
+
+def _read_rope(r: _Reader) -> dict:
+    """moetrain's RoPE fields from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (transformers 4); as transformers does, a ``rope_scaling`` dict wins and a
+    theta inside the parameters wins over the top-level one."""
+    field = "rope_scaling" if r.get("rope_scaling", None) else "rope_parameters"
+    params = dict(r.get(field, None) or {})
+    theta = float(params.pop("rope_theta", r.get("rope_theta", r.arch.default_theta)))
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    partial = params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise r.refuse("partial_rotary_factor", partial, "RoPE on part of each head is not implemented")
+    out: dict[str, Any] = {"rope_theta": theta}
+    if kind == "default":
+        known: tuple = ()
+    elif kind == "llama3":
+        known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in known if k not in params]
+        if missing:
+            raise r.refuse(f"{field}.{missing[0]}", None, "llama3 RoPE scaling needs it")
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
+                   rope_low_freq_factor=float(params["low_freq_factor"]),
+                   rope_high_freq_factor=float(params["high_freq_factor"]),
+                   rope_original_max_positions=int(params["original_max_position_embeddings"]))
+    else:
+        raise r.refuse(f"{field}.rope_type", kind, "only default and llama3 RoPE are implemented")
+    extra = sorted(k for k in params if k not in known)
+    if extra:
+        raise r.refuse(f"{field}.{extra[0]}", params[extra[0]], f"not a parameter of {kind} RoPE in moetrain")
+    return out
+
+
+def _moe_layer_pattern(r: _Reader, layers: int, num_experts: int) -> dict:
+    """moe.every / moe.first_dense reproducing Qwen's dense/MoE pattern: block i is MoE when
+    i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    step = r.get("decoder_sparse_step", 1)
+    mlp_only = set(r.get("mlp_only_layers", None) or [])
+    want = [num_experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(layers)]
+    for every in range(1, layers + 1):
+        for first_dense in range(layers + 1):
+            got = [i >= first_dense and (i - first_dense) % every == every - 1 for i in range(layers)]
+            if got == want:
+                return {"every": every, "first_dense": first_dense}
+    raise r.refuse("mlp_only_layers", sorted(mlp_only),
+                   f"with decoder_sparse_step={step} the MoE blocks {[i for i in range(layers) if want[i]]} are not "
+                   f"a pattern of moe.every / moe.first_dense")
+
+
+def from_hf(hf: dict) -> tuple[Architecture, dict, dict]:
+    """(architecture, moetrain ``model`` section, ``moe`` section) of a ``config.json`` dict.
+    ``model.seq_len`` is min(max_position_embeddings, 4096): a training choice to adjust.
+
+    Raises:
+        UnsupportedModel: see the module docstring.
+    """
+    arch = architecture_for(hf)
+    r = _Reader(arch, hf)
+    r.check_keys()
+    if "quantization_config" in hf:
+        raise r.refuse("quantization_config", hf["quantization_config"], "quantized weights are not read")
+    r.expect("hidden_act", lambda v: v == "silu", "silu", "moetrain's MLPs are SwiGLU (silu)")
+    r.expect("attention_dropout", lambda v: not v, 0.0, "attention dropout is not implemented")
+    hidden, heads = r.get("hidden_size"), r.get("num_attention_heads")
+    head_dim = r.get("head_dim", None)
+    model = {"vocab_size": r.get("vocab_size"), "hidden": hidden, "layers": r.get("num_hidden_layers"),
+             "heads": heads, "kv_heads": r.get("num_key_value_heads", None) or heads,
+             "ffn_hidden": r.get("intermediate_size"), "norm_eps": float(r.get("rms_norm_eps")),
+             "tie_embeddings": bool(r.get("tie_word_embeddings", False)),
+             "init_std": float(r.get("initializer_range", 0.02)),
+             "head_dim": None if head_dim is None or (head_dim * heads == hidden) else head_dim,
+             "seq_len": min(int(r.get("max_position_embeddings", 4096)), 4096), **_read_rope(r)}
+    moe: dict[str, Any] = {"aux_loss_coef": float(r.get("router_aux_loss_coef", 0.001)), "z_loss_coef": 0.0}
+    no_bias = "q/k/v/o and MLP biases are not implemented (moetrain has q/k/v bias only, as Qwen2-MoE)"
+    if arch is MIXTRAL:
+        r.expect("sliding_window", lambda v: v is None, None, "sliding-window attention is not implemented")
+        r.expect("router_jitter_noise", lambda v: not v, 0.0, "router jitter noise is not implemented")
+        moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
+                   ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0)
+    elif arch in (QWEN3_MOE, QWEN2_MOE):
+        r.expect("use_sliding_window", lambda v: not v, False, "sliding-window attention is not implemented")
+        types = r.get("layer_types", None) or []
+        if any(t != "full_attention" for t in types):
+            raise r.refuse("layer_types", types, "sliding-window attention is not implemented")
+        num_experts = r.get("num_experts", None)
+        num_experts = r.get("num_local_experts") if num_experts is None else num_experts
+        moe.update(num_experts=num_experts, top_k=r.get("num_experts_per_tok"),
+                   ffn_hidden=r.get("moe_intermediate_size"), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
+                   **_moe_layer_pattern(r, model["layers"], num_experts))
+        if arch is QWEN3_MOE:
+            r.expect("attention_bias", lambda v: not v, False, no_bias)
+            model["qk_norm"] = "head"
+        else:
+            model["qkv_bias"] = bool(r.get("qkv_bias", True))
+            shared = r.expect("shared_expert_intermediate_size", lambda v: v > 0, None,
+                              "Qwen2-MoE without a shared expert is not a layout moetrain maps")
+            moe.update(shared_experts=1, shared_ffn_hidden=shared, shared_expert_gate=True)
+    elif arch is OLMOE:
+        r.expect("clip_qkv", lambda v: v is None, None, "clipping q/k/v is not implemented")
+        r.expect("attention_bias", lambda v: not v, False, no_bias)
+        if model["head_dim"] is not None:  # OLMoE sizes its k norm with hidden / heads
+            raise r.refuse("head_dim", head_dim,
+                           "OLMoE's q/k norms assume head_dim = hidden_size / num_attention_heads")
+        model["qk_norm"] = "projection"
+        moe.update(num_experts=r.get("num_experts"), top_k=r.get("num_experts_per_tok"),
+                   ffn_hidden=r.get("intermediate_size"), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
+                   every=1, first_dense=0)
+    else:  # LLAMA
+        r.expect("attention_bias", lambda v: not v, False, no_bias)
+        r.expect("mlp_bias", lambda v: not v, False, no_bias)
+        moe = {"num_experts": 0}
+    return arch, model, moe
+
+
+def choose_architecture(cfg: Config) -> Architecture:
+    """The architecture a moetrain model exports to when none is asked for: dense → Llama;
+    per-head q/k norm → Qwen3-MoE; projection q/k norm → OLMoE; gated shared experts or q/k/v bias
+    → Qwen2-MoE; otherwise Mixtral."""
+    m, moe = cfg.model, cfg.moe
+    if moe.num_experts == 0:
+        return LLAMA
+    if m.qk_norm == "head":
+        return QWEN3_MOE
+    if m.qk_norm == "projection":
+        return OLMOE
+    if moe.shared_expert_gate or m.qkv_bias:
+        return QWEN2_MOE
+    return MIXTRAL
+
+
+def _refuse_ours(arch: Architecture, field: str, value: Any, why: str) -> UnsupportedModel:
+    return UnsupportedModel(f"{field} = {value!r}: {arch.name} {why}. Fix: export to another architecture "
+                            f"(--arch) or train without it")
+
+
+def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str = "float32",
+          eos_token_id: int | None = None) -> dict:
+    """The ``config.json`` of moetrain model ``cfg`` as ``arch``. ``base``: the config.json the
+    weights were imported from; its other keys (token ids, max_position_embeddings, ...) are kept
+    when it is the same architecture. ``dtype``: the weights' dtype name ("float32", "bfloat16").
+
+    Raises:
+        UnsupportedModel: ``cfg`` has something ``arch`` cannot hold (naming the moetrain field).
+    """
+    m, moe = cfg.model, cfg.moe
+    out = dict(base) if base and base.get("model_type") == arch.model_type else {}
+
+    def need(field: str, value: Any, ok: bool, why: str) -> None:
+        if not ok:
+            raise _refuse_ours(arch, field, value, why)
+
+    need("model.qkv_bias", m.qkv_bias, not m.qkv_bias or arch is QWEN2_MOE, "has no q/k/v biases")
+    qk = {QWEN3_MOE: "head", OLMOE: "projection"}.get(arch, "none")
+    need("model.qk_norm", m.qk_norm, m.qk_norm == qk, f"has q/k norm {qk!r}")
+    if arch is LLAMA:
+        need("moe.num_experts", moe.num_experts, moe.num_experts == 0, "is dense")
+    else:
+        need("moe.num_experts", moe.num_experts, moe.num_experts > 0, "is a mixture of experts")
+        if arch is QWEN2_MOE:
+            need("moe.shared_experts", moe.shared_experts, moe.shared_experts > 0 and moe.shared_expert_gate,
+                 "has one shared expert with a sigmoid gate (set moe.shared_expert_gate)")
+        else:
+            need("moe.shared_experts", moe.shared_experts, moe.shared_experts == 0, "has no shared experts")
+        if arch in (MIXTRAL, OLMOE):
+            dense = [i for i in range(m.layers) if not moe.is_moe_layer(i)]
+            need("moe.every", moe.every, not dense, f"has an MoE in every block (blocks {dense} are dense)")
+        if arch is MIXTRAL:
+            need("moe.norm_topk_prob", moe.norm_topk_prob, moe.norm_topk_prob,
+                 "renormalises the top-k probabilities")
+    if arch is OLMOE:
+        need("model.head_dim", m.head_dim, m.head_dim in (None, m.hidden // m.heads), "assumes hidden / heads")
+
+    out.update(architectures=[arch.name], model_type=arch.model_type, vocab_size=m.vocab_size, hidden_size=m.hidden,
+               num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+               intermediate_size=m.ffn_hidden, rms_norm_eps=m.norm_eps, hidden_act="silu",
+               attention_dropout=0.0, tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std,
+               rope_theta=m.rope_theta, torch_dtype=dtype)
+    out.pop("rope_parameters", None)  # written the transformers-4 way below, which 5 reads too
+    out.pop("dtype", None)
+    out["rope_scaling"] = None if m.rope_scaling == "none" else {
+        "rope_type": "llama3", "factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
+        "high_freq_factor": m.rope_high_freq_factor,
+        "original_max_position_embeddings": m.rope_original_max_positions}
+    out.setdefault("max_position_embeddings", m.seq_len)
+    if eos_token_id is not None and "eos_token_id" not in out:
+        out["eos_token_id"] = eos_token_id
+    if m.head_dim is not None or "head_dim" in out:
+        out["head_dim"] = m.resolved_head_dim
+    if moe.num_experts:
+        out.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef)
+    if arch is MIXTRAL:
+        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, sliding_window=None,
+                   router_jitter_noise=0.0)
+    elif arch is OLMOE:
+        out.update(num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, norm_topk_prob=moe.norm_topk_prob,
+                   clip_qkv=None, attention_bias=False)
+    elif arch in (QWEN3_MOE, QWEN2_MOE):
+        out.pop("num_local_experts", None)
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden,
+                   norm_topk_prob=moe.norm_topk_prob, use_sliding_window=False)
+        out.pop("layer_types", None)
+        # Keep the base's dense/MoE keys when they give the same blocks; else spell the dense ones out.
+        out.setdefault("decoder_sparse_step", 1)
+        out.setdefault("mlp_only_layers", [])
+        if _moe_blocks(out, m.layers) != {i for i in range(m.layers) if moe.is_moe_layer(i)}:
+            out.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(m.layers) if not moe.is_moe_layer(i)])
+        if arch is QWEN3_MOE:
+            out["attention_bias"] = False
+        else:
+            out.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_hidden)
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def _moe_blocks(hf: dict, layers: int) -> set[int]:
+    step, mlp_only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    return {i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0}

@@ -1,0 +1,402 @@
+"""Import a Hugging Face checkpoint into a weights directory, export any moetrain checkpoint to a
+Hugging Face checkpoint; both stream tensor by tensor.
+
+Import (:func:`import_hf`), in phases:
+
+1. read ``config.json`` → architecture, moetrain ``model`` / ``moe`` sections (refusals in
+   :mod:`moetrain.hf.arch`);
+2. index the ``*.safetensors`` (``model.safetensors.index.json`` or the files' own headers): every
+   tensor the map expects must be there, and nothing else;
+3. stream: for each moetrain tensor, read its HF tensor(s) one at a time (safetensors' lazy
+   ``safe_open``), convert (:mod:`moetrain.hf.tensors`), append to a safetensors file of the
+   weights directory (:func:`moetrain.train.weights.write_weights_dir`) — an expert tensor expert
+   by expert. Peak memory: one HF tensor plus its converted copy. The HF dtype is kept (a bf16
+   model stays bf16 on disk; ``checkpoint.init_from`` loads it into the fp32 master weights);
+4. copy ``config.json`` and the tokenizer files into ``CKPT_DIR/hf/`` (export takes them back)
+   and write the moetrain config (``--config``), with ``checkpoint.init_from`` set.
+
+Export (:func:`export_hf`), in phases:
+
+1. open the checkpoint — a weights directory, a training checkpoint of any layout or a directory
+   of them — and verify its manifest (sizes, sha256); find its moetrain config (the weights
+   directory's manifest, or the run's ``config.yaml``);
+2. choose the architecture (``--arch``; else the one it was imported from; else
+   :func:`moetrain.hf.arch.choose_architecture`) and write its ``config.json``;
+3. stream one layer at a time: read the layer's moetrain tensors whole (DCP in no-dist mode into
+   global-shape tensors), convert, append to ``model-0000i-of-0000n.safetensors`` files of at
+   most ``max_shard_bytes``; then ``model.safetensors.index.json``;
+4. the tokenizer: the run's (from its data manifest, verified by sha256), or the imported one.
+
+Both write into ``<out>.tmp-<pid>`` and rename it when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import yaml
+
+from moetrain.config import Config, config_from_dict, to_dict
+from moetrain.hf.arch import ARCHITECTURES, Architecture, architecture_for, choose_architecture, from_hf, to_hf
+from moetrain.hf.tensors import TensorMap, tensor_maps
+from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
+from moetrain.train.weights import CheckpointReader, atomic_dir, expected_shapes, is_weights_dir, write_weights_dir
+
+log = logging.getLogger(__name__)
+
+HF_SUBDIR = "hf"
+# Files of a HF model directory that travel with the weights (everything but the weights).
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = tuple(f for f in HF_SIDE_FILES if f not in ("config.json", "generation_config.json"))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of "5GB", "500MB", "2GiB", "1000" (decimal units as in transformers' max_shard_size).
+
+    Raises:
+        ValueError: not a size.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{text!r} is not a size such as 5GB or 500MB")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+# ---------------------------------------------------------------------------------------------
+
+
+class HFTensors:
+    """The tensors of a HF model directory, read lazily one at a time."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        self.dir = hf_dir
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise WeightsError(f"{hf_dir}: no *.safetensors files (only safetensors are read; save the model with "
+                               f"transformers' save_pretrained, which writes them)")
+        self._handles = {f: safe_open(str(hf_dir / f), framework="pt") for f in files}
+        self.where: dict[str, str] = {}
+        for f, h in self._handles.items():
+            for name in h.keys():
+                if weight_map is None or weight_map.get(name) == f:
+                    self.where[name] = f
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch_dtype(self._handles[self.where[name]].get_slice(name).get_dtype())
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise WeightsError(f"{self.dir}: no tensor {name}")
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config) -> None:
+    want = {n for m in maps for n in m.hf_names()}
+    missing = sorted(want - set(hf.where))
+    # Buffers some older checkpoints carry, and a tied head that transformers ignores.
+    ignorable = re.compile(r".*rotary_emb\.inv_freq$" + (r"|lm_head\.weight$" if cfg.model.tie_embeddings else ""))
+    unexpected = sorted(n for n in set(hf.where) - want if not ignorable.match(n))
+    if missing:
+        raise WeightsError(f"{hf.dir}: {len(missing)} tensors of this architecture are missing, e.g. {missing[0]}")
+    if unexpected:
+        raise WeightsError(f"{hf.dir}: {len(unexpected)} tensors moetrain does not map, e.g. {unexpected[0]} "
+                           f"(refused rather than dropped)")
+
+
+def _maps_for(cfg: Config, arch: Architecture) -> list[TensorMap]:
+    """The tensor maps, checked against the model moetrain builds from ``cfg``."""
+    maps = tensor_maps(cfg, arch.moe_names)
+    ours = {m.ours: m.shape for m in maps}
+    model = expected_shapes(cfg)
+    if ours != model:  # the map and the model must describe the same tensors
+        diff = sorted(set(ours.items()) ^ set(model.items()))
+        raise AssertionError(f"{arch.name} map and moetrain model differ: {diff[:3]}")
+    return maps
+
+
+def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str | os.PathLike | None = None,
+              max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> Config:
+    """Convert the HF model in ``hf_dir`` (``config.json`` + ``*.safetensors``) into a weights
+    directory ``out`` (see :mod:`moetrain.train.weights`); optionally write the moetrain config
+    to ``config_out``. Returns that config.
+
+    Raises:
+        UnsupportedModel: an architecture or config field moetrain cannot represent.
+        WeightsError: missing / unexpected tensors, or ``out`` exists.
+        moetrain.config.ConfigError: the converted config breaks a moetrain rule.
+    """
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise WeightsError(f"{hf_dir}: no config.json (is it a Hugging Face model directory?)")
+    hf_config = json.loads(cfg_path.read_text())
+    arch, model, moe = from_hf(hf_config)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", hf_dir.resolve().name) or "hf-model"
+    cfg = config_from_dict({"run": {"name": name, "dir": f"runs/{name}"}, "model": model, "moe": moe,
+                            "checkpoint": {"init_from": str(out)}})
+    maps = _maps_for(cfg, arch)
+    hf = HFTensors(hf_dir)
+    _check_names(maps, hf, cfg)
+    entries = [(m.ours, hf.dtype(m.hf_names()[0]), m.shape) for m in maps]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for m, (_, dtype, _) in zip(maps, entries):
+            for piece in m.to_ours(hf):
+                yield m.ours, piece.to(dtype)
+
+    def side_files(tmp: Path) -> None:
+        (tmp / HF_SUBDIR).mkdir()
+        for f in HF_SIDE_FILES:
+            if (hf_dir / f).is_file():
+                shutil.copy2(hf_dir / f, tmp / HF_SUBDIR / f)
+
+    source = {"hf_dir": str(hf_dir.resolve()), "architecture": arch.name, "model_type": arch.model_type}
+    write_weights_dir(out, cfg, tensors(), entries, extra={"source": source}, max_shard_bytes=max_shard_bytes,
+                      progress=progress, add_files=side_files)
+    if config_out is not None:
+        save_import_config(cfg, Path(config_out), hf_dir, out)
+    return cfg
+
+
+def save_import_config(cfg: Config, path: Path, hf_dir: Path, weights: Path) -> None:
+    """Write ``cfg`` as YAML with a header saying where it came from and what to adjust."""
+    header = (f"# moetrain config of {hf_dir} (written by python -m moetrain.hf import).\n"
+              f"# model and moe: from its config.json; checkpoint.init_from: the imported weights {weights}.\n"
+              f"# Set data.path (tokenized with this model's tokenizer), train, parallel and launch for your run.\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def find_run_config(step_dir: Path) -> Path | None:
+    """The ``config.yaml`` of the run a training checkpoint belongs to: in the checkpoint's
+    directory or up to three levels above (``<run.dir>/checkpoints/step_X`` by default)."""
+    for d in [step_dir, *list(step_dir.resolve().parents)[:3]]:
+        if (d / "config.yaml").is_file():
+            return d / "config.yaml"
+    return None
+
+
+def hf_file_name(i: int, n: int) -> str:
+    """``model-00001-of-00002.safetensors`` (transformers' naming) for i = 0, n = 2."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _layer_groups(maps: list[TensorMap]) -> list[list[TensorMap]]:
+    """The maps grouped by block (top-level tensors alone), in order: what export reads at once."""
+    groups: list[list[TensorMap]] = []
+    key = None
+    for m in maps:
+        k = m.ours.split(".")[1] if m.ours.startswith("layers.") else m.ours
+        if k != key:
+            groups.append([])
+            key = k
+        groups[-1].append(m)
+    return groups
+
+
+def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | None = None, dtype: str = "auto",
+              config_path: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
+              max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> Path:
+    """Write the HF checkpoint of moetrain checkpoint ``ckpt`` into ``out``: ``config.json``,
+    ``model-*.safetensors`` with ``model.safetensors.index.json``, and the tokenizer when known.
+
+    Args:
+        ckpt: a weights directory, a training checkpoint ``step_XXXXXXXX`` (any layout) or a
+            directory of them (its newest).
+        arch_name: ``model_type`` or class name; default: as imported, else chosen from the config.
+        dtype: ``auto`` (as stored: fp32 for training checkpoints), ``float32``, ``bfloat16``,
+            ``float16``.
+        config_path: the run's config (default: found next to the checkpoint).
+        tokenizer: a ``tokenizer.json`` (or a directory of tokenizer files) to ship instead of
+            the run's.
+
+    Raises:
+        UnsupportedModel: the model does not fit the architecture (names the moetrain field).
+        WeightsError: a checkpoint that fails verification, lacks tensors, or no config found.
+    """
+    out = Path(out)
+    if out.exists():  # before the (possibly long) verification of the checkpoint
+        raise WeightsError(f"{out}: already exists; remove it or choose another --out")
+    reader = CheckpointReader(ckpt, progress=progress)
+    cfg, base, side_dir = _export_sources(reader, config_path)
+    if arch_name is not None:
+        arch = arch_by_name(arch_name)
+    elif base is not None:
+        arch = architecture_for(base)
+    else:
+        arch = choose_architecture(cfg)
+    if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:
+        log.warning("moe.capacity_factor = %s: the exported model routes dropless, as inference engines do",
+                    cfg.moe.capacity_factor)
+    maps = _maps_for(cfg, arch)
+    have = dict(reader.shapes)
+    if cfg.model.tie_embeddings:
+        have.pop("output.weight", None)
+    missing = [m.ours for m in maps if m.ours not in have]
+    if missing:
+        raise WeightsError(f"{reader.path}: no tensor {missing[0]} ({len(missing)} missing) for the configured model")
+    wrong = [(m.ours, have[m.ours][0], m.shape) for m in maps if tuple(have[m.ours][0]) != m.shape]
+    if wrong:
+        raise WeightsError(f"{reader.path}: tensor {wrong[0][0]} is {wrong[0][1]}, the config says {wrong[0][2]}")
+
+    def out_dtype(m: TensorMap) -> torch.dtype:
+        return have[m.ours][1] if dtype == "auto" else DTYPES[dtype]
+
+    entries = [(name, out_dtype(m), m.hf_shape()) for m in maps for name in m.hf_names()]
+    main_dtype = max({d for _, d, _ in entries}, key=lambda d: sum(1 for e in entries if e[1] == d))
+    dtype_name = str(main_dtype).removeprefix("torch.")
+    to_hf(cfg, arch, base, dtype_name)  # refuses what the architecture cannot hold, before writing
+    with atomic_dir(out) as tmp:
+        writer = ShardedWriter(tmp, plan_shards(entries, max_shard_bytes), hf_file_name, {"format": "pt"}, progress,
+                               desc=f"export {out.name}")
+        for group in _layer_groups(maps):
+            tensors = reader.read([m.ours for m in group])
+            for m in group:
+                for name, t in m.to_hf(tensors.pop(m.ours)):
+                    writer.write(name, t.to(out_dtype(m)))
+        writer.close()
+        total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in entries)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": writer.weight_map}, indent=2))
+        eos = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
+        hf_config = to_hf(cfg, arch, base, dtype_name, eos)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if side_dir is not None and (side_dir / "generation_config.json").is_file():
+            shutil.copy2(side_dir / "generation_config.json", tmp / "generation_config.json")
+    return out
+
+
+def arch_by_name(name: str) -> Architecture:
+    for a in ARCHITECTURES.values():
+        if name in (a.model_type, a.name):
+            return a
+    from moetrain.hf.arch import UnsupportedModel
+
+    raise UnsupportedModel(f"--arch {name!r}: not one of {', '.join(a.model_type for a in ARCHITECTURES.values())}")
+
+
+def _export_sources(reader: CheckpointReader, config_path: str | os.PathLike | None
+                    ) -> tuple[Config, dict | None, Path | None]:
+    """(moetrain config, the HF config.json it was imported from or None, the directory holding
+    the imported side files or None) of the checkpoint ``reader`` opened."""
+    if reader.kind == "weights":
+        cfg = config_from_dict({"model": reader.manifest["model"], "moe": reader.manifest["moe"]})
+        side = reader.path / HF_SUBDIR
+    else:
+        path = Path(config_path) if config_path is not None else find_run_config(reader.path)
+        if path is None or not path.is_file():
+            raise WeightsError(f"{reader.path}: no config.yaml of its run found beside or above it; pass --config "
+                               f"RUN_DIR/config.yaml")
+        cfg = config_from_dict(yaml.safe_load(path.read_text()))
+        init = cfg.checkpoint.init_from
+        side = Path(init) / HF_SUBDIR if init and is_weights_dir(Path(init)) else None
+    if config_path is not None and reader.kind == "weights":
+        cfg = config_from_dict(yaml.safe_load(Path(config_path).read_text()))
+    base = None
+    if side is not None and (side / "config.json").is_file():
+        base = json.loads((side / "config.json").read_text())
+    return cfg, base, side if side is not None and side.is_dir() else None
+
+
+def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: Path | None,
+                    explicit: str | os.PathLike | None) -> int | None:
+    """Copy the tokenizer into ``out``; returns the EOS id to put in config.json when known.
+    Order: ``explicit``; the run's (its data manifest's tokenizer, found and verified by sha256);
+    the imported model's files."""
+    if explicit is not None:
+        p = Path(explicit)
+        if p.is_dir():
+            copies = {p / f: out / f for f in TOKENIZER_FILES if (p / f).is_file()}
+        else:
+            copies = {p: out / "tokenizer.json"} if p.is_file() else {}
+        if not copies:
+            raise WeightsError(f"--tokenizer {explicit}: no tokenizer.json (or tokenizer files) there")
+        for src, dst in copies.items():
+            shutil.copy2(src, dst)
+        if not (out / "tokenizer_config.json").is_file():
+            write_tokenizer_config(out, cfg)
+        return None
+    if reader.kind == "dcp":
+        found = run_tokenizer(cfg)
+        if found is not None:
+            src, eos = found
+            if src == "gpt2":
+                from moetrain.data.tokenizer import load_tokenizer
+
+                load_tokenizer("gpt2").hf.save(str(out / "tokenizer.json"))
+            else:
+                shutil.copy2(src, out / "tokenizer.json")
+            write_tokenizer_config(out, cfg)
+            return eos
+    if side_dir is not None:
+        for f in TOKENIZER_FILES:
+            if (side_dir / f).is_file():
+                shutil.copy2(side_dir / f, out / f)
+        return None
+    log.warning("no tokenizer found for %s: the export has none (pass --tokenizer)", reader.path)
+    return None
+
+
+def run_tokenizer(cfg: Config) -> tuple[Path | str, int] | None:
+    """The tokenizer a run's data was written with, as (tokenizer.json path or "gpt2", EOS id):
+    the data manifest names it and gives its sha256; the file is looked for beside the data
+    (``data.path``, its parents, and the name relative to them) and must hash the same. None
+    when the data or the file cannot be found."""
+    from moetrain.data.shards import ShardError, read_manifest
+    from moetrain.data.tokenizer import canonical_sha256
+
+    try:
+        manifest = read_manifest(cfg.data.path)
+    except (ShardError, OSError):
+        return None
+    ident, eos = manifest["tokenizer"], int(manifest["eos_id"])
+    if ident.get("name") == "gpt2":
+        return "gpt2", eos
+    import tokenizers
+
+    data = Path(cfg.data.path).resolve()
+    bases = [data, *list(data.parents)[:3]]
+    for cand in [b / "tokenizer.json" for b in bases] + [b / ident.get("name", "") for b in bases]:
+        if cand.is_file():
+            try:
+                if canonical_sha256(tokenizers.Tokenizer.from_file(str(cand))) == ident.get("sha256"):
+                    return cand, eos
+            except Exception:  # noqa: BLE001 - not a tokenizer file: keep looking
+                continue
+    return None
+
+
+def write_tokenizer_config(out: Path, cfg: Config) -> None:
+    """A tokenizer_config.json so that ``AutoTokenizer.from_pretrained`` loads tokenizer.json."""
+    from moetrain.data.tokenizer import EOS_TOKEN
+
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "model_max_length": cfg.model.seq_len,
+         "clean_up_tokenization_spaces": False}, indent=2) + "\n")

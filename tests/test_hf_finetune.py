@@ -1,0 +1,97 @@
+"""A fine-tuning run from an imported Hugging Face model through ``python -m moetrain.submit``, on
+the demo: build a Mixtral-shaped model of the demo config's (smaller) shape locally, import it,
+train it with the demo config (4 processes, dp4 × ep2) from ``checkpoint.init_from``, export the
+run's checkpoint, and generate with transformers from the export with the demo's tokenizer.
+
+The demo config's one shared expert is overridden to 0: it is ungated, and no supported Hugging
+Face architecture has an ungated shared expert (the export refuses it, tests/test_hf_convert.py).
+Also: configs/finetune-qwen3-moe.yaml describes the model tools/make_hf_model.py builds from it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.config import load_config
+from moetrain.hf.__main__ import main as hf_main
+from moetrain.hf.arch import choose_architecture
+from moetrain.model.transformer import Transformer
+from moetrain.train.weights import CheckpointReader, check_init_from
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_SMALL = ["model.layers=2", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=128",
+              "moe.ffn_hidden=64", "moe.shared_experts=0"]
+
+
+def make_hf_model():
+    spec = importlib.util.spec_from_file_location("make_hf_model", ROOT / "tools" / "make_hf_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_hf_model
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("demo")
+    prep = subprocess.run([sys.executable, "tools/prepare_demo.py", "--root", str(root)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stderr
+    return root
+
+
+def test_demo_finetunes_from_an_imported_model_and_exports(demo_data, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sets = DEMO_SMALL + [f"data.path={demo_data / 'shards'}"]
+    cfg = load_config(ROOT / "configs" / "demo-moe.yaml", sets)
+    make_hf_model()(cfg, tmp_path / "hf", "mixtral", seed=1)
+    assert hf_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "init")]) == 0
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moetrain.submit", "--config", "configs/demo-moe.yaml",
+           *[a for s in sets for a in ("--set", s)], "--set", f"run.dir={run_dir}",
+           "--set", f"checkpoint.init_from={tmp_path / 'init'}", "--set", "train.steps=3",
+           "--set", "train.val_every=0", "--set", "train.warmup_steps=1", "--set", "checkpoint.every=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[:2] == ["initialised", "started"] and "finished" in events
+
+    assert hf_main(["export", str(run_dir / "checkpoints"), "--out", str(tmp_path / "export")]) == 0
+    export = tmp_path / "export"
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    prompt = tokenizer("To be, or not to be", return_tensors="pt").input_ids
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, prompt.shape[1] + 5)
+    assert tokenizer.decode(out[0]).startswith("To be, or not to be")
+
+    # The first generated token is moetrain's own greedy choice for the prompt.
+    run_cfg = load_config(run_dir / "config.yaml")
+    ours = Transformer(run_cfg)
+    reader = CheckpointReader(run_dir / "checkpoints", progress=False)
+    ours.load_state_dict(reader.read(list(reader.shapes)), strict=True)
+    with torch.no_grad():
+        assert ours.eval()(prompt)[0, -1].argmax().item() == out[0, prompt.shape[1]].item()
+
+
+def test_finetune_config_matches_the_model_built_from_it(demo_data, tmp_path):
+    cfg = load_config(ROOT / "configs" / "finetune-qwen3-moe.yaml", [f"data.path={demo_data / 'shards'}",
+                                                                       f"checkpoint.init_from={tmp_path / 'init'}"])
+    assert choose_architecture(cfg).name == "Qwen3MoeForCausalLM"
+    make_hf_model()(cfg, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert hf_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "init"),
+                    "--config", str(tmp_path / "import.yaml")]) == 0
+    check_init_from(cfg)  # names and shapes fit the config as written
+    imported = load_config(tmp_path / "import.yaml")
+    assert imported.model == cfg.model and imported.moe == cfg.moe
