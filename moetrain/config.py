@@ -202,13 +202,19 @@ class ParallelConfig:
     :func:`pipeline_stage_layers`. ``grad_bucket_mb``: MiB per bucket of the data-parallel
     gradient all-reduce (without ZeRO); buckets start during the last micro-batch's backward as
     soon as their gradients exist, so smaller ones start earlier at the cost of more collectives
-    (PyTorch DDP's default is 25, Megatron-Core's about 40M parameters)."""
+    (PyTorch DDP's default is 25, Megatron-Core's about 40M parameters). ``etp``:
+    expert-tensor-parallel size, 1 or tp. With 1 (default) experts stay whole on every rank and
+    under tp each tp rank routes its own 1/tp of the sequence; with tp, every tp rank routes the
+    whole sequence and each expert's ffn width is split over the tp ranks (w1/w3 by columns, w2
+    by rows, Megatron-Core's ``expert_tensor_parallel_size``): a 1/tp of every expert's weights
+    per rank, for experts too large to hold whole."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
@@ -749,9 +755,16 @@ def validate(cfg: Config) -> None:
         raise field_error("parallel.virtual_stages", par.virtual_stages,
                    f"pp_schedule={par.pp_schedule!r} runs one stage per rank",
                    "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
+    if par.etp not in (1, par.tp):
+        raise field_error("parallel.etp", par.etp, f"expert-tensor parallelism splits experts over all tp "
+                          f"ranks or none (tp = {par.tp})", f"use etp 1 or {par.tp}")
+    if par.etp > 1 and moe.num_experts and moe.ffn_hidden % par.etp:
+        raise field_error("parallel.etp", par.etp, f"moe.ffn_hidden={moe.ffn_hidden} is not divisible by it",
+                          f"use etp=1 or an ffn_hidden that is a multiple of {par.etp}")
     seq_div = 2 * par.cp if par.cp > 1 else 1
-    # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence, with or without SP.
-    tp_splits_seq = par.tp > 1 and (par.sequence_parallel or moe.num_experts > 0)
+    # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence (with etp = 1), with
+    # or without SP.
+    tp_splits_seq = par.tp > 1 and (par.sequence_parallel or (moe.num_experts > 0 and par.etp == 1))
     if tp_splits_seq:
         seq_div *= par.tp
     if m.seq_len % seq_div:

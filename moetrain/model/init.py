@@ -49,13 +49,16 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
                 p = getattr(module, pname)
                 s = out_std if pname == "w2" else std
                 local, offset = _local_and_offset(p)
+                shape, ffn_dim = module.expert_slice(pname)
+                start = list(offset[1:])
+                start[ffn_dim] += module.ffn_offset  # expert-tensor parallelism: this rank's columns
                 for e in range(local.shape[0]):
                     # Global expert id: the module's first expert (expert parallelism) plus this
                     # shard's first row of the module's [El, ...] tensor (FSDP shards dim 0).
                     g = module.expert_offset + offset[0] + e
-                    one = _normal(p.shape[1:], s, seed, f"{full}.{pname}.{g}")
-                    for dim, (start, size) in enumerate(zip(offset[1:], local.shape[1:])):
-                        one = one.narrow(dim, start, size)
+                    one = _normal(torch.Size(shape), s, seed, f"{full}.{pname}.{g}")
+                    for dim, (first, size) in enumerate(zip(start, local.shape[1:])):
+                        one = one.narrow(dim, first, size)
                     local[e].copy_(one.to(local.dtype))
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             leaf = mod_name.rsplit(".", 1)[-1]
@@ -77,14 +80,17 @@ def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return p.to_local(), tuple(offset)
 
 
-def local_piece(p: torch.Tensor, row_offset: int = 0) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def local_piece(p: torch.Tensor, module_offset: tuple[int, ...] | None = None
+                ) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's piece of parameter ``p`` (a DTensor's local shard, or ``p`` itself) and where it
-    lies in the single-process model's tensor: one slice per dim. ``row_offset`` is added to dim
-    0: the module's ``expert_offset`` for an expert tensor, whose [El, ...] rows are experts
-    expert_offset.. of the global [E, ...] one. Tensor-parallel and FSDP shards (also FSDP over
-    tensor parallelism) are contiguous blocks of the whole tensor."""
+    lies in the single-process model's tensor: one slice per dim. ``module_offset`` is added per
+    dim: for an expert tensor where the module's [El, ...] tensor starts in the global [E, ...]
+    one (its ``expert_offset``, and under expert-tensor parallelism its ffn columns).
+    Tensor-parallel and FSDP shards (also FSDP over tensor parallelism) are contiguous blocks of
+    the whole tensor."""
     local, offset = _local_and_offset(p)
-    starts = (offset[0] + row_offset,) + tuple(offset[1:])
+    module_offset = module_offset or (0,) * len(offset)
+    starts = tuple(a + b for a, b in zip(offset, module_offset))
     return local, tuple(slice(s, s + n) for s, n in zip(starts, local.shape))
 
 

@@ -158,9 +158,18 @@ class GroupedExperts(nn.Module):
         self.num_local, self.expert_offset = num_local, expert_offset
         self.num_experts = num_experts if num_experts is not None else num_local
         self.backend = backend
+        # Under expert-tensor parallelism this module holds columns [ffn_offset, ffn_offset +
+        # hidden) of each expert's ffn width ffn_total (moetrain.parallel.expert).
+        self.ffn_total, self.ffn_offset = hidden, 0
         self.w1 = nn.Parameter(torch.empty(num_local, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_local, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, dim))
+
+    def expert_slice(self, name: str) -> tuple[tuple[int, int], int]:
+        """For weight ``name`` (w1, w3, w2): one whole expert's shape (D, F) or (F, D), and the
+        dim of it this module holds a slice of (from ``ffn_offset``)."""
+        D, F = self.w1.shape[1], self.ffn_total
+        return ((D, F), 1) if name in ("w1", "w3") else ((F, D), 0)
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None
                 ) -> torch.Tensor:

@@ -37,7 +37,12 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
-from moetrain.parallel.expert import apply_expert_parallel, configure_node_limited, configure_sequence_split
+from moetrain.parallel.expert import (
+    apply_expert_parallel,
+    apply_expert_tensor_parallel,
+    configure_node_limited,
+    configure_sequence_split,
+)
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, CP_TP, EP, PP, TP, ParallelState
@@ -159,6 +164,8 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 4. expert parallelism: local experts + all-to-all dispatch.
         if ps.size(EP) > 1:
             apply_expert_parallel(part.moe_layers(), ps)
+        if cfg.parallel.etp > 1:  # expert-tensor parallelism: each expert's ffn width over tp
+            apply_expert_tensor_parallel(part.moe_layers(), ps)
         # 4a. node-limited routing: each token's experts on at most M of the ep group's domains.
         if cfg.moe.max_nodes_per_token is not None and part.moe_layers():
             configure_node_limited(part.moe_layers(), ps, cfg.moe.max_nodes_per_token)

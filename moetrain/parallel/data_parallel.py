@@ -31,7 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor, Replicate
 
 from moetrain.model.moe import GroupedExperts
-from moetrain.parallel.state import DP_CP, EDP_TP, EP, PP, TP, ParallelState
+from moetrain.parallel.state import DP_CP, EDP, EDP_TP, EP, PP, TP, ParallelState
 from moetrain.parallel.tensor import TP_PARTIAL
 
 BUCKET_BYTES = 32 * 2**20
@@ -104,6 +104,12 @@ def _replicate_partial_grads(params: list[nn.Parameter]) -> None:
             p.grad = DTensor.from_local(local, mesh, placements, run_check=False)
 
 
+def expert_replica_axis(ps: ParallelState) -> str:
+    """The axis of the ranks holding replicas of the same expert pieces: ``edp_tp``, or ``edp``
+    under expert-tensor parallelism (where the tp ranks hold different columns)."""
+    return EDP if ps.parallel.etp > 1 else EDP_TP
+
+
 def reduced_by_fsdp(p: nn.Parameter) -> bool:
     """True for parameters whose gradients FSDP (ZeRO) reduces itself."""
     return getattr(p, "_moetrain_fsdp", False)
@@ -137,8 +143,9 @@ def reduce_gradients(parts: list[nn.Module], ps: ParallelState, exclude: frozens
     if ps.size(TP) > 1 and tp_partial:
         _allreduce_mean([_local(p.grad) for p in tp_partial], ps.group(TP), 1.0)
     if expert:
-        if ps.size(EDP_TP) > 1:
-            _allreduce_mean([_local(p.grad) for p in expert], ps.group(EDP_TP), divisor)
+        axis = expert_replica_axis(ps)
+        if ps.size(axis) > 1:
+            _allreduce_mean([_local(p.grad) for p in expert], ps.group(axis), divisor)
         elif divisor != 1:
             for p in expert:
                 p.grad.div_(divisor)
@@ -177,7 +184,7 @@ class OverlappedGradReducer:
         self.divisor = float(ps.size(DP_CP))
         dense, expert = split_expert_params(parts)
         self.buckets: list[_Bucket] = []
-        for params, axis in ((dense, DP_CP), (expert, EDP_TP)):
+        for params, axis in ((dense, DP_CP), (expert, expert_replica_axis(ps))):
             if ps.size(axis) == 1:  # nothing to communicate (experts are only divided, by finish)
                 continue
             eligible = [p for p in reversed(params) if p.requires_grad and not isinstance(p, DTensor)
@@ -274,6 +281,8 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
             dist.all_reduce(value, group=mesh.get_group(name))
         if key[0] and ps.size(EP) > 1:
             dist.all_reduce(value, group=ps.group(EP))
+        if key[0] and ps.parallel.etp > 1:  # expert-tensor parallelism: experts' columns over tp
+            dist.all_reduce(value, group=ps.group(TP))
         total += value
     if ps.size(PP) > 1:
         dist.all_reduce(total, group=ps.group(PP))

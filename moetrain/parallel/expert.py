@@ -144,6 +144,33 @@ class _SumOverGroup:
         return out
 
 
+def apply_expert_tensor_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
+    """Expert-tensor parallelism (``parallel.etp`` = tp): split each expert's ffn width F over the
+    tp ranks — w1 / w3 [El, D, F/tp] by columns, w2 [El, F/tp, D] by rows, as a dense MLP under
+    tp (Megatron-Core's expert-tensor-parallel group = the tp group here).
+
+    Every tp rank routes the whole sequence (the tp plan gives the MoE a replicated input), sends
+    the same rows to its ep peers (the ep group lies inside one tp coordinate), computes its
+    columns of every expert, and the experts' output is summed over tp before the combine
+    (:class:`moetrain.parallel.tensor.ReduceFromTP`; the input's gradient is summed over tp by
+    :class:`moetrain.parallel.tensor.CopyToTP`), so routing, combine and losses see whole
+    values. Call on the meta-device model after :func:`apply_expert_parallel`.
+    """
+    from moetrain.parallel.tensor import CopyToTP, ReduceFromTP
+
+    tp, tp_rank, group = ps.size(TP), ps.coord(TP), ps.group(TP)
+    for moe in moe_layers.values():
+        old = moe.experts
+        F = old.ffn_total
+        with torch.device(old.w1.device):
+            moe.experts = GroupedExperts(old.w1.shape[1], F // tp, old.num_local, old.expert_offset, old.num_experts,
+                                         old.backend)
+        moe.experts.ffn_total, moe.experts.ffn_offset = F, tp_rank * (F // tp)
+        moe.experts.register_forward_pre_hook(
+            lambda mod, args, group=group: (CopyToTP.apply(args[0], group), *args[1:]))
+        moe.experts.register_forward_hook(lambda mod, args, out, group=group: ReduceFromTP.apply(out, group))
+
+
 def configure_sequence_split(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
     """Make the MoE losses of a sequence split over cp × tp ranks equal the single-process ones.
 
@@ -152,14 +179,19 @@ def configure_sequence_split(moe_layers: dict[str, MoE], ps: ParallelState) -> N
     adds up to the whole. Gradients are averaged over cp (data-parallel reduction) but summed
     over tp (the tp ranks' parts are different tokens of the same sample), so the part is scaled
     by cp; the z-loss, a mean over tokens, is scaled by 1/tp for the same reason. Call it only
-    when ``cp_tp`` has more than one rank.
+    when ``cp_tp`` has more than one rank. With expert-tensor parallelism every tp rank routes
+    the whole cp-local sequence: only cp splits it, and each tp rank's losses are already whole.
     """
-    reducer = _SumOverGroup(ps.group(CP_TP))
+    etp = ps.parallel.etp > 1
+    axis = CP if etp else CP_TP
+    if ps.size(axis) == 1:
+        return
+    reducer = _SumOverGroup(ps.group(axis))
     for moe in moe_layers.values():
         moe.seq_count_reducer = reducer
-        moe.seq_split_size = ps.size(CP_TP)
+        moe.seq_split_size = ps.size(axis)
         moe.seq_split_scale = float(ps.size(CP))
-        moe.token_split_scale = 1.0 / ps.size(TP)
+        moe.token_split_scale = 1.0 if etp else 1.0 / ps.size(TP)
 
 
 def configure_node_limited(moe_layers: dict[str, MoE], ps: ParallelState, max_nodes: int) -> int:

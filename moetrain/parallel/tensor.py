@@ -87,7 +87,8 @@ from moetrain.config import Config
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
 
-__all__ = ["AllReduceSum", "apply_tensor_parallel", "loss_context", "tensor_parallel_plan", "TP_PARTIAL"]
+__all__ = ["AllReduceSum", "CopyToTP", "ReduceFromTP", "apply_tensor_parallel", "loss_context",
+           "tensor_parallel_plan", "TP_PARTIAL"]
 
 # Attribute set on plain parameters that see different tokens on each tp rank: their gradients
 # are summed over tp by reduce_gradients.
@@ -114,6 +115,39 @@ class AllReduceSum(torch.autograd.Function):
         return out, None
 
 
+class CopyToTP(torch.autograd.Function):
+    """Forward: ``x`` as it is (every tp rank holds the same). Backward: the sum of the
+    gradients over ``group`` — each rank's column slice of the weights gives a partial input
+    gradient (Megatron-LM's ``f`` operator, Shoeybi et al. 2019 §3 Fig. 3)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Forward: the sum of the partial outputs over ``group`` (all-reduce, in fp32). Backward:
+    the gradient as it is — every rank uses the summed output the same way (Megatron-LM's ``g``
+    operator)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.float().contiguous()
+        dist.all_reduce(out, group=group)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class _TPSum:
     """``stat_reducer`` of a projection q/k norm: :class:`AllReduceSum` over tp."""
 
@@ -124,10 +158,12 @@ class _TPSum:
         return AllReduceSum.apply(x, self.group)
 
 
-def tensor_parallel_plan(model: Transformer, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_tensor_parallel: bool = False
+                         ) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan (module path → style) for ``model`` (a whole
     :class:`Transformer` or a pipeline part of one: absent embedding / norm / head are left
-    out). See the module docstring for the placements."""
+    out). See the module docstring for the placements; with ``expert_tensor_parallel`` the MoE
+    takes the whole (replicated) sequence like a dense MLP and gives a replicated output."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
@@ -148,9 +184,13 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool) -> dict[st
             plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
         plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
         if block.moe is not None:
+            # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
+            # routes the whole sequence; its experts hold 1/tp of the ffn width and reduce their
+            # output over tp themselves (moetrain.parallel.expert.apply_expert_tensor_parallel).
+            local = Replicate() if expert_tensor_parallel else Shard(1)
             plan[f"{prefix}.moe"] = PrepareModuleInputOutput(
-                input_layouts=(seq,), desired_input_layouts=(Shard(1),), use_local_input=True,
-                output_layouts=(Shard(1),), desired_output_layouts=(seq,), use_local_output=True)
+                input_layouts=(seq,), desired_input_layouts=(local,), use_local_input=True,
+                output_layouts=(local,), desired_output_layouts=(seq,), use_local_output=True)
         else:
             plan[f"{prefix}.feed_forward"] = PrepareModuleInput(input_layouts=(seq,),
                                                                 desired_input_layouts=(Replicate(),))
@@ -184,13 +224,15 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
                     ("model.ffn_hidden", m.ffn_hidden if dense_mlp else 0), ("model.vocab_size", m.vocab_size)):
         if n % tp:
             raise ValueError(f"{what} = {n} is not divisible by tp = {tp}")
-    sp = cfg.parallel.sequence_parallel
-    parallelize_module(model, ps.submesh(TP), tensor_parallel_plan(model, sp))
+    sp, etp = cfg.parallel.sequence_parallel, cfg.parallel.etp > 1
+    parallelize_module(model, ps.submesh(TP), tensor_parallel_plan(model, sp, etp))
     if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
     for moe in model.moe_layers().values():
         for name, p in moe.named_parameters():
-            if not name.startswith("experts."):  # router, shared experts, shared gate
+            # router, shared experts, shared gate: different tokens on each tp rank (etp = 1);
+            # under etp every tp rank computes them on the same tokens, a full gradient each.
+            if not name.startswith("experts.") and not etp:
                 setattr(p, TP_PARTIAL, True)
     tp_rank = ps.coord(TP)
     for block in model.layers.values():

@@ -54,8 +54,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from moetrain.model.moe import GroupedExperts, Router
 from moetrain.model.transformer import Transformer
+from moetrain.parallel.data_parallel import expert_replica_axis
 from moetrain.parallel.precision import FP32_POLICY, fsdp_policy
-from moetrain.parallel.state import DP_CP, EDP_TP, ParallelState
+from moetrain.parallel.state import DP_CP, ParallelState
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -73,7 +74,7 @@ def apply_zero(model: Transformer, ps: ParallelState, stage: int, precision: str
     if stage not in ZERO_STAGES:
         raise ValueError(f"zero stage {stage!r}: apply_zero handles 1, 2 and 3 (0 is plain data parallel)")
     reshard = stage == 3
-    dense_mesh, expert_mesh = ps.submesh(DP_CP), ps.submesh(EDP_TP)
+    dense_mesh, expert_mesh = ps.submesh(DP_CP), ps.submesh(expert_replica_axis(ps))
     # fully_shard replaces every parameter with a new (DTensor) one: keep the ``_moetrain_*`` tags
     # earlier steps set (e.g. _moetrain_tp_partial from tensor parallelism).
     tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_moetrain_")}

@@ -296,7 +296,8 @@ class Trainer:
         scalars = torch.stack([lm_sum.to(dev, torch.float64), aux_sum, z_sum, dropped, n_moe])
         if self.ps.size(PP) > 1:
             dist.all_reduce(scalars, group=self.ps.group(PP))
-        tp = self.ps.size(TP)
+        # Under expert-tensor parallelism every tp rank routed the same tokens: nothing to add.
+        tp = self.ps.size(TP) if self.cfg.parallel.etp == 1 else 1
         if tp > 1:
             dist.all_reduce(scalars, group=self.ps.group(TP))
             for i in (0, 3, 4):  # python scalars: no host-to-device copy (a sync on CUDA)

@@ -268,11 +268,13 @@ def canonical_name(name: str) -> str:
     return ".".join(seg for seg in name.split(".") if seg not in _WRAPPER_SEGMENTS)
 
 
-def model_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter, int, tuple[int, ...]]]:
-    """(single-process name, parameter, row offset, single-process shape) of every parameter of
-    ``part``, shared (tied) ones once. For expert tensors ([El, ...] on this rank) the row offset
-    is the global index of the first local expert (``GroupedExperts.expert_offset``) and the
-    shape has all E experts; otherwise the offset is 0 and the shape is the parameter's (a
+def model_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...], tuple[int, ...]]]:
+    """(single-process name, parameter, offset, single-process shape) of every parameter of
+    ``part``, shared (tied) ones once. For expert tensors ([El, ...] on this rank, under
+    expert-tensor parallelism [El, ...] with 1/tp of the ffn width) the offset is where the
+    module's tensor starts in the whole [E, ...] one — the first local expert
+    (``GroupedExperts.expert_offset``) and its ffn columns (``ffn_offset``) — and the shape has all
+    E experts at full width; otherwise the offset is zeros and the shape is the parameter's (a
     DTensor's global shape)."""
     seen: set[int] = set()
     for mod_name, module in part.named_modules():
@@ -281,9 +283,13 @@ def model_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter, int, 
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            shape = (module.num_experts,) + tuple(p.shape[1:]) if experts else tuple(p.shape)
-            yield (canonical_name(f"{mod_name}.{pname}" if mod_name else pname), p,
-                   module.expert_offset if experts else 0, shape)
+            offset, shape = (0,) * p.ndim, tuple(p.shape)
+            if experts:
+                one, ffn_dim = module.expert_slice(pname)
+                starts = [module.expert_offset, 0, 0]
+                starts[1 + ffn_dim] = module.ffn_offset
+                offset, shape = tuple(starts), (module.num_experts,) + tuple(one)
+            yield canonical_name(f"{mod_name}.{pname}" if mod_name else pname), p, offset, shape
 
 
 def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -329,7 +335,7 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     tensors = read_manifest(path)["tensors"]
     handles: dict[str, object] = {}
     params = [item for part in parts for item in model_parameters(part)]
-    for name, p, row_offset, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
+    for name, p, offset, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
         rec = tensors.get(name)
         if rec is None:
             raise WeightsError(f"{path}: has no tensor {name}, which the model has (are these the weights of "
@@ -338,7 +344,7 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
             raise WeightsError(f"{path}: tensor {name} is {tuple(rec['shape'])}, the model's is {shape}")
         if rec["file"] not in handles:
             handles[rec["file"]] = safe_open(str(path / rec["file"]), framework="pt")
-        local, slices = local_piece(p, row_offset)
+        local, slices = local_piece(p, offset)
         local.copy_(handles[rec["file"]].get_slice(name)[slices].to(local.dtype))
 
 

@@ -1,0 +1,70 @@
+"""Expert-tensor parallelism (``parallel.etp`` = tp, moetrain.parallel.expert
+.apply_expert_tensor_parallel): each expert's ffn width split over the tp ranks gives the
+one-process losses and gradients (the test_equivalence tolerances), with and without sequence
+parallelism, with expert parallelism and with ZeRO; the experts hold 1/tp of their weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moetrain.model.moe import GroupedExperts
+from moetrain.parallel.state import EP, TP
+from moetrain.train.trainer import Trainer
+
+from conftest import tiny_config
+from multiproc import run_distributed
+from test_equivalence import STEPS, assert_matches, full_grads, merged
+
+MODEL = {"vocab_size": 260}
+MOE = {"first_dense": 1, "ffn_hidden": 48}
+
+
+def etp_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE)
+    trainer = Trainer(cfg, write_files=False)
+    captured: dict = {}
+    shapes = {n: tuple(m.w1.shape) for part in trainer.model_parts for n, m in part.named_modules()
+              if isinstance(m, GroupedExperts)}
+
+    def hook(opt, args, kwargs):
+        if captured:
+            return
+        grads = full_grads(trainer)  # experts gathered over ep; under etp their columns over tp too
+        if trainer.ps.parallel.etp > 1:
+            for name, g in list(grads.items()):
+                if ".experts." in name:
+                    pieces = [torch.empty_like(g) for _ in range(trainer.ps.size(TP))]
+                    dist.all_gather(pieces, g.contiguous(), group=trainer.ps.group(TP))
+                    grads[name] = torch.cat(pieces, dim=2 if not name.endswith("w2") else 1)
+        captured.update(grads)
+
+    trainer.optimizers[0].register_step_pre_hook(hook)
+    losses = [trainer.train_step().loss for _ in range(STEPS)]
+    return {"losses": losses, "grads": captured, "shapes": shapes}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_shards, tmp_path_factory):
+    return run_distributed(etp_capture, 1, str(tiny_shards), str(tmp_path_factory.mktemp("etp-ref")), {})[0]
+
+
+CASES = [
+    ({"tp": 2, "etp": 2}, 2),
+    ({"tp": 2, "etp": 2, "sequence_parallel": True}, 2),
+    ({"dp": 2, "tp": 2, "ep": 2, "etp": 2, "sequence_parallel": True}, 4),
+    ({"dp": 2, "tp": 2, "etp": 2, "zero_stage": 2}, 4),
+]
+
+
+@pytest.mark.parametrize("parallel, world", CASES, ids=["tp2-etp2", "tp2-sp-etp2", "dp2-tp2-ep2-sp-etp2",
+                                                        "dp2-tp2-etp2-zero2"])
+def test_etp_matches_single_process(parallel, world, reference, tiny_shards, tmp_path):
+    results = run_distributed(etp_capture, world, str(tiny_shards), str(tmp_path), parallel)
+    assert_matches(merged(results), reference)
+    # Each rank holds 1/tp of every expert's width (and 1/ep of the experts).
+    E, D, F = reference["shapes"]["layers.1.moe.experts"]
+    if "zero_stage" not in parallel:
+        assert results[0]["shapes"]["layers.1.moe.experts"] == (E // parallel.get("ep", 1), D, F // parallel["tp"])
