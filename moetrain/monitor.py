@@ -97,6 +97,10 @@ class Status:
     warnings: list[str] = field(default_factory=list)
 
 
+# The events.jsonl kinds shown as "restarts and causes".
+LIFECYCLE_EVENTS = ("stopped", "requeue", "restart", "hang", "checkpoint_skipped", "resumed", "gave_up")
+
+
 def collect(run_dir: Path, now: float | None = None) -> Status:
     now = time.time() if now is None else now
     cfg = read_config(run_dir)
@@ -119,7 +123,7 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
             if total:
                 st.eta_s = max(0, total - st.step) * st.median_step_s
     events = read_events(run_dir)
-    st.restarts = [e for e in events if e["event"] in ("stopped", "requeue", "hang", "resumed", "gave_up")]
+    st.restarts = [e for e in events if e["event"] in LIFECYCLE_EVENTS]
     sub = read_json(run_dir / "submission.json", {}) or {}
     ids = [j["job_id"] for j in sub.get("jobs", [])]
     st.jobs = sacct_states(ids)

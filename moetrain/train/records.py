@@ -11,7 +11,13 @@ Files (all written atomically: temp file + rename, or one appended line):
   never complete a checkpoint or add metrics of the current attempt.
 * ``heartbeats/rank00000.json`` — per rank: step, phase, time, host, pid, attempt seq.
 * ``events.jsonl`` — one line per lifecycle event: started, resumed, stopped by a signal,
-  requeued, hang detected, gave up, finished.
+  requeued, restarted (locally), hang detected, checkpoint skipped as corrupt, failed, gave up,
+  finished.
+* ``failures/<job id>.<restart>/rank00000.json`` — per rank that failed: its exception's type
+  and message (the traceback stays in the rank's log, whose path is recorded), and its kind:
+  ``error`` (its own: a bad shard, a full disk), ``peer`` (a collective failed because another
+  rank died or timed out) or ``hang`` (the watchdog ended it). :func:`diagnose` turns the
+  records of an attempt into its cause, and whether restarting can help.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -120,3 +127,104 @@ def read_heartbeats(run_dir: Path) -> list[dict]:
         return []
     beats = [read_json(p) for p in sorted(d.glob("rank*.json"))]
     return [b for b in beats if isinstance(b, dict)]
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+# What a collective raises when its peer is gone or silent (gloo: "Connection closed by peer",
+# "Timed out waiting ... for recv"; NCCL: DistBackendError, "watchdog", "timeout").
+_PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
+               "gloo/transport", "nccl", "socket", "remote worker")
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``peer`` for a failed collective (another rank died or is stuck: restarting can help),
+    else ``error`` (this rank's own: restarting would repeat it)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, StaleAttemptError):
+        return "error"
+    text = str(exc).lower()
+    if isinstance(exc, dist.DistError) or any(sign in text for sign in _PEER_SIGNS):
+        return "peer"
+    return "error"
+
+
+def failures_dir(run_dir: Path, job_id: str, restart: int) -> Path:
+    return Path(run_dir) / "failures" / f"{job_id}.{restart}"
+
+
+def record_failure(run_dir: Path, job_id: str, restart: int, rank: int, kind: str, type_name: str, message: str,
+                   log_path: str) -> dict:
+    """Write this rank's failure record (see the module docstring); returns it."""
+    rec = {"rank": rank, "kind": kind, "type": type_name, "message": message.strip()[:2000], "log": log_path,
+           "host": node_name(), "pid": os.getpid(), "time": time.time()}
+    atomic_write_json(failures_dir(run_dir, job_id, restart) / f"rank{rank:05d}.json", rec)
+    return rec
+
+
+def read_failures(run_dir: Path, job_id: str, restart: int) -> list[dict]:
+    """The failure records of one attempt, by rank."""
+    d = failures_dir(run_dir, job_id, restart)
+    recs = [read_json(p) for p in sorted(d.glob("rank*.json"))] if d.is_dir() else []
+    return [r for r in recs if isinstance(r, dict)]
+
+
+@dataclass
+class Diagnosis:
+    """Why an attempt failed. ``cause``: one line. ``restartable``: a rank died, hung or a
+    collective failed (a restart from the checkpoint can succeed); not for a rank's own error.
+    ``culprit``: the failure record that explains it (None when a rank died without one).
+    ``dead``: ranks with no record (killed by a signal, the OOM killer, a lost node)."""
+
+    cause: str
+    restartable: bool
+    culprit: dict | None = None
+    dead: list[int] = field(default_factory=list)
+    peers: list[dict] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """A few lines for the console: the cause, where the full traceback is, the others."""
+        out = [self.cause]
+        if self.culprit is not None:
+            out.append(f"  log (full traceback): {self.culprit['log']}")
+        if self.peers:
+            ranks = ", ".join(str(p["rank"]) for p in self.peers[:8]) + (" ..." if len(self.peers) > 8 else "")
+            out.append(f"  rank(s) {ranks} then failed on the lost connection "
+                       f"({self.peers[0]['type']}: {_first_line(self.peers[0]['message'])})")
+        return out
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def diagnose(failures: list[dict], world_size: int) -> Diagnosis:
+    """The cause of a failed attempt from its ranks' failure records (:func:`read_failures`).
+
+    In order: a rank's own error (the lowest rank raising one; not restartable) — a hang the
+    watchdog ended — ranks that left no record while others failed on lost connections (they
+    died) — every rank failing in a collective (a time-out)."""
+    by_rank = {f["rank"]: f for f in failures}
+    peers = sorted((f for f in failures if f["kind"] == "peer"), key=lambda f: f["rank"])
+    own = sorted((f for f in failures if f["kind"] == "error"), key=lambda f: f["rank"])
+    hangs = sorted((f for f in failures if f["kind"] == "hang"), key=lambda f: f["rank"])
+    dead = [r for r in range(world_size) if r not in by_rank]
+    if own:
+        f = own[0]
+        more = f" (and rank(s) {', '.join(str(o['rank']) for o in own[1:4])} the same)" if len(own) > 1 else ""
+        return Diagnosis(f"rank {f['rank']} ({f['host']}) raised {f['type']}: {_first_line(f['message'], 400)}{more}",
+                         False, f, dead, peers)
+    if hangs:
+        f = hangs[0]
+        return Diagnosis(f"hang: {_first_line(f['message'], 400)}", True, f, dead, peers)
+    if dead:
+        ranks = ", ".join(str(r) for r in dead[:8]) + (" ..." if len(dead) > 8 else "")
+        return Diagnosis(f"rank(s) {ranks} died without an error (killed by a signal such as SIGKILL, the OOM "
+                         f"killer, or a lost node)", True, None, dead, peers)
+    if peers:
+        f = peers[0]
+        return Diagnosis(f"every rank failed in a collective (a time-out or a network failure): "
+                         f"{f['type']}: {_first_line(f['message'])}", True, f, [], peers[1:])
+    return Diagnosis("the job failed without any rank recording why", True)
