@@ -210,10 +210,11 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout, events: EventPri
     return str(results[0])
 
 
-def failure(cfg: Config, job: Any, restart: int, error: BaseException) -> Diagnosis:
-    """Why the job failed, from its ranks' failure records (:func:`moetrain.train.records.diagnose`);
-    without any record (the job never started, was cancelled), submitit's message."""
-    records = read_failures(cfg.run_dir, str(job.job_id), restart)
+def failure(cfg: Config, job: Any, error: BaseException) -> Diagnosis:
+    """Why the job failed, from the failure records of its last attempt
+    (:func:`moetrain.train.records.diagnose`); without any record (the job never started, was
+    cancelled), submitit's message."""
+    records = read_failures(cfg.run_dir, str(job.job_id))
     if records:
         return diagnose(records, cfg.world_size)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             job.cancel()
             return 130
         except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure
-            why = failure(cfg, job, restart, e)
+            why = failure(cfg, job, e)
             print("run failed: " + "\n".join(why.lines()), file=sys.stderr, flush=True)
             if cfg.launch.cluster == "local" and why.restartable:
                 if restart < cfg.launch.max_restarts:

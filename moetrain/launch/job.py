@@ -143,9 +143,12 @@ class TrainJob(submitit.helpers.Checkpointable):
                     return
                 time.sleep(0.5)
             return
-        time.sleep(3.0)  # let the other survivors record themselves: the silent ranks are the dead ones
-        why = diagnose(read_failures(cfg.run_dir, str(env.job_id), restart), env.num_tasks)
+        # Requeue first: a cluster that ends a step when one task fails (KillOnBadExit) must not
+        # end this process before it has. Then let the other survivors record themselves, so
+        # that the cause names the dead rank(s).
         ok = requeue_slurm_job()
+        time.sleep(3.0)
+        why = diagnose(read_failures(cfg.run_dir, str(env.job_id), restart), env.num_tasks)
         atomic_write_json(where / "requeue.json", {"ok": ok, "cause": why.cause})
         append_event(cfg.run_dir, None, "requeue", cause=why.cause, restart=restart + 1, ok=ok)
         log.error("requeue of the job (restart %d of %d) %s: %s", restart + 1, cfg.launch.max_restarts,

@@ -174,6 +174,7 @@ class Checkpointer:
         self._shard_mesh: DeviceMesh | None = None
         self._pending: Future | None = None
         self.last_stall_s = 0.0  # seconds the last save() kept the caller (staging, or all of it)
+        self.last_background_s = 0.0  # seconds from staged to written and hashed (rank 0: committed)
         self.skipped: list[tuple[Path, str]] = []  # corrupt checkpoints the last latest_valid() skipped
 
     # -- state dict with layout-independent expert tensors ------------------------------------
@@ -344,6 +345,7 @@ class Checkpointer:
             raise
         if self.ps.rank == 0:
             self._commit(tmp, final, meta, started)
+        self.last_background_s = time.time() - started
         return final
 
     def _commit(self, tmp: Path, final: Path, meta: dict, started: float) -> None:

@@ -24,13 +24,15 @@ import json
 import logging
 import statistics
 import time
+import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+from moetrain.config import Config, field_error, to_dict
 
-from moetrain.config import Config, ConfigError, field_error, to_dict
+if TYPE_CHECKING:  # torch is imported where used: the monitor and submit CLIs read this module
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ def device_peak_tflops(device: torch.device, configured: float | None) -> float 
         return configured
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
 
@@ -121,12 +125,13 @@ class TensorBoardSink:
         self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None, flush_secs=10)
 
     def write(self, rec: dict) -> None:
+        import numpy as np
+
         step = rec["step"]
         for tag, value in flat_scalars(rec).items():
             self.writer.add_scalar(tag, value, step)
         for layer, load in rec.get("expert_load", {}).items():
-            self.writer.add_histogram(f"expert_load/{layer}/tokens", torch.tensor(load["tokens"], dtype=torch.float64),
-                                      step)
+            self.writer.add_histogram(f"expert_load/{layer}/tokens", np.asarray(load["tokens"], dtype=np.float64), step)
 
     def close(self) -> None:
         self.writer.close()
@@ -141,7 +146,7 @@ class WandbSink:
 
         w = cfg.metrics.wandb
         id_file = cfg.run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self.wandb = wandb
         self.run = wandb.init(project=w.project, entity=w.entity, mode=w.mode, dir=str(cfg.run_dir), id=run_id,
