@@ -237,8 +237,10 @@ class LaunchConfig:
     process per rank on this machine) or ``slurm``. ``tasks_per_node``: ``null`` follows from
     the parallel sizes (world size / nodes). ``gpus_per_node``: 0 on CPU. ``time_min``: SLURM
     time limit in minutes. ``signal_delay_s``: seconds before the time limit at which SLURM sends
-    the pre-timeout signal. ``max_restarts``: requeues (time-outs, preemptions, failures) before
-    the run gives up. ``profile``: cluster profile name or path (see slurm/).
+    the pre-timeout signal. ``max_restarts``: restarts from the latest complete checkpoint —
+    SLURM requeues (time-outs, preemptions, node failures, dead ranks, hangs) or, locally,
+    relaunches by the submit command (dead ranks, failed collectives, hangs) — before the run
+    gives up. ``profile``: cluster profile name or path (see slurm/).
     ``cpus_per_task``: CPU cores per process, asked of SLURM and used as the process's torch
     threads; ``null`` (default) asks SLURM for nothing and uses the cores the launcher gives the
     task: SLURM's ``SLURM_CPUS_PER_TASK`` or the task's CPU affinity, shared by the local ranks."""

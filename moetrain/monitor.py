@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from moetrain.train.metrics import format_duration
-from moetrain.train.records import read_events, read_heartbeats, read_json
+from moetrain.train.records import read_events, read_heartbeats, read_json, read_jsonl
 
 
 def registry_path() -> Path:
@@ -168,15 +168,7 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of ``<run_dir>/metrics.jsonl`` (a partly written last line is skipped)."""
-    records = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def plot(run_dir: Path, out: Path) -> Path:

@@ -92,8 +92,8 @@ def append_event(run_dir: Path, fence: Fence | None, kind: str, **fields: object
         f.write(json.dumps(rec) + "\n")
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "events.jsonl"
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file ([] when absent; a partly written line is skipped)."""
     if not path.is_file():
         return []
     out = []
@@ -103,6 +103,10 @@ def read_events(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / "events.jsonl")
 
 
 class Heartbeat:
