@@ -207,7 +207,10 @@ class TrainJob(submitit.helpers.Checkpointable):
                            f"suspected node(s) {nodes}; stacks in {cfg.run_dir / 'stacks'}", str(env.paths.stdout))
             if on_slurm and restart < cfg.launch.max_restarts:
                 where = failures_dir(cfg.run_dir, str(env.job_id), restart)
-                requeued = claim_requeue(where) and requeue_slurm_job(exclude=excluded)
+                if not claim_requeue(where):  # a failing rank is requeueing the job already
+                    time.sleep(600)
+                    _exit_now(1)
+                requeued = requeue_slurm_job(exclude=excluded)
                 atomic_write_json(where / "requeue.json", {"ok": requeued, "cause": "hang"})
                 append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
                 if requeued:

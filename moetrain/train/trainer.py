@@ -36,13 +36,12 @@ import torch.distributed as dist
 
 from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
-from moetrain.data.shards import TokenShards
+from moetrain.data.shards import TokenShards, verify_shards
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm, reduce_gradients
 from moetrain.parallel.state import CP, DP, DP_CP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
-from moetrain.data.shards import verify_shards
 from moetrain.train.flops import flops_per_token
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
