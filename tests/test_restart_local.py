@@ -112,3 +112,26 @@ def test_rank_error_is_reported_in_a_few_lines_and_not_restarted(tiny_shards, tm
     assert log_path.is_file() and "Traceback" in log_path.read_text(), log_path
     assert "Traceback" not in out, "the console shows the error, the traceback stays in the log"
     assert "restart" not in [e["event"] for e in read_events(tmp_path / "run")], "a rank's own error restarted"
+
+
+def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
+    from moetrain.data.shards import ShardError
+    from moetrain.train.records import StaleAttemptError, diagnose, failure_kind
+
+    def peer(rank, dead=()):
+        return {"rank": rank, "kind": "peer", "type": "RuntimeError", "host": "n1", "log": f"log{rank}",
+                "message": "[gloo/transport/tcp/pair.cc:553] Connection closed by peer", "dead_on_node": list(dead)}
+
+    own = {"rank": 2, "kind": "error", "type": "ShardError", "host": "n2", "log": "log2",
+           "message": "x.bin: the file is truncated\nsecond line"}
+    d = diagnose([peer(0), peer(1), own], 4)
+    assert not d.restartable and d.cause == "rank 2 (n2) raised ShardError: x.bin: the file is truncated"
+    assert d.lines()[1] == "  log (full traceback): log2" and "rank(s) 0, 1 then failed" in d.lines()[2]
+    d = diagnose([peer(0, dead=[3]), peer(1)], 4)  # rank 3 seen dead on its node; rank 2 still blocked
+    assert d.restartable and d.dead == [3] and d.silent == [2] and d.cause.startswith("rank(s) 3 died")
+    d = diagnose([peer(0), peer(1)], 2)
+    assert d.restartable and d.cause.startswith("every rank failed in a collective")
+    assert failure_kind(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1")) == "peer"
+    assert failure_kind(RuntimeError("Timed out waiting 600000ms for recv operation")) == "peer"
+    assert failure_kind(ShardError("x.bin: sha256 mismatch")) == "error"
+    assert failure_kind(StaleAttemptError("attempt 1 is stale: ... timed out")) == "error"
