@@ -1,7 +1,7 @@
 """Run configuration: one YAML file → typed, frozen dataclasses, validated as a whole.
 
 A run is described by the sections ``run``, ``model``, ``moe``, ``parallel``, ``data``,
-``train``, ``checkpoint`` and ``launch``. ``load_config(path, overrides)`` reads the YAML,
+``train``, ``checkpoint``, ``launch`` and ``metrics``. ``load_config(path, overrides)`` reads the YAML,
 applies ``section.key=value`` overrides (values parsed as YAML scalars), checks every key and
 type, and runs every cross-field rule (world size, divisibility, batch arithmetic) before any
 process starts. Every failure raises :class:`ConfigError` whose message names the field, the
@@ -33,6 +33,8 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "LaunchConfig",
+    "MetricsConfig",
+    "WandbConfig",
     "Config",
     "load_config",
     "config_from_dict",
@@ -239,12 +241,17 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """``path``: directory holding ``manifest.json`` and token shards (written by
-    ``tools/tokenize_corpus.py``). ``verify``: ``sha256`` checks every shard's checksum before
-    training, ``size`` only its length. ``val_batches``: validation micro-batches per
-    evaluation. ``document_mask``: attention stays inside each document of a packed sample
-    (documents as the shards' index records them) instead of seeing the end of the previous one.
-    ``reset_position_ids``: with ``document_mask``, RoPE positions restart at 0 at every
-    document start (Megatron's ``--reset-position-ids``)."""
+    ``tools/tokenize_corpus.py``). ``verify``: checked before training, each rank checking a
+    disjoint share of the files (about 1/ranks of the bytes) and one collective agreeing on the
+    result: ``sha256`` checks every shard's checksum once per content — a shard whose size and
+    mtime match a verified entry of the cache (``<path>/.moetrain-verified.json``, or
+    ``<run.dir>/verified-shards.json`` when the data directory is read-only) is not read again —
+    ``size`` only lengths (instant; catches truncation, not altered bytes).
+    ``val_batches``: validation micro-batches per evaluation. ``document_mask``: attention stays
+    inside each document of a packed sample (documents as the shards' index records them)
+    instead of seeing the end of the previous one. ``reset_position_ids``: with
+    ``document_mask``, RoPE positions restart at 0 at every document start (Megatron's
+    ``--reset-position-ids``)."""
 
     path: str = "data/demo/shards"
     verify: Literal["sha256", "size"] = "sha256"
@@ -292,13 +299,20 @@ class CheckpointConfig:
     written by ``python -m moetrain.hf import``, a training checkpoint ``step_XXXXXXXX`` or a
     directory of them (its latest complete one is taken) — with a fresh optimizer, step 0 and the
     data from its start; ignored when this run has a checkpoint to resume from (resume wins). See
-    :mod:`moetrain.train.weights`."""
+    :mod:`moetrain.train.weights`. ``async`` (YAML key; ``async_`` in Python): the periodic
+    checkpoints are staged to host memory and written, hashed and committed in the background
+    while training goes on; the next checkpoint waits for the previous one (``false``: the step
+    waits for the write). ``timeout_s``: seconds a checkpoint may take to be written by every rank
+    and committed (bounds the checkpoint's own collectives and rank 0's wait for every rank's
+    hashes)."""
 
     dir: str | None = None
     every: int = 50
     keep: int = 2
     resume: bool = True
     init_from: str | None = None
+    async_: bool = field(default=True, metadata={"key": "async"})
+    timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -307,8 +321,10 @@ class LaunchConfig:
     process per rank on this machine) or ``slurm``. ``tasks_per_node``: ``null`` follows from
     the parallel sizes (world size / nodes). ``gpus_per_node``: 0 on CPU. ``time_min``: SLURM
     time limit in minutes. ``signal_delay_s``: seconds before the time limit at which SLURM sends
-    the pre-timeout signal. ``max_restarts``: requeues (time-outs, preemptions, failures) before
-    the run gives up. ``profile``: cluster profile name or path (see slurm/).
+    the pre-timeout signal. ``max_restarts``: restarts from the latest complete checkpoint —
+    SLURM requeues (time-outs, preemptions, node failures, dead ranks, hangs) or, locally,
+    relaunches by the submit command (dead ranks, failed collectives, hangs) — before the run
+    gives up. ``profile``: cluster profile name or path (see slurm/).
     ``cpus_per_task``: CPU cores per process, asked of SLURM and used as the process's torch
     threads; ``null`` (default) asks SLURM for nothing and uses the cores the launcher gives the
     task: SLURM's ``SLURM_CPUS_PER_TASK`` or the task's CPU affinity, shared by the local ranks."""
@@ -336,6 +352,34 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (``metrics.wandb``, e.g. ``{project: moe, mode: offline}``). ``project``:
+    the W&B project. ``mode``: ``offline`` writes ``<run.dir>/wandb`` only (``wandb sync`` it
+    later), ``online`` streams to the W&B server (needs ``wandb login``). ``entity``: team or
+    user; ``null`` is the account's default."""
+
+    project: str = ""
+    mode: Literal["offline", "online"] = "offline"
+    entity: str | None = None
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where the step metrics go besides ``<run.dir>/metrics.jsonl`` and the console (rank 0
+    writes them all, from the same record). ``tensorboard``: TensorBoard event files in
+    ``tensorboard_dir`` (``null``: ``<run.dir>/tensorboard``); needs the ``tensorboard`` extra.
+    ``wandb``: ``null`` or a mapping (see :class:`WandbConfig`); needs the ``wandb`` extra.
+    ``peak_tflops``: the device's peak TFLOP/s for MFU (model TFLOP/s per device ÷ peak);
+    ``null`` looks the CUDA device's dense bf16 peak up by name (H100, H200, A100, ...) and
+    logs no MFU on CPU."""
+
+    tensorboard: bool = False
+    tensorboard_dir: str | None = None
+    wandb: WandbConfig | None = None
+    peak_tflops: float | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -345,6 +389,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     # Derived quantities used across the code base.
     @property
@@ -385,6 +430,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "launch": LaunchConfig,
+    "metrics": MetricsConfig,
 }
 
 
@@ -401,12 +447,16 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping {" + ", ".join(f"{_key(f)}: ..." for f in fields(tp)) + "}"
     return getattr(tp, "__name__", str(tp))
 
 
 def _coerce(name: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # a nested mapping such as metrics.wandb
+        return _build_dataclass(name, tp, value)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -414,6 +464,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         for a in args:
             if a is type(None):
                 continue
+            if dataclasses.is_dataclass(a) and isinstance(value, dict):
+                return _build_dataclass(name, a, value)  # its own, precise errors
             try:
                 return _coerce(name, value, a)
             except ConfigError:
@@ -446,25 +498,36 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported annotation {tp!r} for {name}")
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's YAML key: its name, or ``metadata["key"]`` where the key is a Python keyword
+    (``checkpoint.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
+
+
 def _build_section(section: str, raw: Any) -> Any:
-    cls = _SECTION_TYPES[section]
+    return _build_dataclass(section, _SECTION_TYPES[section], raw)
+
+
+def _build_dataclass(section: str, cls: type, raw: Any) -> Any:
+    """``cls`` from the mapping ``raw`` (a section, or a nested mapping such as metrics.wandb)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise field_error(section, raw, "a section must be a mapping of keys to values",
                    f"write `{section}:` followed by indented `key: value` lines")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
+    by_key = {_key(f): f.name for f in fields(cls)}
+    known = set(by_key)
     kwargs = {}
     for key, value in raw.items():
         if f"{section}.{key}" in REMOVED_KEYS:
             problem, fix = REMOVED_KEYS[f"{section}.{key}"](value)
             raise field_error(f"{section}.{key}", value, problem, fix)
         if key not in known:
-            close = _closest(key, known)
+            close = _closest(str(key), known)
             hint = f"did you mean {section}.{close}?" if close else f"valid keys: {', '.join(sorted(known))}"
             raise field_error(f"{section}.{key}", value, "unknown key", hint)
-        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+        kwargs[by_key[key]] = _coerce(f"{section}.{key}", value, hints[by_key[key]])
     return cls(**kwargs)
 
 
@@ -559,7 +622,7 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 
 def to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in fields(obj)}
     return obj
 
 
@@ -822,6 +885,17 @@ def validate(cfg: Config) -> None:
         raise field_error("launch.gpus_per_node", ln.gpus_per_node,
                    f"fewer GPUs than tasks per node ({tpn}); one task drives one GPU",
                    f"set launch.gpus_per_node={tpn} or 0 for CPU runs")
+    # Checkpoints and metrics.
+    if cfg.checkpoint.timeout_s <= 0:
+        raise field_error("checkpoint.timeout_s", cfg.checkpoint.timeout_s, "must be positive",
+                   "use the seconds a checkpoint may take, e.g. 1800")
+    mt = cfg.metrics
+    if mt.peak_tflops is not None and mt.peak_tflops <= 0:
+        raise field_error("metrics.peak_tflops", mt.peak_tflops, "must be positive",
+                   "give the device's peak TFLOP/s (e.g. 989 for an H100 in bf16) or null")
+    if mt.wandb is not None and not mt.wandb.project.strip():
+        raise field_error("metrics.wandb.project", mt.wandb.project, "a W&B run needs a project",
+                   "write `wandb: {project: NAME, mode: offline}` in the metrics section")
     if ln.heartbeat_timeout_factor <= 1:
         raise field_error("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
                    "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")

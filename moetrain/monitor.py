@@ -1,11 +1,14 @@
-"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json]``
+"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json] [--plot OUT.png]``
 
 Shows a run's health from outside the job: its SLURM state (sacct, every requeued instance),
 restarts and their causes (``events.jsonl``), training progress (``metrics.jsonl``: step / total
 with a bar, loss, tokens/s, time to finish), every rank's heartbeat, and a warning when the run
 is stalled or failing. A job id is mapped to its run directory through the registry that
 ``moetrain.submit`` appends to (``$MOETRAIN_HOME/jobs.jsonl``, default ``~/.cache/moetrain``).
-Exit status: 0 running or done, 1 failing / gave up, 2 stalled, 4 unknown run.
+``--plot OUT.png`` draws the run's loss and validation loss, tokens/s and each MoE layer's
+max/mean expert load against step (matplotlib, the ``plot`` extra).
+Exit status: 0 running or done, 1 failing / gave up, 2 stalled (or ``--plot`` without
+matplotlib), 4 unknown run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from moetrain.train.records import read_events, read_heartbeats, read_json
+from moetrain.train.metrics import format_duration
+from moetrain.train.records import read_events, read_heartbeats, read_json, read_jsonl
 
 
 def registry_path() -> Path:
@@ -97,19 +101,16 @@ class Status:
     warnings: list[str] = field(default_factory=list)
 
 
+# The events.jsonl kinds shown as "restarts and causes".
+LIFECYCLE_EVENTS = ("stopped", "requeue", "restart", "hang", "checkpoint_skipped", "resumed", "gave_up")
+
+
 def collect(run_dir: Path, now: float | None = None) -> Status:
     now = time.time() if now is None else now
     cfg = read_config(run_dir)
     total = cfg.get("train", {}).get("steps") if cfg else None
     st = Status(run_dir=str(run_dir), total_steps=total)
-    records = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    records = read_metrics(run_dir)
     if records:
         last = records[-1]
         st.step, st.loss, st.tokens_per_s = last["step"], last["loss"], last.get("tokens_per_s")
@@ -119,7 +120,7 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
             if total:
                 st.eta_s = max(0, total - st.step) * st.median_step_s
     events = read_events(run_dir)
-    st.restarts = [e for e in events if e["event"] in ("stopped", "requeue", "hang", "resumed", "gave_up")]
+    st.restarts = [e for e in events if e["event"] in LIFECYCLE_EVENTS]
     sub = read_json(run_dir / "submission.json", {}) or {}
     ids = [j["job_id"] for j in sub.get("jobs", [])]
     st.jobs = sacct_states(ids)
@@ -165,6 +166,52 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
     return st
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl`` (a partly written last line is skipped)."""
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def plot(run_dir: Path, out: Path) -> Path:
+    """Draw loss and validation loss, tokens/s and max/mean expert load per MoE layer against
+    step into ``out`` (PNG, or any format matplotlib infers from the suffix).
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (the ``plot`` extra).
+        ValueError: the run has no metrics yet.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: no metrics yet")
+    steps = [r["step"] for r in records]
+    fig, (ax_loss, ax_tok, ax_load) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    ax_loss.plot(steps, [r["loss"] for r in records], label="train loss")
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if val:
+        ax_loss.plot(*zip(*val), "o-", label="validation loss")
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend()
+    ax_tok.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records])
+    ax_tok.set_ylabel("tokens/s")
+    for layer in records[-1].get("expert_load", {}):
+        ax_load.plot(steps, [r.get("expert_load", {}).get(layer, {}).get("max_over_mean", float("nan"))
+                             for r in records], label=f"layer {layer}")
+    ax_load.axhline(1.0, color="grey", lw=0.5)
+    ax_load.set_ylabel("expert load max/mean")
+    ax_load.set_xlabel("step")
+    if records[-1].get("expert_load"):
+        ax_load.legend(fontsize="small", ncol=4)
+    fig.suptitle(f"{run_dir}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def read_config(run_dir: Path) -> dict | None:
     try:
         return yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -179,11 +226,6 @@ def _bar(step: int, total: int | None, width: int = 30) -> str:
     return "[" + "#" * filled + "-" * (width - filled) + f"] {step}/{total}"
 
 
-def _dur(s: float | None) -> str:
-    if s is None:
-        return "?"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def render(st: Status, now: float | None = None) -> str:
@@ -194,8 +236,8 @@ def render(st: Status, now: float | None = None) -> str:
     lines.append(f"progress {_bar(st.step, st.total_steps)}"
                  + (f" | loss {st.loss:.4f}" if st.loss is not None else "")
                  + (f" | {st.tokens_per_s:.0f} tok/s" if st.tokens_per_s else "")
-                 + (f" | {_dur(st.median_step_s)}/step" if st.median_step_s else "")
-                 + (f" | eta {_dur(st.eta_s)}" if st.eta_s is not None else ""))
+                 + (f" | {format_duration(st.median_step_s)}/step" if st.median_step_s else "")
+                 + (f" | eta {format_duration(st.eta_s)}" if st.eta_s is not None else ""))
     if st.restarts:
         lines.append("restarts and causes:")
         for e in st.restarts[-10:]:
@@ -222,12 +264,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--follow", action="store_true", help="refresh until the run ends")
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --follow")
     ap.add_argument("--format", choices=("text", "json"), default="text")
+    ap.add_argument("--plot", metavar="OUT.png", type=Path,
+                    help="draw loss, validation loss, tokens/s and expert load against step, then exit")
     args = ap.parse_args(argv)
     run_dir = resolve_run_dir(args.target)
     if run_dir is None:
         print(f"monitor: {args.target!r} is neither a run directory nor a job id known to {registry_path()}",
               file=sys.stderr)
         return 4
+    if args.plot is not None:
+        try:
+            print(f"wrote {plot(run_dir, args.plot)}")
+        except ModuleNotFoundError:
+            print("monitor: --plot needs matplotlib. Fix: pip install 'moetrain[plot]'", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"monitor: {e}", file=sys.stderr)
+            return 2
+        return 0
     while True:
         st = collect(run_dir)
         print(json.dumps(asdict(st)) if args.format == "json" else render(st), flush=True)

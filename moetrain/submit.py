@@ -3,8 +3,15 @@
 Validates the config (every error names the field, the value and the fix, before anything
 starts), resolves it, writes it to the run directory, submits one task per rank through
 submitit (``launch.cluster: local`` on this machine, ``slurm`` on a cluster), and follows the
-run's progress until it ends. Exit status: 0 when training finished, 1 when the run failed,
-2 for a bad config, 3 when the run stopped early (signal / preemption) and will resume.
+run's progress until it ends: its step lines (with elapsed time and ETA) and its lifecycle
+events (resumes, corrupt checkpoints skipped, requeues, restarts and their causes). Exit status:
+0 when training finished, 1 when the run failed, 2 for a bad config, 3 when the run stopped
+early (signal / preemption) and will resume.
+
+When the run fails, a few lines say which rank failed, with which exception and message, and
+where its log (with the full traceback) is. When a rank died or a collective failed, the run
+restarts from its latest complete checkpoint, up to ``launch.max_restarts`` times: on SLURM the
+job requeues itself (:mod:`moetrain.launch.job`); locally this command relaunches it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import yaml
 
 from moetrain.config import Config, ConfigError, load_config, save_config, to_dict
 from moetrain.monitor import collect, register_job, slurm_job_queued
+from moetrain.train.metrics import check_sinks_installed, format_duration
+from moetrain.train.records import Diagnosis, append_event, diagnose, read_failures
 
 
 def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentParser:
@@ -38,7 +47,9 @@ def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentPa
 def load_and_resolve(args: argparse.Namespace) -> Config:
     from moetrain.launch.preflight import preflight
 
-    return preflight(load_config(args.config, args.overrides))
+    cfg = preflight(load_config(args.config, args.overrides))
+    check_sinks_installed(cfg)
+    return cfg
 
 
 def _executor(cfg: Config, folder: Path) -> Any:
@@ -87,15 +98,64 @@ def format_metrics(rec: dict, total: int) -> str:
              f"lr {rec['lr']:.2e}", f"{rec.get('tokens_per_s', 0):.0f} tok/s"]
     if "val_loss" in rec:
         parts.append(f"val {rec['val_loss']:.4f}")
+    if "elapsed_s" in rec:
+        parts.append(f"{format_duration(rec['elapsed_s'])} elapsed, eta {format_duration(rec.get('eta_s'))}")
     return " | ".join(parts)
 
 
-def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
-    """Print new metrics lines until the job ends; returns the job's final status string.
+def format_event(e: dict) -> str | None:
+    """The console line of a lifecycle event worth showing (None for the others)."""
+    kind = e.get("event")
+    if kind == "checkpoint_skipped":
+        return f"skipped corrupt checkpoint {e.get('checkpoint')}: {e.get('reason')}"
+    if kind == "resumed":
+        return f"resumed from {e.get('checkpoint')} at step {e.get('step')}"
+    if kind == "restart":
+        return (f"restarting from the latest complete checkpoint (restart {e.get('restart')} of "
+                f"{e.get('max_restarts')}): {e.get('cause')}")
+    if kind == "requeue":
+        return f"requeued{'' if e.get('ok', True) else ' (FAILED)'}: {e.get('cause')}"
+    if kind == "hang":
+        return f"hang detected at step {e.get('step')}: suspected rank(s) {e.get('suspects')} on {e.get('nodes')}"
+    if kind == "stopped":
+        return f"stopped at step {e.get('step')} by {e.get('reason')} (checkpoint saved)"
+    if kind == "gave_up":
+        return f"gave up: {e.get('reason') or e.get('cause')}"
+    return None
+
+
+class EventPrinter:
+    """Prints the run's new lifecycle events (``events.jsonl`` from its size at construction)."""
+
+    def __init__(self, run_dir: Path, out=sys.stdout):
+        self.path, self.out = run_dir / "events.jsonl", out
+        self.pos = self.path.stat().st_size if self.path.is_file() else 0
+
+    def drain(self) -> None:
+        if not self.path.is_file():
+            return
+        with open(self.path) as f:
+            f.seek(self.pos)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self.pos += len(line.encode())
+                try:
+                    text = format_event(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+                if text:
+                    print(f"event: {text}", file=self.out, flush=True)
+
+
+def follow(job: Any, cfg: Config, since: float, out=sys.stdout, events: EventPrinter | None = None) -> str:
+    """Print new metrics lines and lifecycle events until the job ends; returns the job's final
+    status string.
 
     Raises:
-        RuntimeError: the job failed (the message holds the failing rank's error).
+        Exception: the job failed (submitit's error; :func:`failure` says why in a few lines).
     """
+    events = events or EventPrinter(cfg.run_dir, out)
     metrics = cfg.run_dir / "metrics.jsonl"
     pos, inode, newest = 0, None, since
     last_print = time.time()
@@ -133,6 +193,7 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
     last_health = time.time()
     while not ended():
         drain()
+        events.drain()
         if time.time() - last_health > 15:  # the monitor's view: stalls, hangs, requeues
             last_health = time.time()
             for w in collect(cfg.run_dir).warnings:
@@ -144,8 +205,20 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout) -> str:
             last_print = time.time()
         time.sleep(1.0)
     drain()
+    events.drain()
     results = job.results()  # raises on failure, with the remote traceback
     return str(results[0])
+
+
+def failure(cfg: Config, job: Any, error: BaseException) -> Diagnosis:
+    """Why the job failed, from the failure records of its last attempt
+    (:func:`moetrain.train.records.diagnose`); without any record (the job never started, was
+    cancelled), submitit's message."""
+    records = read_failures(cfg.run_dir, str(job.job_id))
+    if records:
+        return diagnose(records, cfg.world_size)
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return Diagnosis(f"job {job.job_id} failed before any rank recorded why: {first}", False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,31 +238,49 @@ def main(argv: list[str] | None = None) -> int:
     from moetrain.launch.job import TrainJob, job_config
 
     executor = _executor(cfg, folder)
-    since = time.time()
-    job = executor.submit(TrainJob(job_config(cfg)))
-    record_submission(run_dir, str(job.job_id), cfg)
-    register_job(str(job.job_id), run_dir)
-    print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
-          f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
-          f"  metrics:       {run_dir / 'metrics.jsonl'}\n  logs:          {folder}/{job.job_id}_<rank>_log.out",
-          flush=True)
-    if args.detach:
-        if cfg.launch.cluster == "local":
-            # A local job is cancelled when its handle is garbage-collected; keep it running.
-            job._cancel_at_deletion = False
-        print("detached; the run goes on", flush=True)
-        return 0
-    try:
-        status = follow(job, cfg, since)
-    except KeyboardInterrupt:
-        print("\ninterrupted: cancelling the run (use --detach to leave it running)", file=sys.stderr)
-        job.cancel()
-        return 130
-    except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure
-        print(f"run failed: {e}\n  logs: {folder}", file=sys.stderr)
-        return 1
-    print(f"run {status}: {run_dir}", flush=True)
-    return 0 if status == "done" else 3
+    events = EventPrinter(run_dir)
+    restart = 0
+    while True:
+        since = time.time()
+        job = executor.submit(TrainJob(job_config(cfg), restart=restart))
+        record_submission(run_dir, str(job.job_id), cfg)
+        register_job(str(job.job_id), run_dir)
+        print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
+              f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
+              f"  metrics:       {run_dir / 'metrics.jsonl'}\n  logs:          {folder}/{job.job_id}_<rank>_log.out",
+              flush=True)
+        if args.detach:
+            if cfg.launch.cluster == "local":
+                # A local job is cancelled when its handle is garbage-collected; keep it running.
+                job._cancel_at_deletion = False
+                print("detached; the run goes on (a local run is restarted after a failure only by a "
+                      "command that follows it)", flush=True)
+            else:
+                print("detached; the run goes on", flush=True)
+            return 0
+        try:
+            status = follow(job, cfg, since, events=events)
+        except KeyboardInterrupt:
+            print("\ninterrupted: cancelling the run (use --detach to leave it running)", file=sys.stderr)
+            job.cancel()
+            return 130
+        except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure
+            why = failure(cfg, job, e)
+            print("run failed: " + "\n".join(why.lines()), file=sys.stderr, flush=True)
+            if cfg.launch.cluster == "local" and why.restartable:
+                if restart < cfg.launch.max_restarts:
+                    restart += 1
+                    append_event(run_dir, None, "restart", restart=restart, max_restarts=cfg.launch.max_restarts,
+                                 cause=why.cause, job_id=str(job.job_id))
+                    events.drain()
+                    continue
+                reason = f"launch.max_restarts={cfg.launch.max_restarts} reached"
+                append_event(run_dir, None, "gave_up", cause=why.cause, reason=reason)
+                events.drain()
+            print(f"  all logs: {folder}", file=sys.stderr, flush=True)
+            return 1
+        print(f"run {status}: {run_dir}", flush=True)
+        return 0 if status == "done" else 3
 
 
 if __name__ == "__main__":

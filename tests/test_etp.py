@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.moe import GroupedExperts
-from moetrain.parallel.state import EP, TP
+from moetrain.parallel.state import TP
 from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config

@@ -105,8 +105,12 @@ def hang_worker(rank: int, world: int, run_dir: str) -> None:
         time.sleep(0.05)
         wd.step_done(0.05)
     if rank == 1:
-        while True:  # stuck in its own code
+        # Stuck in its own code until a watchdog has handled the hang (then leave, as on_hang
+        # does, rather than keep the test waiting for its time-out).
+        while not (run_dir / "hang-0.json").exists():
             time.sleep(0.1)
+        time.sleep(0.5)
+        os._exit(0)
     dist.barrier()  # rank 0 waits on rank 1 forever
 
 

@@ -239,3 +239,88 @@ def test_tools_fail_with_one_line_errors(tmp_path):
     assert bad.stderr.count("\n") == 1 and "unsupported corpus file type" in bad.stderr
     missing = _tool("tools/inspect_shards.py", str(tmp_path))
     assert missing.returncode == 1 and "manifest missing" in missing.stderr and "Traceback" not in missing.stderr
+
+
+# -- verification spread over ranks, and cached ------------------------------------------------
+
+
+def _verify_as_ranks(path, world: int, mode: str = "sha256", cache=None) -> list:
+    """Run verify_shards as ``world`` ranks (threads) whose `agree` is an all-gather; returns each
+    rank's manifest or exception, and records the files each rank hashed."""
+    import threading
+
+    import moetrain.data.shards as shards
+
+    barrier, slots = threading.Barrier(world), [None] * world
+    hashed: dict[int, list[str]] = {r: [] for r in range(world)}
+    original, local = shards.sha256_file, threading.local()
+
+    def counting(f, bar=None):
+        hashed[local.rank].append(Path(f).name)
+        return original(f, bar)
+
+    def agree(result):
+        slots[result["rank"]] = result
+        barrier.wait()
+        return list(slots)
+
+    def run(rank, out):
+        local.rank = rank
+        try:
+            out[rank] = verify_shards(path, mode, rank=rank, world=world, agree=agree, cache=cache)
+        except ShardError as e:
+            out[rank] = e
+
+    out = [None] * world
+    shards.sha256_file = counting
+    try:
+        threads = [threading.Thread(target=run, args=(r, out)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        shards.sha256_file = original
+    return out, hashed
+
+
+def test_verification_is_spread_over_ranks_once_per_content(small, tmp_path_factory):
+    path, _ = small
+    files = sorted(p.name for p in path.glob("*_*.*"))
+    sizes = {p.name: p.stat().st_size for p in path.glob("*_*.*")}
+    out, hashed = _verify_as_ranks(path, 3)
+    assert all(isinstance(m, dict) for m in out), out
+    assert sorted(sum(hashed.values(), [])) == files, "every file hashed exactly once over the ranks"
+    loads = [sum(sizes[f] for f in hashed[r]) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes.values()), f"bytes per rank {loads}"
+
+    # A damaged file is found by its one owner; every rank raises the same error.
+    victim = path / "train_00002.bin"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:3] + bytes([data[3] ^ 1]) + data[4:])
+    out, hashed = _verify_as_ranks(path, 3)
+    assert all(isinstance(e, ShardError) and "train_00002.bin: sha256 mismatch" in str(e) for e in out), out
+    assert sum("train_00002.bin" in h for h in hashed.values()) == 1
+    victim.write_bytes(data)
+
+    # The cache: contents verified once are not read again while size and mtime hold.
+    cache = tmp_path_factory.mktemp("cache") / "verified.json"
+    out, hashed = _verify_as_ranks(path, 2, cache=cache)
+    assert sorted(sum(hashed.values(), [])) == files and cache.is_file()
+    out, hashed = _verify_as_ranks(path, 2, cache=cache)
+    assert all(isinstance(m, dict) for m in out) and sum(hashed.values(), []) == [], "cached contents re-hashed"
+    victim.write_bytes(data[:3] + bytes([data[3] ^ 1]) + data[4:])  # same size, new mtime
+    out, hashed = _verify_as_ranks(path, 2, cache=cache)
+    assert sum(hashed.values(), []) == ["train_00002.bin"], hashed
+    assert all(isinstance(e, ShardError) and "sha256 mismatch" in str(e) for e in out), out
+    victim.write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "sources": ["elsewhere"]}))
+    out, hashed = _verify_as_ranks(path, 2, cache=cache)
+    assert sorted(sum(hashed.values(), [])) == files, "a new manifest must not trust the old cache"
+
+    # size mode reads nothing; one process without `agree` checks everything itself.
+    out, hashed = _verify_as_ranks(path, 2, mode="size")
+    assert sum(hashed.values(), []) == [] and all(isinstance(m, dict) for m in out)
+    with pytest.raises(ValueError, match="needs `agree`"):
+        verify_shards(path, rank=0, world=2)

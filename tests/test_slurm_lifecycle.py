@@ -369,6 +369,35 @@ def test_node_failure_requeues_and_resumes(reference, tiny_shards, tmp_path, hom
     assert {h["attempt"] for h in st["heartbeats"]} == {1}, "every rank's heartbeat is the new attempt's"
 
 
+def test_sigkill_of_one_task_requeues_and_finishes_with_the_same_losses(reference, tiny_shards, tmp_path, home,
+                                                                       jobs):
+    """One task SIGKILLed mid-run (past the step-5 checkpoint): the other ranks fail on the lost
+    connection, record it, and the first of them requeues the job naming the dead rank; the job
+    resumes from the latest complete checkpoint and ends with the uninterrupted run's losses."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml", tiny_shards, run_dir, "lifecycle-sigkill")
+    proc = submit(config, home, detach=False, MOETRAIN_TEST_SLOW="0.5:1")  # follows through the requeue
+    job = job_id_of(run_dir, jobs)
+    wait_steps(run_dir, 7)
+    victim = json.loads((run_dir / "heartbeats" / "rank00003.json").read_text())
+    assert victim["pid"] in _task_pids(run_dir, victim["host"], job)
+    os.kill(victim["pid"], signal.SIGKILL)
+    rc, out = finish(proc, config, 240)
+    assert rc == 0 and "run done" in out, out + logs(run_dir)
+
+    assert_same_losses(run_dir, reference["losses"])
+    ev = read_events(run_dir)
+    assert [e["event"] for e in ev] == ["started", "requeue", "resumed", "started", "finished"], ev
+    requeue, resumed = ev[1], ev[2]
+    assert requeue["ok"] is True and requeue["cause"].startswith("rank(s) 3 died without an error"), requeue
+    assert resumed["step"] in (5, 10) and resumed["attempt"] == 1, resumed
+    assert "event: requeued: rank(s) 3 died" in out, out
+    assert [i["state"] for i in instances(job)] == ["REQUEUED", "COMPLETED"]
+    assert_final_checkpoint(run_dir)
+    rc, st = monitor(run_dir, home)
+    assert (rc, st["state"]) == (0, "done") and [e["event"] for e in st["restarts"]] == ["requeue", "resumed"]
+
+
 def test_hung_rank_is_detected_and_its_node_excluded(tiny_shards, tmp_path, home, jobs):
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml", tiny_shards, run_dir, "lifecycle-hang",

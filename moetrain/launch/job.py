@@ -15,8 +15,15 @@ Lifecycle on SLURM:
 * a hang (no progress for ``launch.heartbeat_timeout_factor`` × the median step time, at least
   ``launch.heartbeat_min_timeout_s``) is caught by each rank's watchdog: stacks are dumped, the
   suspected node is excluded and the job requeued;
-* ``SLURM_RESTART_COUNT`` counts restarts; past ``launch.max_restarts`` the run stops and
-  says why (``events.jsonl``, the log, and the job's failure).
+* a rank that dies (SIGKILL, the OOM killer) or a collective that times out makes the other
+  ranks fail in a collective: each rank records why it failed (:func:`record_failure`, kind
+  ``peer``), and on SLURM the first of them requeues the job with the cause (the ranks that
+  left no record); locally the submit command relaunches it (:mod:`moetrain.submit`). A rank's
+  own error (a corrupt shard, a full disk) is recorded too and ends the run: a restart would
+  repeat it;
+* ``SLURM_RESTART_COUNT`` (locally: the relaunch number) counts restarts; past
+  ``launch.max_restarts`` the run stops and says why (``events.jsonl``, the log, and the job's
+  failure).
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import os
 import signal
 import sys
 import time
+import traceback
 import zlib
+from pathlib import Path
+from typing import Any
 
 import submitit
 
@@ -78,22 +88,83 @@ class RestartsExhausted(RuntimeError):
 
 
 class TrainJob(submitit.helpers.Checkpointable):
-    """Train ``config`` (a plain dict, so the pickle does not depend on class layouts)."""
+    """Train ``config`` (a plain dict, so the pickle does not depend on class layouts).
+    ``restart``: the local relaunch number (the submit command's); SLURM's requeues add
+    ``SLURM_RESTART_COUNT``."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, restart: int = 0):
         self.config = config
+        self.restart = restart
 
     def __call__(self) -> str:
+        cfg: Config = config_from_dict(self.config)
+        env = submitit.JobEnvironment()
+        restart = getattr(self, "restart", 0) + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        try:
+            return self._train(cfg, env, restart)
+        except BaseException as e:
+            if isinstance(e, SystemExit) and e.code in (0, None):
+                raise
+            self._failed(cfg, env, restart, e)
+            raise
+
+    def _failed(self, cfg: Config, env: Any, restart: int, exc: BaseException) -> None:
+        """Record why this rank failed (the full traceback goes to its log), and on SLURM, when
+        a peer died or a collective failed and restarts are left, requeue the job (the first
+        failing rank does; the others wait to be ended with it)."""
+        from moetrain.launch.lifecycle import append_event, requeue_slurm_job
+        from moetrain.train.records import (
+            atomic_write_json,
+            diagnose,
+            failure_kind,
+            failures_dir,
+            read_failures,
+            read_json,
+            record_failure,
+        )
+
+        log.error("rank %d failed:\n%s", env.global_rank, "".join(traceback.format_exception(exc)))
+        kind = failure_kind(exc)
+        try:
+            record_failure(cfg.run_dir, str(env.job_id), restart, env.global_rank, kind, type(exc).__name__,
+                           str(exc), str(env.paths.stdout))
+        except OSError as e:
+            log.error("could not record the failure in %s: %s", cfg.run_dir, e)
+        atexit.register(_exit_now, 1)  # after submitit records the result (gloo may abort at exit)
+        if kind != "peer" or "SLURM_JOB_ID" not in os.environ or restart >= cfg.launch.max_restarts:
+            return
+        where = failures_dir(cfg.run_dir, str(env.job_id), restart)
+        if not claim_requeue(where):  # another rank requeues the job (or the hang watchdog did)
+            for _ in range(120):
+                done = read_json(where / "requeue.json")
+                if isinstance(done, dict):
+                    if done.get("ok"):
+                        time.sleep(600)  # SLURM ends every process of this attempt
+                    return
+                time.sleep(0.5)
+            return
+        # Requeue first: a cluster that ends a step when one task fails (KillOnBadExit) must not
+        # end this process before it has. Then let the other survivors record themselves, so
+        # that the cause names the dead rank(s).
+        ok = requeue_slurm_job()
+        time.sleep(3.0)
+        why = diagnose(read_failures(cfg.run_dir, str(env.job_id), restart), env.num_tasks)
+        atomic_write_json(where / "requeue.json", {"ok": ok, "cause": why.cause})
+        append_event(cfg.run_dir, None, "requeue", cause=why.cause, restart=restart + 1, ok=ok)
+        log.error("requeue of the job (restart %d of %d) %s: %s", restart + 1, cfg.launch.max_restarts,
+                  "done" if ok else "FAILED", why.cause)
+        if ok:
+            time.sleep(600)  # SLURM ends every process of this attempt; leaving first would fail the job
+
+    def _train(self, cfg: Config, env: Any, restart: int) -> str:
         import torch
         import torch.distributed as dist
 
         from moetrain.launch.lifecycle import Watchdog, append_event, existing_excludes, requeue_slurm_job
+        from moetrain.train.records import atomic_write_json, failures_dir, record_failure
         from moetrain.train.trainer import StopFlag, Trainer
 
-        cfg: Config = config_from_dict(self.config)
-        env = submitit.JobEnvironment()
         on_slurm = "SLURM_JOB_ID" in os.environ
-        restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
         os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), restart))
         denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         setup_logging(denv.rank)
@@ -125,19 +196,32 @@ class TrainJob(submitit.helpers.Checkpointable):
         if slow and restart < int(slow.split(":")[1]):
             trainer.step_delay_s = float(slow.split(":")[0])
 
+        kill = os.environ.get("MOETRAIN_TEST_KILL")  # "rank:step": SIGKILL itself inside that step (tests)
+        if kill and int(kill.split(":")[0]) == denv.rank and restart == 0:
+            _kill_in_step(trainer, int(kill.split(":")[1]))
+
         def on_hang(nodes: list[str]) -> None:
             excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
+            record_failure(cfg.run_dir, str(env.job_id), restart, denv.rank, "hang", "Hang",
+                           f"no step completed for {trainer.watchdog.timeout_s():.0f} s at step {trainer.step + 1}; "
+                           f"suspected node(s) {nodes}; stacks in {cfg.run_dir / 'stacks'}", str(env.paths.stdout))
             if on_slurm and restart < cfg.launch.max_restarts:
+                where = failures_dir(cfg.run_dir, str(env.job_id), restart)
+                if not claim_requeue(where):  # a failing rank is requeueing the job already
+                    time.sleep(600)
+                    _exit_now(1)
                 requeued = requeue_slurm_job(exclude=excluded)
+                atomic_write_json(where / "requeue.json", {"ok": requeued, "cause": "hang"})
                 append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
                 if requeued:
                     # SLURM now ends every process of this attempt (SIGTERM, SIGKILL after KillWait).
                     # Leaving first would make the other ranks fail on the closed connections and
                     # report those errors as the job's result.
                     time.sleep(600)
-            else:
+            elif on_slurm:
                 append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
-                             reason="not on SLURM" if not on_slurm else "launch.max_restarts reached")
+                             reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
+            # Locally the submit command reads the record and relaunches (or gives up).
             _exit_now(1)
 
         trainer.watchdog = Watchdog(cfg.run_dir, denv.rank, trainer.fence, trainer.heartbeat,
@@ -170,6 +254,28 @@ class TrainJob(submitit.helpers.Checkpointable):
         dist.destroy_process_group()
         atexit.register(_exit_now, 0)
         return status
+
+
+def claim_requeue(where: Path) -> bool:
+    """True for the first caller in an attempt's failures folder (it requeues the job); every
+    later one (another failing rank, the hang watchdog) gets False and must not requeue again."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(where / "requeue.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _kill_in_step(trainer: Any, step: int) -> None:
+    """Fault injection: SIGKILL this process in the forward pass of step ``step`` (mid-step)."""
+
+    def hook(module: Any, args: Any) -> None:
+        if trainer.step == step - 1:
+            log.warning("fault injection: SIGKILL in step %d", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.model_parts[0].register_forward_pre_hook(hook)
 
 
 def job_config(cfg: Config) -> dict:

@@ -1,36 +1,51 @@
-"""Distributed checkpoints: atomic, verified, resumable under another layout.
+"""Distributed checkpoints: asynchronous, sharded, atomic, verified, resumable under another layout.
 
 Layout on disk (``checkpoint.dir``, default ``<run.dir>/checkpoints``)::
 
     step_00000100/            a complete checkpoint (only complete ones have this name)
-        .metadata, __*.distcp torch.distributed.checkpoint files (model, optimizer, train state)
+        .metadata, __<rank>_*.distcp   torch.distributed.checkpoint files (model, optimizer, train state)
         rng/rank00000.pt      each rank's RNG state
         manifest.json         step, layout, and size + sha256 of every file above
     step_00000150.tmp-<attempt>/   being written; never read
+        parts/rank00000.json  each rank's own files with their sizes and sha256 (or its error)
 
-Writing: every rank writes into the temporary directory with ``torch.distributed.checkpoint``;
-after a barrier rank 0 hashes the files, writes ``manifest.json`` (fsync) and renames the
-directory to its final name — the rename is the commit point, so a crash leaves either the old
-set of checkpoints or the new one. The temporary name carries the attempt (restart) number, so
-a process left over from an earlier attempt can never complete a checkpoint of the current one.
+Writing (:meth:`Checkpointer.save`), in this order:
 
-Reading: the newest ``step_*`` whose manifest verifies (sizes and sha256) is loaded; a corrupt
-one is reported and skipped, never loaded. Expert weights and their optimizer states are saved
-as DTensors sharded over the expert axes, so a checkpoint written with one (dp, ep) layout loads
-into another: DCP reshards them. Under ZeRO (FSDP) the dense parameters and states are saved as
-FSDP's DTensors, and the experts' FSDP shards are gathered to the same expert-axes layout, so
-a checkpoint loads into any zero stage.
+1. **stage** (the training loop waits for this only): the state dicts are copied to host memory
+   (``torch.distributed.checkpoint.async_save``'s stager) and the RNG state is taken;
+2. **write** (background): every rank writes its own shards with DCP, over a process group of
+   its own (gloo), so these collectives never interleave with the training step's;
+3. **hash** (background): every rank hashes the files it wrote — no rank reads another's bytes —
+   and records them in ``parts/rank<r>.json`` (or the error that stopped it);
+4. **commit** (background, rank 0): once every rank's part is there (a file poll, no collective),
+   rank 0 assembles ``manifest.json`` (fsync) and renames the directory to its final name — the
+   rename is the commit point, so a crash leaves either the old set of checkpoints or the new one.
+
+The next :meth:`Checkpointer.save` (and :meth:`Checkpointer.wait`) waits for the previous
+checkpoint first, and raises the error it met (a failed write, e.g. a full disk). With
+``checkpoint.async: false`` the save waits for all four phases before it returns. The temporary
+name carries the attempt (restart) number and the commit checks the attempt fence, so a process
+left over from an earlier attempt can never complete a checkpoint of the current one.
+
+Reading: the newest ``step_*`` whose manifest verifies (sizes and sha256; each rank checks about
+1/ranks of the bytes, one collective agrees) is loaded; a corrupt one is reported and skipped,
+never loaded. Expert weights and their optimizer states are saved as DTensors with their global
+shape [experts, ...] sharded as they live: over ``ep`` (and, under ZeRO, FSDP's shards over
+``edp_tp`` inside each ep slice), so nothing is gathered to full tensors, and a checkpoint
+written with one (dp, ep, zero) layout loads into another: DCP reshards them.
 """
 
 from __future__ import annotations
 
-import hashlib
+import datetime
 import json
 import logging
 import os
 import re
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,27 +61,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from tqdm import tqdm
 
+from moetrain.data.shards import sha256_file, split_by_bytes
 from moetrain.model.moe import GroupedExperts
-from moetrain.parallel.state import EDP, EP, TP, ParallelState
+from moetrain.parallel.state import EDP, EP, PP, TP, ParallelState
 
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+_POLL_S = 0.05  # rank 0's first poll interval for the other ranks' parts (doubling up to 1 s)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing files or its contents do not match its manifest."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """A checkpoint is missing files or its contents do not match its manifest, or it could not
+    be written (the message names the rank and its error)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -74,6 +86,16 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_json_durably(path: Path, obj: object) -> None:
+    """Write ``obj`` to ``path`` through a temporary file, fsync, rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -88,8 +110,12 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify_checkpoint(path: Path, progress: bool = False) -> dict:
-    """Check every file listed in ``manifest.json`` (size and sha256); returns the manifest.
+def verify_checkpoint(path: Path, progress: bool = False, *, rank: int = 0, world: int = 1) -> dict:
+    """Check the files listed in ``manifest.json`` (size and sha256); returns the manifest.
+
+    ``rank`` / ``world``: check only this rank's share of the files, about 1/``world`` of the
+    bytes (:func:`moetrain.data.shards.split_by_bytes`; the same split on every rank), so that
+    ``world`` ranks together check everything once. Defaults: every file.
 
     Raises:
         CheckpointError: manifest missing or unreadable, a file missing, truncated or altered.
@@ -100,53 +126,105 @@ def verify_checkpoint(path: Path, progress: bool = False) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{mpath}: cannot read the checkpoint manifest ({e})") from e
     files = manifest.get("files", {})
-    total = sum(f["bytes"] for f in files.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {path.name}", disable=not progress)
-    for name, rec in files.items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{f}: listed in the manifest but missing")
-        size = f.stat().st_size
-        if size != rec["bytes"]:
-            raise CheckpointError(f"{f}: {size} bytes, manifest says {rec['bytes']} (truncated or replaced)")
-        if _sha256(f) != rec["sha256"]:
-            raise CheckpointError(f"{f}: sha256 differs from the manifest (the file was altered)")
-        bar.update(size)
-    bar.close()
+    names = sorted(files)
+    owners = split_by_bytes([files[n]["bytes"] for n in names], world)
+    mine = [n for n, owner in zip(names, owners) if owner == rank]
+    total = sum(files[n]["bytes"] for n in mine)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {path.name}", disable=not progress) as bar:
+        for name in mine:
+            rec, f = files[name], path / name
+            if not f.is_file():
+                raise CheckpointError(f"{f}: listed in the manifest but missing")
+            size = f.stat().st_size
+            if size != rec["bytes"]:
+                raise CheckpointError(f"{f}: {size} bytes, manifest says {rec['bytes']} (truncated or replaced)")
+            if sha256_file(f, bar) != rec["sha256"]:
+                raise CheckpointError(f"{f}: sha256 differs from the manifest (the file was altered)")
     return manifest
+
+
+def _run_in_background(fn: Callable[[], Any], name: str) -> Future:
+    """``fn()`` in a daemon thread; its result or exception in the returned future. Daemon: a
+    checkpoint stuck on a dead peer must not keep the process from exiting."""
+    fut: Future = Future()
+
+    def target() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            fut.set_exception(e)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return fut
 
 
 class Checkpointer:
     """Saves and restores model, optimizer, train state (step, data position) and RNG.
 
     ``attempt`` fences writes: it names the temporary directories of this attempt.
+    ``async_save``: the write, the hashing and the commit run in the background (module doc).
+    ``timeout_s``: bounds the checkpoint's collectives and rank 0's wait for the other ranks.
+    Collective: every rank constructs it (it creates the checkpoint's own process group).
     """
 
-    def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0, fence: Any = None):
+    def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0, fence: Any = None, *,
+                 async_save: bool = True, timeout_s: float = 1800.0):
         """``fence``: a :class:`moetrain.train.records.Fence`; checked before the commit
         (rename) and before deleting anything, so a stale attempt never does either."""
         self.root, self.ps, self.keep, self.attempt, self.fence = Path(root), ps, keep, attempt, fence
+        self.async_save, self.timeout_s = async_save, timeout_s
         self._expert_mesh = ps.expert_mesh[(EDP, EP, TP)]
+        # DCP's collectives (plan, write results) run in a background thread during training:
+        # on a group of their own, so they never interleave with the step's collectives.
+        self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._shard_mesh: DeviceMesh | None = None
+        self._pending: Future | None = None
+        self.last_stall_s = 0.0  # seconds the last save() kept the caller (staging, or all of it)
+        self.last_background_s = 0.0  # seconds from staged to written and hashed (rank 0: committed)
+        self.skipped: list[tuple[Path, str]] = []  # corrupt checkpoints the last latest_valid() skipped
 
     # -- state dict with layout-independent expert tensors ------------------------------------
 
-    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None,
-                     for_load: bool = False
+    def _fsdp_expert_mesh(self) -> DeviceMesh:
+        """This pipeline stage's expert ranks as the mesh FSDP's expert shards sit on in the
+        global [E, ...] tensor, built without process groups (only coordinates are needed):
+        (ep, edp_tp) — ep outer, FSDP's flattened edp × tp shard axis inner (edp-major, as
+        ``edp_tp`` is flattened); sharding dim 0 over both, in that order, is exactly where the
+        FSDP shards of each ep slice's [El, ...] tensor sit (both chunk with ``torch.chunk``).
+        Under expert-tensor parallelism FSDP shards over edp only and tp holds columns: (ep, edp,
+        tp)."""
+        if self._shard_mesh is None:
+            ranks = self.ps.expert_mesh.mesh[self.ps.coord(PP)]  # [edp, ep, tp]
+            edp, ep, tp = ranks.shape
+            if self.ps.parallel.etp > 1:
+                grid, names = ranks.permute(1, 0, 2), ("ckpt_ep", "ckpt_edp", "ckpt_tp")
+            else:
+                grid, names = ranks.permute(1, 0, 2).reshape(ep, edp * tp), ("ckpt_ep", "ckpt_edp_tp")
+            self._shard_mesh = DeviceMesh(self.ps.device.type, grid, mesh_dim_names=names, _init_backend=False)
+        return self._shard_mesh
+
+    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None
                      ) -> tuple[dict, dict, list[tuple[set, set]], dict[str, Callable[[DTensor], torch.Tensor]]]:
         """Merged model and optimizer state dicts of all model parts (their keys are the full
         model's names, so they do not collide), each part's key sets for loading back, and for
         every expert tensor the function that turns its loaded global-layout DTensor back into
         what the model or optimizer holds.
 
-        Expert tensors — this rank's [El, ...] experts — become DTensors on the expert mesh
-        (edp, ep, tp) with placements (Replicate, Shard(0), Replicate): global [E, ...], whatever
-        the layout. Under ZeRO (FSDP) the expert tensor is itself a DTensor holding a shard of
-        the [El, ...] tensor over ``edp_tp``: it is all-gathered to [El, ...] for saving (for
-        loading only its shape matters) and cut back to this rank's shard after loading, without
-        communication (the edp_tp ranks are replicas on the expert mesh, so each holds all of
-        [El, ...]). ``for_load``: skip that all-gather. ``optimizers=None``: the model only (the
-        optimizer state dict is empty; a fresh optimizer is left untouched, whereas
-        ``get_state_dict`` would initialise its states with a step).
+        Expert tensors — this rank's [El, ...] experts — become DTensors of global shape
+        [E, ...] = [ep · El, ...] whatever the layout, viewing this rank's memory (no copy, no
+        communication; DCP loads into it in place):
+
+        * plain (no ZeRO): on the expert mesh (edp, ep, tp) with placements (Replicate,
+          Shard(0), Replicate) — the edp × tp ranks hold replicas, DCP writes one of them;
+        * under ZeRO (FSDP) the tensor is itself a DTensor holding a Shard(0) of [El, ...] over
+          ``edp_tp``: its local shard goes on the (ep, edp_tp) mesh with (Shard(0), Shard(0))
+          (:meth:`_fsdp_expert_mesh`), so it is saved as the shard it is;
+        * under expert-tensor parallelism the tp ranks hold column slices of the ffn width: tp
+          places Shard(2) for w1 / w3 ([E, D, F]) and Shard(1) for w2 ([E, F, D]) instead of
+          Replicate, and FSDP shards over edp only.
+
+        ``optimizers=None``: the model only (the optimizer state dict is empty; a fresh optimizer
+        is left untouched, whereas ``get_state_dict`` would initialise its states with a step).
         """
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         msd, osd, keys = {}, {}, []
@@ -160,29 +238,46 @@ class Checkpointer:
             osd.update(o)
         expert_names = {f"{n}.{p}" for part in parts for n, m in part.named_modules()
                         if isinstance(m, GroupedExperts) for p in ("w1", "w2", "w3")}
-        placements = (Replicate(), Shard(0), Replicate())
         unwrap: dict[str, Callable[[DTensor], torch.Tensor]] = {}
+        etp = self.ps.parallel.etp > 1
 
-        def to_global(key: str, value: torch.Tensor) -> DTensor:
-            if isinstance(value, DTensor):  # FSDP shard of [El, ...] over edp_tp
-                mesh, fsdp_placements = value.device_mesh, value.placements
-                local = torch.empty(value.shape, dtype=value.dtype, device=value.device) if for_load \
-                    else value.full_tensor()
-                unwrap[key] = lambda t: distribute_tensor(t.to_local(), mesh, fsdp_placements, src_data_rank=None)
-            else:
-                local = value
+        def to_global(key: str, fqn: str, value: torch.Tensor) -> DTensor:
+            ep, tp = self.ps.size(EP), self.ps.size(TP)
+            columns = Shard(1 if fqn.endswith(".w2") else 2)  # the ffn dim of [E, D, F] / [E, F, D]
+            if not isinstance(value, DTensor):
                 unwrap[key] = lambda t: t.to_local()
-            return DTensor.from_local(local, self._expert_mesh, placements, run_check=False)
+                shape = torch.Size([value.shape[0] * ep, *value.shape[1:]])
+                if etp:
+                    d = columns.dim
+                    shape = torch.Size([*shape[:d], shape[d] * tp, *shape[d + 1:]])
+                return DTensor.from_local(value, self._expert_mesh,
+                                          (Replicate(), Shard(0), columns if etp else Replicate()),
+                                          run_check=False, shape=shape,
+                                          stride=torch.empty(shape, device="meta").stride())
+            if tuple(value.placements) != (Shard(0),):
+                raise NotImplementedError(f"{key}: expert tensor placed {value.placements} by FSDP; the "
+                                          f"checkpoint knows Shard(0) over its expert-data-parallel mesh")
+            mesh, placements, shape, stride = value.device_mesh, value.placements, value.shape, value.stride()
+            unwrap[key] = lambda t: DTensor.from_local(t.to_local(), mesh, placements, run_check=False, shape=shape,
+                                                       stride=stride)
+            full = [shape[0] * ep, *shape[1:]]
+            global_placements: tuple = (Shard(0), Shard(0))
+            if etp:
+                full[columns.dim] *= tp
+                global_placements = (Shard(0), Shard(0), columns)
+            full = torch.Size(full)
+            return DTensor.from_local(value.to_local(), self._fsdp_expert_mesh(), global_placements,
+                                      run_check=False, shape=full, stride=torch.empty(full, device="meta").stride())
 
         for key, value in list(msd.items()):
             if key in expert_names:
-                msd[key] = to_global(key, value)
+                msd[key] = to_global(key, key, value)
         for key, value in list(osd.items()):
             # Flattened optimizer keys look like "state.<param fqn>.exp_avg".
             if key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0:
                 fqn = key[len("state."):].rsplit(".", 1)[0]
                 if fqn in expert_names:
-                    osd[key] = to_global(key, value)
+                    osd[key] = to_global(key, fqn, value)
         return msd, osd, keys, unwrap
 
     @staticmethod
@@ -192,9 +287,21 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------------
 
     def save(self, step: int, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-             train_state: dict, layout: dict) -> Path:
-        """Write checkpoint ``step`` atomically (collective: every rank calls it)."""
-        t0 = time.time()
+             train_state: dict, layout: dict, *, wait: bool | None = None) -> Path:
+        """Start checkpoint ``step`` (collective: every rank calls it); returns its final path.
+
+        Waits first for the previous checkpoint (:meth:`wait`). Returns once the state is staged
+        in host memory; the write, the hashing and the commit go on in the background, unless
+        ``wait`` (default: ``not async_save``), which returns after the commit on every rank.
+
+        Raises:
+            StaleAttemptError: a newer attempt owns the run directory.
+            CheckpointError, OSError: the previous checkpoint failed (from :meth:`wait`), or this
+                one (with ``wait``).
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        wait = (not self.async_save) if wait is None else wait
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp-{self.attempt}"
         if self.fence is not None:  # every rank, so a stale attempt stops before any collective
@@ -204,36 +311,115 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             (tmp / "rng").mkdir(parents=True)
+            (tmp / "parts").mkdir()
         dist.barrier()
         msd, osd, _, _ = self._state_dicts(parts, optimizers)
-        dcp.save({"model": msd, "optim": osd, "train": dict(train_state)}, checkpoint_id=str(tmp))
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   tmp / "rng" / f"rank{self.ps.rank:05d}.pt")
-        dist.barrier()
-        if self.ps.rank == 0:
-            files = {}
-            for f in sorted(tmp.rglob("*")):
-                if f.is_file():
-                    files[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-            manifest = {"step": step, "world_size": self.ps.world_size, "layout": layout,
-                        "train_state": train_state, "attempt": self.attempt, "time": time.time(), "files": files}
-            mtmp = tmp / "manifest.json.tmp"
-            with open(mtmp, "w") as fh:
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(mtmp, tmp / "manifest.json")
-            if self.fence is not None:
-                self.fence.check()
-            if final.exists():  # the same step saved by an earlier attempt
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
-            log.info("checkpoint step %d saved to %s in %.1f s", step, final, time.time() - t0)
-        dist.barrier()
+        state = {"model": msd, "optim": osd, "train": dict(train_state)}
+        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        meta = {"step": step, "world_size": self.ps.world_size, "layout": layout, "train_state": train_state,
+                "attempt": self.attempt}
+        # 1. stage: async_save copies every tensor to host memory before it returns.
+        if self.async_save:
+            write = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+        else:
+            write = Future()
+            try:
+                write.set_result(dcp.save(state, checkpoint_id=str(tmp), process_group=self._pg))
+            except (Exception, CheckpointException) as e:  # reported by _finish, as in the async case
+                write.set_exception(e)
+        started = time.time()
+        # 2-4. write (DCP's thread), hash, commit: in the background.
+        self._pending = _run_in_background(lambda: self._finish(write, tmp, final, rng, meta, started),
+                                           f"moetrain-checkpoint-{step}")
+        if wait:
+            self.wait()
+            dist.barrier()  # returns on every rank once the checkpoint is committed
+        self.last_stall_s = time.perf_counter() - t0
         return final
+
+    def wait(self) -> Path | None:
+        """Wait for the checkpoint in flight, if any: this rank's write and hashes, and on rank 0
+        the commit. Returns its final path (``None`` when nothing was in flight).
+
+        Raises:
+            CheckpointError, OSError, StaleAttemptError: what stopped that checkpoint.
+        """
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def _own_files(self, tmp: Path) -> list[Path]:
+        """The files this rank wrote: its DCP shards (DCP names them ``__<rank>_<n>.distcp`` after
+        the rank in its process group, here the global rank), its RNG state, and on rank 0 (DCP's
+        coordinator) ``.metadata``."""
+        r = self.ps.rank
+        own = sorted(tmp.glob(f"__{r}_*")) + [tmp / "rng" / f"rank{r:05d}.pt"]
+        return own + ([tmp / ".metadata"] if r == 0 else [])
+
+    def _finish(self, write: Future, tmp: Path, final: Path, rng: dict, meta: dict, started: float) -> Path:
+        """Background part of a save: wait for the write, hash this rank's files into
+        ``parts/rank<r>.json`` (or record the error there), and on rank 0 commit."""
+        part_path = tmp / "parts" / f"rank{self.ps.rank:05d}.json"
+        try:
+            try:
+                write.result()  # DCP returns on every rank once all ranks' writes and .metadata are done
+            except CheckpointException as e:  # a BaseException: make it an error callers can catch
+                failures = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in e.failures.items())
+                raise CheckpointError(f"checkpoint step {meta['step']} not written ({tmp}): {failures}") from None
+            torch.save(rng, tmp / "rng" / f"rank{self.ps.rank:05d}.pt")
+            files = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+                     for f in self._own_files(tmp)}
+            _write_json_durably(part_path, {"rank": self.ps.rank, "files": files})
+        except BaseException as e:
+            try:
+                _write_json_durably(part_path, {"rank": self.ps.rank, "error": f"{type(e).__name__}: {e}"})
+            except OSError:
+                pass  # rank 0 then times out waiting for this part, and says so
+            raise
+        if self.ps.rank == 0:
+            self._commit(tmp, final, meta, started)
+        self.last_background_s = time.time() - started
+        return final
+
+    def _commit(self, tmp: Path, final: Path, meta: dict, started: float) -> None:
+        """Rank 0: wait for every rank's part, write the manifest, rename (the commit point)."""
+        world, step = self.ps.world_size, meta["step"]
+        parts_dir, deadline, poll = tmp / "parts", time.time() + self.timeout_s, _POLL_S
+        while True:
+            found = list(parts_dir.glob("rank*.json"))
+            if len(found) >= world:
+                break
+            if time.time() > deadline:
+                have = {int(p.stem[4:]) for p in found}
+                missing = [r for r in range(world) if r not in have]
+                raise CheckpointError(f"checkpoint step {step} not committed: rank(s) {missing[:8]} did not report "
+                                      f"their files within checkpoint.timeout_s={self.timeout_s:g} s ({tmp})")
+            time.sleep(poll)
+            poll = min(1.0, poll * 2)
+        files: dict[str, dict] = {}
+        ranks: dict[str, list[str]] = {}
+        for p in sorted(found):
+            part = json.loads(p.read_text())
+            if "error" in part:
+                raise CheckpointError(f"checkpoint step {step} not committed: rank {part['rank']} failed: "
+                                      f"{part['error']} ({tmp})")
+            files.update(part["files"])
+            ranks[str(part["rank"])] = sorted(part["files"])
+        shutil.rmtree(parts_dir)
+        unclaimed = [f for f in tmp.rglob("*") if f.is_file() and str(f.relative_to(tmp)) not in files]
+        if unclaimed:
+            raise CheckpointError(f"checkpoint step {step} not committed: files no rank reported, "
+                                  f"{[str(f) for f in unclaimed[:4]]} (DCP's file names changed?)")
+        _write_json_durably(tmp / "manifest.json", {**meta, "time": time.time(), "files": files, "ranks": ranks})
+        if self.fence is not None:
+            self.fence.check()
+        if final.exists():  # the same step saved by an earlier attempt
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        size = sum(f["bytes"] for f in files.values())
+        log.info("checkpoint step %d committed to %s: %.2f GB, written and hashed in %.1f s", step, final,
+                 size / 1e9, time.time() - started)
 
     def _prune(self) -> None:
         complete = list_checkpoints(self.root)
@@ -247,24 +433,34 @@ class Checkpointer:
     # -- load ---------------------------------------------------------------------------------
 
     def latest_valid(self) -> tuple[int, Path] | None:
-        """Newest checkpoint that verifies, agreed by all ranks (rank 0 checks, then broadcasts)."""
-        choice: list[Any] = [None]
+        """Newest checkpoint that verifies, agreed by all ranks: rank 0 lists the candidates, each
+        rank verifies its share of each candidate's files, one collective per candidate agrees.
+        Corrupt ones are logged and listed in ``self.skipped`` as (path, reason)."""
+        self.skipped = []
+        holder: list[Any] = [None]
         if self.ps.rank == 0:
-            for step, path in reversed(list_checkpoints(self.root)):
-                try:
-                    verify_checkpoint(path, progress=True)
-                except CheckpointError as e:
-                    log.error("skipping corrupt checkpoint %s: %s", path, e)
-                    continue
-                choice[0] = (step, str(path))
-                break
-        dist.broadcast_object_list(choice, src=0)
-        return None if choice[0] is None else (choice[0][0], Path(choice[0][1]))
+            holder[0] = [str(p) for _, p in reversed(list_checkpoints(self.root))]
+        dist.broadcast_object_list(holder, src=0)
+        for candidate in map(Path, holder[0]):
+            try:
+                verify_checkpoint(candidate, progress=self.ps.rank == 0, rank=self.ps.rank, world=self.ps.world_size)
+                error = None
+            except CheckpointError as e:
+                error = str(e)
+            errors: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(errors, error)
+            bad = [e for e in errors if e]
+            if not bad:
+                return int(_STEP_RE.match(candidate.name).group(1)), candidate
+            self.skipped.append((candidate, bad[0]))
+            if self.ps.rank == 0:
+                log.error("skipping corrupt checkpoint %s: %s", candidate, bad[0])
+        return None
 
     def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
         """Load ``path`` into the model parts and optimizers in place; returns the train state."""
         t0 = time.time()
-        msd, osd, keys, unwrap = self._state_dicts(parts, optimizers, for_load=True)
+        msd, osd, keys, unwrap = self._state_dicts(parts, optimizers)
         manifest = json.loads((path / "manifest.json").read_text())
         train_state = {k: v for k, v in manifest["train_state"].items()}
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
@@ -287,7 +483,7 @@ class Checkpointer:
         """Load only the model weights of checkpoint ``path`` (any layout) into the model parts;
         optimizers, train state and RNG are not read or touched (``checkpoint.init_from``)."""
         t0 = time.time()
-        msd, _, keys, unwrap = self._state_dicts(parts, None, for_load=True)
+        msd, _, keys, unwrap = self._state_dicts(parts, None)
         state = {"model": msd}
         dcp.load(state, checkpoint_id=str(path))
         loaded = self._unwrap(state["model"], unwrap)

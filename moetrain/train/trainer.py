@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
-from moetrain.data.shards import TokenShards
+from moetrain.data.shards import TokenShards, verify_shards
 from moetrain.parallel.apply import SingleStageRunner, build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import OverlappedGradReducer, clip_gradients, global_grad_norm
@@ -45,6 +45,7 @@ from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
+from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
 from moetrain.train.records import Fence, Heartbeat, append_event
 from moetrain.train.weights import load_initial_weights
@@ -119,17 +120,19 @@ class Trainer:
         if isinstance(self.runner, SingleStageRunner):
             self.runner.before_last_micro_batch = self.grad_reducer.arm
 
-        train_shards = TokenShards(cfg.data.path, "train", verify=cfg.data.verify)
+        self._verify_data()
+        train_shards = TokenShards(cfg.data.path, "train", verify="none")
         self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
                                   cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
                                   document_mask=cfg.data.document_mask)
         self.val_batches: list[MicroBatch] = []
         if cfg.train.val_every:
-            val_shards = TokenShards(cfg.data.path, "val", verify=cfg.data.verify)
+            val_shards = TokenShards(cfg.data.path, "val", verify="none")
             self.val_batches = self._to_device(validation_batches(
                 val_shards, cfg.model.seq_len, cfg.train.micro_batch_size, cfg.data.val_batches, self.ps.coord(DP),
                 self.ps.size(DP), document_mask=cfg.data.document_mask))
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence,
+                                         async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
@@ -138,6 +141,32 @@ class Trainer:
         # Resume wins: once the run has a checkpoint it has moved on from its initial weights.
         if cfg.checkpoint.init_from is not None and not resumed:
             self._init_from(cfg.checkpoint.init_from)
+        # Rank 0 writes the step records to metrics.jsonl and the configured sinks; refused here,
+        # before any step, when a sink's package is missing.
+        self.sinks = MetricSinks(cfg, self.metrics_path, self.device, start_step=self.step) \
+            if write_files and self.ps.is_logging_rank else None
+        self.eta = EtaClock(cfg.train.steps)
+
+    def _verify_data(self) -> None:
+        """Check the data shards against their manifest before training (``data.verify``): each
+        rank checks its own ~1/ranks of the bytes, skipping contents already verified (the cache
+        beside the data, or in the run directory when the data directory is read-only); one
+        collective agrees, so every rank raises the same :class:`~moetrain.data.shards.ShardError`."""
+        cfg, t0 = self.cfg, time.time()
+        data_dir = Path(cfg.data.path)
+        cache = data_dir / ".moetrain-verified.json" if os.access(data_dir, os.W_OK) \
+            else cfg.run_dir / "verified-shards.json"
+
+        def agree(result: dict) -> list[dict]:
+            out: list[Any] = [None] * self.ps.world_size
+            dist.all_gather_object(out, result)
+            return out
+
+        verify_shards(data_dir, cfg.data.verify, None if cfg.train.val_every else "train", rank=self.ps.rank,
+                      world=self.ps.world_size, agree=agree, cache=cache)
+        if self.ps.is_logging_rank:
+            log.info("data verified (%s, spread over %d ranks) in %.1f s", cfg.data.verify, self.ps.world_size,
+                     time.time() - t0)
 
     # -- resume / checkpoint ------------------------------------------------------------------
 
@@ -162,6 +191,8 @@ class Trainer:
                 log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
                          self.loader.consumed_samples)
             if self.write_files:
+                for bad, reason in self.checkpointer.skipped:
+                    append_event(self.cfg.run_dir, self.fence, "checkpoint_skipped", checkpoint=str(bad), reason=reason)
                 # Steps after the checkpoint (every step, when an earlier attempt ended before its
                 # first checkpoint) will run again: drop their old records so that no step appears
                 # twice in the metrics.
@@ -170,11 +201,15 @@ class Trainer:
                     append_event(self.cfg.run_dir, self.fence, "resumed", step=self.step, checkpoint=str(path))
         return found is not None
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, wait: bool = True) -> Path:
+        """Checkpoint the current step; ``wait=False`` returns once the state is staged (with
+        ``checkpoint.async``) and the write goes on in the background
+        (:meth:`moetrain.train.checkpoint.Checkpointer.save`)."""
         p = self.cfg.parallel
-        layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "zero_stage": p.zero_stage}
+        layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "etp": p.etp, "zero_stage": p.zero_stage}
         train_state = {"step": self.step, **self.loader.state_dict()}
-        return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout)
+        return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout,
+                                      wait=wait or not self.cfg.checkpoint.async_)
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -344,26 +379,37 @@ class Trainer:
         return bool(flag.item())
 
     def _log(self, res: StepResult, val_loss: float | None) -> None:
-        if not (self.ps.is_logging_rank and self.write_files):
+        if self.sinks is None:  # not the logging rank, or write_files=False
             return
         self.fence.check()
+        elapsed, eta = self.eta.tick(res.step, res.extra["step_time_s"])
         rec = {"step": res.step, "loss": res.loss, "aux_loss": res.aux_loss, "z_loss": res.z_loss, "lr": res.lr,
-               "grad_norm": res.grad_norm, **res.extra, "attempt": self.attempt, "time": time.time()}
+               "grad_norm": res.grad_norm, **res.extra, "attempt": self.attempt, "time": time.time(),
+               "elapsed_s": elapsed, "eta_s": eta}
         mem = _memory_gib(self.device)
         rec["mem_gib"] = mem
         if val_loss is not None:
             rec["val_loss"] = val_loss
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        self.sinks.write(rec)
         if res.step % self.cfg.train.log_every == 0 or val_loss is not None:
             loads = " ".join(f"L{n}:{v['max_over_mean']:.2f}" for n, v in res.extra["expert_load"].items())
             log.info("step %d/%d | loss %.4f | aux %.4f | lr %.2e | grad %.3f | %.0f tok/s | %.3f TFLOP/s/dev | "
-                     "mem %.2f GiB | load max/mean %s%s", res.step, self.cfg.train.steps, res.loss, res.aux_loss,
-                     res.lr, res.grad_norm, res.extra["tokens_per_s"], res.extra["tflops_per_device"], mem, loads,
-                     f" | val {val_loss:.4f}" if val_loss is not None else "")
+                     "mem %.2f GiB | load max/mean %s%s | %s elapsed | eta %s", res.step, self.cfg.train.steps,
+                     res.loss, res.aux_loss, res.lr, res.grad_norm, res.extra["tokens_per_s"],
+                     res.extra["tflops_per_device"], mem, loads, f" | val {val_loss:.4f}" if val_loss is not None else "",
+                     format_duration(elapsed), format_duration(eta))
 
     def run(self) -> str:
-        """Train until ``train.steps``; returns ``"done"`` or ``"stopped"`` (checkpoint saved)."""
+        """Train until ``train.steps``; returns ``"done"`` or ``"stopped"`` (checkpoint saved).
+        Periodic checkpoints go on in the background (``checkpoint.async``); the last one, and
+        the one on a stop, are complete when this returns."""
+        try:
+            return self._run()
+        finally:
+            if self.sinks is not None:
+                self.sinks.close()
+
+    def _run(self) -> str:
         cfg = self.cfg
         if self.ps.is_logging_rank:
             log.info("training %s: world %d (pp %d dp %d cp %d tp %d ep %d), %d micro-batches/step, from step %d",
@@ -399,7 +445,8 @@ class Trainer:
                 return "stopped"
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
                 self._beat("checkpoint")
-                self.save_checkpoint()
+                self.save_checkpoint(wait=False)
+        self.checkpointer.wait()
         if cfg.checkpoint.every or cfg.checkpoint.resume:
             self._beat("checkpoint")
             self.save_checkpoint()

@@ -53,7 +53,8 @@ from tqdm import tqdm
 from moetrain.config import Config, ConfigError
 from moetrain.model.init import local_piece
 from moetrain.model.moe import GroupedExperts
-from moetrain.train.checkpoint import CheckpointError, Checkpointer, _sha256, list_checkpoints, verify_checkpoint
+from moetrain.data.shards import sha256_file
+from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, dtype_name, plan_shards, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def write_weights_dir(out_dir: str | os.PathLike, cfg: Config, tensors: Iterable
         for f in sorted(tmp.rglob("*")):
             rel = str(f.relative_to(tmp))
             if f.is_file() and rel not in files:
-                files[rel] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+                files[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": 0,
                     "model": to_dict(cfg.model), "moe": to_dict(cfg.moe),
                     "tensors": {name: {"file": writer.weight_map[name], "dtype": dtype_name(dtype),

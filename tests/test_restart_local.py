@@ -1,0 +1,137 @@
+"""Failures of a local run, driven as a user drives it (``python -m moetrain.submit --config X``):
+a rank SIGKILLed mid-step → the command relaunches the run from its latest complete checkpoint
+and it finishes with the uninterrupted run's losses; a corrupt checkpoint is skipped, said on the
+console and in events.jsonl; a rank's own error (a truncated shard) is reported in a few lines —
+rank, exception, message, log path — and not restarted.
+
+The tiny MoE of ``conftest.tiny_config`` at dp 2 × ep 2 (2 processes), 12 steps, a checkpoint
+every 4. Fault injection: ``MOETRAIN_TEST_KILL="<rank>:<step>"`` makes that rank SIGKILL itself
+in the forward pass of that step, in the first attempt only; ``MOETRAIN_TEST_SLOW="<s>:1"`` idles
+before each step of the first attempt. About 40 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from moetrain.config import to_dict
+from moetrain.monitor import collect, render
+from moetrain.train.checkpoint import list_checkpoints
+from moetrain.train.records import read_events
+from moetrain.train.trainer import Trainer
+
+from conftest import tiny_config
+from multiproc import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 12, 4
+PARALLEL = {"dp": 2, "ep": 2}
+
+
+def config(shards: Path, run_dir: Path):
+    return tiny_config(shards, run_dir, run={"name": "restart"}, parallel=PARALLEL, train={"steps": STEPS},
+                       checkpoint={"every": EVERY, "keep": 2, "resume": True},
+                       launch={"cluster": "local", "max_restarts": 2, "cpus_per_task": 1})
+
+
+def submit(cfg, tmp: Path, **env: str) -> tuple[int, str]:
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                "MOETRAIN_HOME": str(tmp / "home"), **env}
+    proc = subprocess.run([sys.executable, "-m", "moetrain.submit", "--config", str(path)], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def uninterrupted(rank: int, world: int, shards: str, run_dir: str) -> str:
+    return Trainer(config(Path(shards), Path(run_dir)), job_id="reference").run()
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_sigkill_mid_step_restarts_with_the_same_losses_and_corrupt_checkpoint_is_skipped(tiny_shards, tmp_path):
+    assert run_distributed(uninterrupted, 2, str(tiny_shards), str(tmp_path / "ref")) == ["done", "done"]
+    reference = losses(tmp_path / "ref")
+
+    run_dir = tmp_path / "run"
+    # Steps of 0.3 s in the first attempt, so that the step-4 checkpoint commits before the kill.
+    rc, out = submit(config(tiny_shards, run_dir), tmp_path, MOETRAIN_TEST_KILL="1:7", MOETRAIN_TEST_SLOW="0.3:1")
+    assert rc == 0 and "run done" in out, out
+    got = losses(run_dir)
+    assert [s for s, _ in got] == list(range(1, STEPS + 1)), f"every step exactly once: {got}"
+    for (step, a), (_, b) in zip(got, reference):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} after the restart vs {b} uninterrupted"
+
+    # The cause, on the console and in events.jsonl; the monitor shows it.
+    assert "rank(s) 1 died without an error" in out, out
+    assert "event: restarting from the latest complete checkpoint (restart 1 of 2)" in out, out
+    assert "event: resumed from" in out and "step_00000004 at step 4" in out, out
+    ev = read_events(run_dir)
+    assert [e["event"] for e in ev] == ["started", "restart", "resumed", "started", "finished"], ev
+    assert ev[1]["restart"] == 1 and "rank(s) 1 died" in ev[1]["cause"] and ev[2]["step"] == 4
+    status = collect(run_dir)
+    assert status.state == "done" and [e["event"] for e in status.restarts] == ["restart", "resumed"]
+    assert "restart: " in render(status) and "rank(s) 1 died" in render(status)
+
+    # A corrupt checkpoint: skipped with its reason, on the console and in events.jsonl.
+    last = list_checkpoints(run_dir / "checkpoints")[-1][1]
+    shard = sorted(last.glob("__0_*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    rc, out = submit(config(tiny_shards, run_dir), tmp_path)
+    assert rc == 0, out
+    assert f"event: skipped corrupt checkpoint {last}" in out and "sha256" in out, out
+    assert "step_00000008 at step 8" in out, out
+    skipped = [e for e in read_events(run_dir) if e["event"] == "checkpoint_skipped"]
+    assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(last) and "sha256" in skipped[0]["reason"]
+
+
+def test_rank_error_is_reported_in_a_few_lines_and_not_restarted(tiny_shards, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_shards, data)
+    shard = data / "train_00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    rc, out = submit(config(data, tmp_path / "run"), tmp_path)
+    assert rc == 1, out
+    lines = out[out.index("run failed:"):].splitlines()
+    assert len(lines) <= 4, out
+    assert lines[0].startswith("run failed: rank ") and "raised ShardError" in lines[0], out
+    assert f"{shard}: size" in lines[0] and "truncated" in lines[0], out
+    log_path = Path(lines[1].split("log (full traceback): ")[1])
+    assert log_path.is_file() and "Traceback" in log_path.read_text(), log_path
+    assert "Traceback" not in out, "the console shows the error, the traceback stays in the log"
+    assert "restart" not in [e["event"] for e in read_events(tmp_path / "run")], "a rank's own error restarted"
+
+
+def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
+    from moetrain.data.shards import ShardError
+    from moetrain.train.records import StaleAttemptError, diagnose, failure_kind
+
+    def peer(rank, dead=()):
+        return {"rank": rank, "kind": "peer", "type": "RuntimeError", "host": "n1", "log": f"log{rank}",
+                "message": "[gloo/transport/tcp/pair.cc:553] Connection closed by peer", "dead_on_node": list(dead)}
+
+    own = {"rank": 2, "kind": "error", "type": "ShardError", "host": "n2", "log": "log2",
+           "message": "x.bin: the file is truncated\nsecond line"}
+    d = diagnose([peer(0), peer(1), own], 4)
+    assert not d.restartable and d.cause == "rank 2 (n2) raised ShardError: x.bin: the file is truncated"
+    assert d.lines()[1] == "  log (full traceback): log2" and "rank(s) 0, 1 then failed" in d.lines()[2]
+    d = diagnose([peer(0, dead=[3]), peer(1)], 4)  # rank 3 seen dead on its node; rank 2 still blocked
+    assert d.restartable and d.dead == [3] and d.silent == [2] and d.cause.startswith("rank(s) 3 died")
+    d = diagnose([peer(0), peer(1)], 2)
+    assert d.restartable and d.cause.startswith("every rank failed in a collective")
+    assert failure_kind(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1")) == "peer"
+    assert failure_kind(RuntimeError("Timed out waiting 600000ms for recv operation")) == "peer"
+    assert failure_kind(ShardError("x.bin: sha256 mismatch")) == "error"
+    assert failure_kind(StaleAttemptError("attempt 1 is stale: ... timed out")) == "error"
