@@ -68,3 +68,30 @@ def test_etp_matches_single_process(parallel, world, reference, tiny_shards, tmp
     E, D, F = reference["shapes"]["layers.1.moe.experts"]
     if "zero_stage" not in parallel:
         assert results[0]["shapes"]["layers.1.moe.experts"] == (E // parallel.get("ep", 1), D, F // parallel["tp"])
+
+
+def etp_steps(rank: int, world: int, data: str, run_dir: str, parallel: dict, n_steps: int, save: bool) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE, train={"steps": 6},
+                      checkpoint={"resume": True, "every": 0})
+    trainer = Trainer(cfg, write_files=False)
+    start = trainer.step
+    losses = [trainer.train_step().loss for _ in range(n_steps)]
+    if save:
+        trainer.save_checkpoint()
+    return {"start": start, "losses": losses}
+
+
+@pytest.mark.parametrize("first, second", [
+    ({"tp": 2, "etp": 2}, {"tp": 2}),
+    ({"tp": 2}, {"dp": 2, "tp": 2, "etp": 2, "zero_stage": 2}),
+], ids=["etp2-to-etp1", "etp1-to-etp2-zero2"])
+def test_checkpoints_move_between_etp_layouts(first, second, tiny_shards, tmp_path):
+    def world(p: dict) -> int:
+        return p.get("dp", 1) * p.get("tp", 1)
+
+    full = run_distributed(etp_steps, 1, str(tiny_shards), str(tmp_path / "full"), {}, 6, False)[0]
+    a = run_distributed(etp_steps, world(first), str(tiny_shards), str(tmp_path / "run"), first, 3, True)[0]
+    b = run_distributed(etp_steps, world(second), str(tiny_shards), str(tmp_path / "run"), second, 3, False)[0]
+    assert (a["start"], b["start"]) == (0, 3)
+    for step, (x, y) in enumerate(zip(a["losses"] + b["losses"], full["losses"]), 1):
+        assert abs(x - y) <= 1e-5 * y, f"step {step}: {x} across the etp change vs {y} uninterrupted"

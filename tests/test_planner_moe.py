@@ -298,6 +298,7 @@ def test_config_fields_reach_the_planner():
     assert Layout.from_config(cfg).etp == 1
     limited = load_config("configs/mixtral-8x7b.yaml", ["moe.max_nodes_per_token=2"])
     assert ModelShape.from_config(limited).max_nodes_per_token == 2
-    par = SimpleNamespace(**dataclasses.asdict(cfg.parallel), etp=4)
-    fake = SimpleNamespace(model=cfg.model, moe=cfg.moe, parallel=par, train=cfg.train)
-    assert Layout.from_config(fake).etp == 4
+    # tp 2 with dp halved keeps the world (and the GPUs per node) of the config
+    split = load_config("configs/mixtral-8x7b.yaml", ["parallel.tp=2", "parallel.etp=2",
+                                                      f"parallel.dp={cfg.parallel.dp // 2}"])
+    assert Layout.from_config(split).etp == 2

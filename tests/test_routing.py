@@ -158,3 +158,14 @@ def test_node_limited_routing_matches_its_reference(tiny_shards, tmp_path):
                           False)
     assert_matches(merged(res), ref)
     assert res[0]["bytes"][0]["inter_node"] > 0 and res[0]["bytes"][0]["intra_node"] > 0
+
+
+def test_node_limit_that_leaves_too_few_experts_is_refused_before_launch():
+    from moetrain.config import ConfigError, load_config
+    from moetrain.launch.preflight import check_node_limited
+
+    # tp = 8 fills each node: the ep group spans 256 nodes with one expert each.
+    cfg = load_config("configs/deepseek-v3-like.yaml", ["moe.max_nodes_per_token=4"])
+    with pytest.raises(ConfigError, match="moe.max_nodes_per_token = 4.*fewer than top_k = 8"):
+        check_node_limited(cfg)
+    check_node_limited(load_config("configs/deepseek-v3-like.yaml", ["moe.max_nodes_per_token=8"]))

@@ -7,7 +7,7 @@ or raises :class:`moetrain.config.ConfigError` naming the field, the value and t
 
 from __future__ import annotations
 
-from moetrain.config import Config, ConfigError, padded_vocab
+from moetrain.config import Config, ConfigError, field_error, padded_vocab
 from moetrain.data.shards import ShardError, read_manifest
 from moetrain.parallel.support import check_supported
 from moetrain.train.weights import check_init_from
@@ -33,10 +33,42 @@ def resolve_vocab(cfg: Config) -> Config:
     return cfg
 
 
+def check_node_limited(cfg: Config) -> None:
+    """``moe.max_nodes_per_token``: on the rank map the run will get, every ep group's NVLink
+    domains must hold as many experts each, and M of them at least ``moe.top_k`` (the ranks
+    check the same with their real rank map, :func:`moetrain.parallel.expert.configure_node_limited`).
+
+    Raises:
+        ConfigError: naming moe.max_nodes_per_token.
+    """
+    M, moe = cfg.moe.max_nodes_per_token, cfg.moe
+    if M is None or not moe.num_experts or cfg.parallel.ep == 1:
+        return
+    from moetrain.topology import build_rank_map
+
+    rank_map = build_rank_map(cfg)
+    for group in rank_map.groups("ep"):
+        domains = [rank_map.domain_of(r) for r in group]
+        counts = {d: domains.count(d) for d in set(domains)}
+        if len(counts) <= M:
+            continue  # a token can reach every domain of this group anyway
+        if len(set(counts.values())) != 1:
+            raise field_error("moe.max_nodes_per_token", M, f"an ep group spreads over NVLink domains unevenly "
+                              f"({sorted(counts.values())} ranks)", "use a layout whose ep groups span whole "
+                              "domains, or max_nodes_per_token: null")
+        experts = moe.num_experts // len(group) * next(iter(counts.values()))
+        if M * experts < moe.top_k:
+            raise field_error("moe.max_nodes_per_token", M, f"the ep group spans {len(counts)} domains of "
+                              f"{experts} experts each: {M} of them hold fewer than top_k = {moe.top_k}",
+                              f"use max_nodes_per_token >= {-(-moe.top_k // experts)}, a layout with more "
+                              f"experts per node, or null")
+
+
 def preflight(cfg: Config) -> Config:
     """The resolved config, or :class:`ConfigError` for anything wrong with it (see the module
     docstring): what this version supports, the vocabulary, the SLURM request."""
     check_supported(cfg)
+    check_node_limited(cfg)
     cfg = resolve_vocab(cfg)
     check_init_from(cfg)
     if cfg.launch.cluster == "slurm":

@@ -87,7 +87,7 @@ class Layout:
         p = cfg.parallel
         return cls(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, vpp=p.virtual_stages, zero=p.zero_stage,
                    mbs=cfg.train.micro_batch_size, ac=p.activation_checkpointing, schedule=p.pp_schedule,
-                   sp=p.sequence_parallel, etp=getattr(p, "etp", 1))  # parallel.etp: a later config field
+                   sp=p.sequence_parallel, etp=p.etp)
 
     def overrides(self) -> list[str]:
         """``--set`` strings that put this layout into a config."""

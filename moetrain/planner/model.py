@@ -73,8 +73,7 @@ class ModelShape:
                    expert_ffn=moe.ffn_hidden, shared_experts=moe.shared_experts if moe.num_experts else 0,
                    moe_layer_flags=flags, vocab_assumed=assumed, head_dim_override=m.head_dim,
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
-                   # a field added to the config later; getattr keeps older configs working
-                   max_nodes_per_token=getattr(moe, "max_nodes_per_token", None) if moe.num_experts else None)
+                   max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None)
 
     # -- widths ------------------------------------------------------------------------------
     @property
