@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -57,3 +58,18 @@ def tiny_config(data_path: str | Path, run_dir: str | Path, **sections) -> Confi
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     return config_from_dict(base)
+
+
+def require_slurm_cluster():
+    """For SLURM test modules, at import: the dev cluster's ``ClusterInfo``, or skip the module
+    when it is not up — fail instead under ``MOETRAIN_REQUIRE_SLURM=1`` (CI brought it up, so a
+    skip would hide a failure)."""
+    from moetrain.launch.slurm import SlurmUnavailableError, query_cluster
+
+    try:
+        return query_cluster(timeout_s=5)
+    except SlurmUnavailableError as e:
+        reason = f"SLURM dev cluster is not up: run `slurm/dev-cluster up` ({e})"
+        if os.environ.get("MOETRAIN_REQUIRE_SLURM") == "1":
+            raise RuntimeError(reason) from e
+        pytest.skip(reason, allow_module_level=True)

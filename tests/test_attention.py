@@ -31,7 +31,7 @@ from moetrain.parallel.support import check_supported
 
 from conftest import ByteTokenizer, tiny_config
 from multiproc import run_distributed
-from test_equivalence import STEPS, assert_matches, full_grads, merged
+from test_equivalence import assert_matches, merged, train_and_capture
 
 TOL = 1e-5
 
@@ -153,18 +153,7 @@ MODEL = {"seq_len": 64, "vocab_size": 260}
 
 
 def doc_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, doc: dict = DOC) -> dict:
-    from moetrain.train.trainer import Trainer
-
-    cfg = tiny_config(data, run_dir, parallel=parallel, data=doc, model=MODEL)
-    trainer = Trainer(cfg, write_files=False)
-    captured: dict = {}
-
-    def hook(opt, args, kwargs):
-        if not captured:
-            captured.update(full_grads(trainer))
-
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    return {"losses": [trainer.train_step().loss for _ in range(STEPS)], "grads": captured}
+    return train_and_capture(rank, world, data, run_dir, parallel, model=MODEL, data_section=doc)
 
 
 @pytest.fixture(scope="module")

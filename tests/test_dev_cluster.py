@@ -14,17 +14,12 @@ import cloudpickle
 import pytest
 import submitit
 
-from moetrain.launch.slurm import SlurmUnavailableError, query_cluster
+
+from conftest import require_slurm_cluster
 
 pytestmark = pytest.mark.slurm
 
-try:
-    _CLUSTER = query_cluster(timeout_s=5)
-except SlurmUnavailableError as _e:
-    _reason = f"SLURM dev cluster is not up: run `slurm/dev-cluster up` ({_e})"
-    if os.environ.get("MOETRAIN_REQUIRE_SLURM") == "1":  # CI brought it up: a skip would hide a failure
-        raise RuntimeError(_reason) from _e
-    pytest.skip(_reason, allow_module_level=True)
+_CLUSTER = require_slurm_cluster()
 
 # The jobs' interpreters cannot import this test module (pytest put tests/ on sys.path, the jobs
 # do not have it): ship its functions by value.

@@ -43,8 +43,9 @@ def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None,
-                      moe: dict | None = None, model: dict | None = None) -> dict:
-    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {}, moe=moe or {}, model=model or {})
+                      moe: dict | None = None, model: dict | None = None, data_section: dict | None = None) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {}, moe=moe or {}, model=model or {},
+                      data=data_section or {})
     trainer = Trainer(cfg, write_files=False)
     captured: dict = {}
 

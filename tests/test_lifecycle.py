@@ -128,3 +128,32 @@ def test_watchdog_dumps_stacks_and_names_the_hung_rank(tmp_path):
     assert (tmp_path / "stacks" / "attempt0-rank00000.json").read_text().find('"waiting_on_peers": true') > 0
     assert (tmp_path / "exclude_nodes.txt").read_text().split() == [os.uname().nodename]
     assert [e["event"] for e in read_events(tmp_path)] == ["hang"]
+
+
+def trainer_hang_worker(rank: int, world: int, data: str, run_dir: str) -> None:
+    # dp4 × ep2, rank 3 hangs: its ep peer (rank 2) waits inside an all-to-all, but ranks 0 and 1
+    # finish their backward and wait on rank 3 in the bucketed gradient all-reduce, through work
+    # handles in our own code (no torch.distributed frame on the stack).
+    cfg = tiny_config(data, run_dir, parallel={"dp": 4, "ep": 2}, train={"steps": STEPS},
+                      checkpoint={"every": 0})
+    trainer = Trainer(cfg, job_id="test", restart=0)
+    if rank == 3:
+        trainer.hang_at_step = 3
+
+    def on_hang(nodes):
+        os._exit(0)
+
+    trainer.watchdog = Watchdog(cfg.run_dir, rank, trainer.fence, trainer.heartbeat, factor=3.0,
+                                min_timeout_s=2.0, on_hang=on_hang, grace_s=2.0, poll_s=0.2).start()
+    trainer.run()
+
+
+def test_watchdog_sees_ranks_waiting_on_async_work_as_waiting(tiny_shards, tmp_path):
+    with pytest.raises(RuntimeError):
+        run_distributed(trainer_hang_worker, 4, str(tiny_shards), str(tmp_path), timeout=120)
+    hang = json.loads((tmp_path / "hang-0.json").read_text())
+    assert [s["rank"] for s in hang["suspects"]] == [3], hang
+    waiting = {r: json.loads((tmp_path / "stacks" / f"attempt0-rank{r:05d}.json").read_text())["waiting_on_peers"]
+               for r in range(4)}
+    assert waiting == {0: True, 1: True, 2: True, 3: False}, waiting
+

@@ -31,20 +31,13 @@ import yaml
 
 from moetrain.config import to_dict
 from moetrain.train.records import read_events
-from moetrain.launch.slurm import SlurmUnavailableError, query_cluster
 from moetrain.train.checkpoint import list_checkpoints, verify_checkpoint
 
-from conftest import tiny_config
+from conftest import require_slurm_cluster, tiny_config
 
 pytestmark = pytest.mark.slurm
 
-try:
-    query_cluster(timeout_s=5)
-except SlurmUnavailableError as _e:
-    _reason = f"SLURM dev cluster is not up: run `slurm/dev-cluster up` ({_e})"
-    if os.environ.get("MOETRAIN_REQUIRE_SLURM") == "1":  # CI brought it up: a skip would hide a failure
-        raise RuntimeError(_reason) from _e
-    pytest.skip(_reason, allow_module_level=True)
+require_slurm_cluster()
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("MOETRAIN_SLURM_DIR", "/var/tmp/moetrain-slurm"))

@@ -19,17 +19,12 @@ from tokenize_helpers import tree, write_corpus
 from moetrain.data.corpus import iter_documents
 from moetrain.data.shards import verify_shards
 from moetrain.data.tokenizer import train_bpe
-from moetrain.launch.slurm import SlurmUnavailableError, query_cluster
+
+from conftest import require_slurm_cluster
 
 pytestmark = pytest.mark.slurm
 
-try:
-    query_cluster(timeout_s=5)
-except SlurmUnavailableError as _e:
-    _reason = f"SLURM dev cluster is not up: run `slurm/dev-cluster up` ({_e})"
-    if os.environ.get("MOETRAIN_REQUIRE_SLURM") == "1":  # CI brought it up: a skip would hide a failure
-        raise RuntimeError(_reason) from _e
-    pytest.skip(_reason, allow_module_level=True)
+require_slurm_cluster()
 
 REPO = Path(__file__).resolve().parents[1]
 

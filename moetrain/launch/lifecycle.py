@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from moetrain.parallel.peers import is_waiting_on_peers
 from moetrain.train.records import (
     Fence,
     Heartbeat,
@@ -82,8 +83,11 @@ def requeue_slurm_job(exclude: list[str] | None = None) -> bool:
 
 
 def _main_thread_waits_on_peers() -> bool:
-    """Whether the main thread is blocked inside torch.distributed (waiting on other ranks) rather
-    than in its own computation: the innermost frames of its stack tell."""
+    """Whether the main thread is blocked on other ranks rather than in its own computation: inside
+    a place marked by :func:`moetrain.parallel.peers.waiting_on_peers` (async work handles, host
+    reads that complete collectives), or with torch.distributed among its innermost frames."""
+    if is_waiting_on_peers():
+        return True
     frame = sys._current_frames().get(threading.main_thread().ident)
     depth = 0
     while frame is not None and depth < 12:

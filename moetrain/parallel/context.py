@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.attention import DocumentMask
+from moetrain.parallel.peers import waiting_on_peers
 
 __all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "apply_context_parallel"]
 
@@ -302,8 +303,9 @@ class _Ring:
 
 
 def _wait(works: list) -> None:
-    for w in works:
-        w.wait()
+    with waiting_on_peers():
+        for w in works:
+            w.wait()
 
 
 # Which part of the (local queries × block of rank `src`) product is visible; see module doc.

@@ -31,6 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor, Replicate
 
 from moetrain.model.moe import GroupedExperts
+from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import DP_CP, EDP, EDP_TP, EP, PP, TP, ParallelState
 from moetrain.parallel.tensor import TP_PARTIAL
 
@@ -235,7 +236,8 @@ class OverlappedGradReducer:
             self._start(b)
         reduce_gradients(self.parts, self.ps, exclude=self.overlapped)
         for b in self.buckets:
-            b.work.wait()
+            with waiting_on_peers():
+                b.work.wait()
             b.flat.div_(self.divisor)
             for p, g in zip(b.params, _unflatten_dense_tensors(b.flat, b.params)):
                 if p.grad is None:

@@ -31,6 +31,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moetrain.config import field_error
 from moetrain.model.moe import DispatchHandle, ExpertGroups, GroupedExperts, MoE, permute_by_expert, unpermute
+from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
 
@@ -79,7 +80,8 @@ class AllToAllDispatcher:
         #    one host read of this layer: split sizes must be host integers.
         recv_counts = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts, counts_E, group=self.group)
-        host = torch.cat([counts_E, recv_counts]).tolist()
+        with waiting_on_peers():  # on GPU the read waits for the counts' all-to-all
+            host = torch.cat([counts_E, recv_counts]).tolist()
         send_PE = [host[r * El:(r + 1) * El] for r in range(P)]
         recv_PE = [host[(P + r) * El:(P + r + 1) * El] for r in range(P)]
         input_splits = [sum(row) for row in send_PE]

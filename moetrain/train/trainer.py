@@ -42,6 +42,7 @@ from moetrain.parallel.apply import SingleStageRunner, build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import OverlappedGradReducer, clip_gradients, global_grad_norm
 from moetrain.parallel.precision import compute_dtype
+from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
@@ -271,7 +272,8 @@ class Trainer:
         names = list(loads)
         head = [scalars, grad_norm.double().reshape(1)] + ([a2a] if a2a is not None else [])
         flat = torch.cat(head + [loads[n] for n in names])
-        host = flat.tolist()
+        with waiting_on_peers():  # on GPU the read completes the step's queued collectives
+            host = flat.tolist()
         lm, aux, z, dropped, norm = host[:5]
         at = 7 if a2a is not None else 5
         E = len(host[at:]) // max(1, len(names))
