@@ -140,10 +140,12 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
         st.state = "not started"
     else:
         st.state = "running"
-    if st.jobs and st.jobs[-1]["state"].split()[0] in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL") \
+    # The latest instance that ran: sacct may list a requeued instance as PENDING (or not at all)
+    # until it starts, so until then the failed one is the latest that ran.
+    ran = [j for j in st.jobs if j["state"].split()[0] not in ("PENDING", "REQUEUED")]
+    if ran and ran[-1]["state"].split()[0] in ("FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL") \
             and st.state not in ("done", "gave_up"):
-        last = st.jobs[-1]
-        # sacct lists a requeued instance only once it starts: until then the failed one is last.
+        last = ran[-1]
         if slurm_job_queued(last["job_id"]):
             st.warnings.append(f"job {last['job_id']} was {last['state']} on {last['nodes']}: requeued, "
                                f"waiting to restart")

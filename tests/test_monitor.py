@@ -69,3 +69,22 @@ def test_cli_by_job_id(tmp_path, monkeypatch):
     bad = subprocess.run([sys.executable, "-m", "moetrain.monitor", "nope"], cwd=ROOT, capture_output=True,
                          text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert bad.returncode == 4 and "neither a run directory" in bad.stderr
+
+
+def test_node_fail_then_pending_instance_reads_as_requeued(tmp_path, monkeypatch):
+    # sacct may list the requeued instance as PENDING before it starts: the failed instance is
+    # still the latest that ran, and a job SLURM still lists is waiting to restart, not failing.
+    import moetrain.monitor as monitor
+
+    now = time.time()
+    run = make_run(tmp_path, now, beat_age=2)
+    (run / "submission.json").write_text(json.dumps({"jobs": [{"job_id": "7"}]}))
+    rows = [{"job_id": "7", "state": "NODE_FAIL", "exit_code": "0:0", "start": "", "end": "", "nodes": "n[1-2]"},
+            {"job_id": "7", "state": "PENDING", "exit_code": "0:0", "start": "", "end": "", "nodes": "None"}]
+    monkeypatch.setattr(monitor, "sacct_states", lambda ids: rows)
+    monkeypatch.setattr(monitor, "slurm_job_queued", lambda job: True)
+    st = collect(run, now)
+    assert st.state == "running" and any("NODE_FAIL" in w and "requeued" in w for w in st.warnings), st.warnings
+    monkeypatch.setattr(monitor, "slurm_job_queued", lambda job: False)
+    st = collect(run, now)
+    assert st.state == "failing" and st.warnings == ["job 7 is NODE_FAIL"], st.warnings

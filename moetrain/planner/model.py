@@ -49,6 +49,9 @@ class ModelShape:
     vocab_assumed: bool = False
     capacity_factor: float | None = None      # moe.capacity_factor: None = dropless
     max_nodes_per_token: int | None = None    # moe.max_nodes_per_token: node-limited routing (DeepSeek-V3 §2.1.2)
+    # whether the EP dispatch sends a token once per destination node and forwards it over NVLink
+    # (DeepSeek-V3 §3.2.2, DeepEP); moetrain's own dispatcher sends every routed copy (False)
+    dispatch_dedup: bool = False
     # planner-only architecture facts (see the module doc)
     head_dim_override: int | None = None      # query/key width per head when not hidden/heads
     v_head_dim: int | None = None             # value width per head when not the query/key one

@@ -17,12 +17,13 @@ Expert-parallel all-to-all (:func:`ep_all_to_all`): the buffer is the routed cop
 rank's tokens, T·c·h·bytes, with c the copies the busiest expert rank receives (top-k × the
 load of the busiest expert over the mean, capped by the capacity factor; ModelShape.expert_copies).
 Without node-limited routing every copy travels on its own: the share (n − m)/n crosses the
-network. With ``moe.max_nodes_per_token`` = M each token's experts lie in at most M nodes and
-the dispatch sends a token once per destination node, which forwards it over NVLink to the
-GPUs that need it (DeepSeek-V3 §3.2.2; moetrain's own dispatcher sends every copy, so the
-planner assumes such a dispatcher comes with the routing limit): a token crosses the network
-min(M, N)·(N − 1)/N times, N = n/m the domains the EP group spans, never more than its
-c·(n − m)/n copies would.
+network. With ``moe.max_nodes_per_token`` = M each token's experts lie in at most M nodes; a
+dispatcher that sends a token once per destination node and forwards it over NVLink to the GPUs
+that need it (DeepSeek-V3 §3.2.2, DeepEP; ``ModelShape.dispatch_dedup``) then puts it on the
+network min(M, N)·(N − 1)/N times, N = n/m the domains the EP group spans, never more than its
+c·(n − m)/n copies would. moetrain's own dispatcher sends every copy, so for its configs the
+limit changes which nodes a token touches but not the bytes (measured on 2 nodes:
+benchmarks/bench_node_limited.py), and the planner counts every copy.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
             return
         if op == "all_to_all":
             t, tiers = ep_all_to_all(nbytes, places[axis], profile, shape.expert_copies(moe_imbalance),
-                                     shape.max_nodes_per_token)
+                                     shape.max_nodes_per_token if shape.dispatch_dedup else None)
         else:
             t, tiers = comm_time(op, nbytes, places[axis], profile)
         out.append(CollectiveVolume(axis, op, what, nbytes, calls, overlap,
