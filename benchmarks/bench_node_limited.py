@@ -1,12 +1,13 @@
-"""Inter-node all-to-all bytes with and without node-limited routing, on a real SLURM allocation
-of 2 nodes (the dev cluster: ``slurm/dev-cluster up``). Prints JSON.
+"""Inter-node all-to-all bytes with and without node-limited routing, with the flat and the
+hierarchical token dispatcher, on a real SLURM allocation of 2 nodes (the dev cluster:
+``slurm/dev-cluster up``). Prints JSON.
 
-The demo model trained ``--steps`` steps at dp = 4 × ep = 4 over 2 nodes × 2 tasks, once with
-``moe.max_nodes_per_token: null`` and once with 1; the rank map puts each node's two ranks in one
-NVLink domain, so an ep group spans 2 domains of 4 experts. Reported per variant: the mean bytes
-per step that the forward dispatch sent within a domain and across domains (``dispatch_bytes`` in
-metrics.jsonl, summed over the ranks), the inter-node fraction, and the losses; the baseline is the
-run without the limit, in the same invocation.
+The demo model trained ``--steps`` steps at dp = 4 × ep = 4 over 2 nodes × 2 tasks with
+``moe.max_nodes_per_token`` null or 1 and ``moe.token_dispatcher`` alltoall or hierarchical; the
+rank map puts each node's two ranks in one NVLink domain, so an ep group spans 2 domains of 4
+experts. Reported per variant: the mean bytes per step that the forward dispatch sent within a
+domain and across domains (``dispatch_bytes`` in metrics.jsonl), the inter-node fraction, and the
+losses; the baseline is the flat dispatcher without the limit, in the same invocation.
 
     slurm/dev-cluster up && python tools/prepare_demo.py
     python benchmarks/bench_node_limited.py [--steps 12]
@@ -25,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(steps: int, run_dir: Path, limit: str) -> list[dict]:
+def run(steps: int, run_dir: Path, limit: str, dispatcher: str) -> list[dict]:
     sets = ["launch.cluster=slurm", "launch.nodes=2", "parallel.dp=4", "parallel.ep=4", f"train.steps={steps}",
             "train.val_every=0", "checkpoint.every=0", "checkpoint.resume=false", f"run.dir={run_dir}",
-            f"moe.max_nodes_per_token={limit}", "launch.time_min=20"]
+            f"moe.max_nodes_per_token={limit}", f"moe.token_dispatcher={dispatcher}", "launch.time_min=20"]
     cmd = [sys.executable, "-m", "moetrain.submit", "--config", "configs/demo-moe.yaml",
            *sum((["--set", s] for s in sets), [])]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -41,15 +42,18 @@ def main() -> None:
     a = ap.parse_args()
     out: dict = {"steps": a.steps, "layout": "2 nodes x 2 tasks, dp4 x ep4, 8 experts top-2"}
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:
-        for name, limit in (("no_limit", "null"), ("max_nodes_per_token_1", "1")):
-            recs = run(a.steps, Path(tmp) / name, limit)
+        for name, limit, dispatcher in (("alltoall", "null", "alltoall"), ("alltoall_m1", "1", "alltoall"),
+                                        ("hierarchical", "null", "hierarchical"),
+                                        ("hierarchical_m1", "1", "hierarchical")):
+            recs = run(a.steps, Path(tmp) / name, limit, dispatcher)
             intra = statistics.mean(r["dispatch_bytes"]["intra_node"] for r in recs)
             inter = statistics.mean(r["dispatch_bytes"]["inter_node"] for r in recs)
             out[name] = {"intra_node_bytes_per_step": round(intra), "inter_node_bytes_per_step": round(inter),
                          "inter_fraction": round(inter / (intra + inter), 3),
                          "loss_first_last": [round(recs[0]["loss"], 4), round(recs[-1]["loss"], 4)]}
-    out["inter_limited_over_unlimited"] = round(out["max_nodes_per_token_1"]["inter_node_bytes_per_step"]
-                                                / out["no_limit"]["inter_node_bytes_per_step"], 3)
+    base = out["alltoall"]["inter_node_bytes_per_step"]
+    out["inter_node_over_alltoall"] = {name: round(out[name]["inter_node_bytes_per_step"] / base, 3)
+                                       for name in ("alltoall_m1", "hierarchical", "hierarchical_m1")}
     print(json.dumps(out, indent=1))
 
 

@@ -151,7 +151,12 @@ class MoEConfig:
     sequence-wise loss (0 turns it off). ``max_nodes_per_token``: node-limited routing — each
     token's experts lie on at most this many NVLink domains (nodes) of its expert-parallel group,
     taken from the rank map, so its all-to-all crosses the network to at most that many
-    (DeepSeek-V3 §2.2: M = 4). ``shared_ffn_hidden``: inner width of the shared experts'
+    (DeepSeek-V3 §2.2: M = 4). ``token_dispatcher``: how routed tokens travel under expert
+    parallelism — ``alltoall`` sends one row per token-expert pair (Megatron-Core's all-to-all
+    dispatcher), ``hierarchical`` sends a token once to each NVLink domain (node) holding its
+    experts, then within the domain to the experts' ranks, and sums the domain's weighted
+    expert outputs there before the row returns (DeepSeek-V3 §3.2.2, DeepEP's inter-node mode):
+    with ``max_nodes_per_token`` the network bytes fall with M. ``shared_ffn_hidden``: inner width of the shared experts'
     SwiGLU (they are fused into one); ``null`` is shared_experts × ffn_hidden (Qwen1.5-MoE's
     shared expert is wider than its routed ones). ``shared_expert_gate``: scale the shared
     experts' output per token by sigmoid(w · x), w a learned [hidden] vector (Qwen1.5-MoE /
@@ -172,6 +177,7 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     max_nodes_per_token: int | None = None
     expert_backend: Literal["auto", "loop", "grouped_mm", "megablocks"] = "auto"
+    token_dispatcher: Literal["alltoall", "hierarchical"] = "alltoall"
     shared_ffn_hidden: int | None = None
     shared_expert_gate: bool = False
 

@@ -301,6 +301,9 @@ def test_config_fields_reach_the_planner():
     assert Layout.from_config(cfg).etp == 1
     limited = load_config("configs/mixtral-8x7b.yaml", ["moe.max_nodes_per_token=2"])
     assert ModelShape.from_config(limited).max_nodes_per_token == 2
+    assert not ModelShape.from_config(limited).dispatch_dedup
+    assert ModelShape.from_config(load_config("configs/mixtral-8x7b.yaml", ["moe.token_dispatcher=hierarchical"])
+                                  ).dispatch_dedup
     # tp 2 with dp halved keeps the world (and the GPUs per node) of the config
     split = load_config("configs/mixtral-8x7b.yaml", ["parallel.tp=2", "parallel.etp=2",
                                                       f"parallel.dp={cfg.parallel.dp // 2}"])

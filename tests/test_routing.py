@@ -169,3 +169,46 @@ def test_node_limit_that_leaves_too_few_experts_is_refused_before_launch():
     with pytest.raises(ConfigError, match="moe.max_nodes_per_token = 4.*fewer than top_k = 8"):
         check_node_limited(cfg)
     check_node_limited(load_config("configs/deepseek-v3-like.yaml", ["moe.max_nodes_per_token=8"]))
+
+
+# -- the hierarchical dispatcher: once per token and node over the network ---------------------
+
+HIERARCHICAL = {"token_dispatcher": "hierarchical"}
+
+
+def test_hierarchical_dispatch_equals_one_process_and_crosses_once_per_node(tiny_shards, tmp_path):
+    ref = run_distributed(limited_capture, 1, str(tiny_shards), str(tmp_path / "ref"), {}, LIMITED, True)[0]
+    flat = run_distributed(limited_capture, 4, str(tiny_shards), str(tmp_path / "flat"), {"dp": 4, "ep": 4},
+                           LIMITED, False)
+    hier = run_distributed(limited_capture, 4, str(tiny_shards), str(tmp_path / "hier"), {"dp": 4, "ep": 4},
+                           {**LIMITED, **HIERARCHICAL}, False)
+    assert_matches(merged(hier), ref)
+    # M = 1: both of a token's experts lie in one domain, so the flat all-to-all sends two rows
+    # where the hierarchical one sends one (the same routing at step 1: same weights and data).
+    f, h = flat[0]["bytes"][0], hier[0]["bytes"][0]
+    assert f["inter_node"] > 0 and 2 * h["inter_node"] == f["inter_node"], (f, h)
+
+
+def test_hierarchical_dispatch_without_limit_and_with_capacity_equals_the_flat_one(tiny_shards, tmp_path):
+    # No node limit: a token may need both domains (one row to each). A capacity factor below 1
+    # drops at the source exactly as the flat dispatcher does.
+    moe = {"num_experts": 4, "top_k": 2, "capacity_factor": 0.75}
+    flat = run_distributed(limited_capture, 4, str(tiny_shards), str(tmp_path / "flat"), {"dp": 4, "ep": 4},
+                           moe, False)
+    hier = run_distributed(limited_capture, 4, str(tiny_shards), str(tmp_path / "hier"), {"dp": 4, "ep": 4},
+                           {**moe, **HIERARCHICAL}, False)
+    assert_matches(merged(hier), merged(flat))
+    f, h = flat[0]["bytes"][0], hier[0]["bytes"][0]
+    assert 0 < h["inter_node"] < f["inter_node"], (f, h)
+
+
+def test_hierarchical_dispatch_over_uneven_domains_is_refused_before_launch():
+    from moetrain.config import ConfigError, load_config
+    from moetrain.launch.preflight import check_node_limited
+
+    sets = ["launch.cluster=slurm", "launch.nodes=4", "parallel.dp=12", "train.global_batch_size=48",
+            "moe.token_dispatcher=hierarchical", "parallel.ep=4"]
+    # 3 ranks per node: the ep group {3, 4, 5, 6} has 1 rank on one node and 3 on the next.
+    with pytest.raises(ConfigError, match="moe.token_dispatcher = 'hierarchical'.*unevenly"):
+        check_node_limited(load_config("configs/demo-moe.yaml", sets + ["launch.gpus_per_node=3"]))
+    check_node_limited(load_config("configs/demo-moe.yaml", sets + ["launch.gpus_per_node=6", "launch.nodes=2"]))

@@ -34,15 +34,17 @@ def resolve_vocab(cfg: Config) -> Config:
 
 
 def check_node_limited(cfg: Config) -> None:
-    """``moe.max_nodes_per_token``: on the rank map the run will get, every ep group's NVLink
-    domains must hold as many experts each, and M of them at least ``moe.top_k`` (the ranks
-    check the same with their real rank map, :func:`moetrain.parallel.expert.configure_node_limited`).
+    """``moe.max_nodes_per_token`` and ``moe.token_dispatcher: hierarchical``: on the rank map the
+    run will get, every ep group's NVLink domains must hold as many of its ranks each, and, with
+    the limit, M of them at least ``moe.top_k`` experts (the ranks check the same with their
+    real rank map, :mod:`moetrain.parallel.expert`).
 
     Raises:
-        ConfigError: naming moe.max_nodes_per_token.
+        ConfigError: naming moe.max_nodes_per_token or moe.token_dispatcher.
     """
     M, moe = cfg.moe.max_nodes_per_token, cfg.moe
-    if M is None or not moe.num_experts or cfg.parallel.ep == 1:
+    hierarchical = moe.token_dispatcher == "hierarchical"
+    if (M is None and not hierarchical) or not moe.num_experts or cfg.parallel.ep == 1:
         return
     from moetrain.topology import build_rank_map
 
@@ -50,6 +52,13 @@ def check_node_limited(cfg: Config) -> None:
     for group in rank_map.groups("ep"):
         domains = [rank_map.domain_of(r) for r in group]
         counts = {d: domains.count(d) for d in set(domains)}
+        if hierarchical and len(set(counts.values())) != 1:
+            raise field_error("moe.token_dispatcher", moe.token_dispatcher, f"an ep group spreads over NVLink "
+                              f"domains unevenly ({sorted(counts.values())} ranks); the hierarchical dispatch "
+                              "pairs each rank with one rank of every other domain", "use a layout whose ep "
+                              "groups span whole domains, or token_dispatcher: alltoall")
+        if M is None:
+            continue
         if len(counts) <= M:
             continue  # a token can reach every domain of this group anyway
         if len(set(counts.values())) != 1:

@@ -407,8 +407,11 @@ class MoE(nn.Module):
         y_ND = self.experts(x_ND, counts_El, handle.host_counts)
 
         # 5.-6. return to the source rank, restore assignment order, weight (fp32) and sum over k.
-        y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
-        y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
+        if getattr(self.dispatcher, "combines_weighted", False):  # weights applied where the rows are
+            y_TD = self.dispatcher.combine_weighted(y_ND, handle, topk_p_TK)
+        else:
+            y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
+            y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
         if self.shared is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared_output(x_TD))
 

@@ -163,7 +163,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
             apply_tensor_parallel(part, ps, cfg)
         # 4. expert parallelism: local experts + all-to-all dispatch.
         if ps.size(EP) > 1:
-            apply_expert_parallel(part.moe_layers(), ps)
+            apply_expert_parallel(part.moe_layers(), ps, cfg.moe.token_dispatcher)
         if cfg.parallel.etp > 1:  # expert-tensor parallelism: each expert's ffn width over tp
             apply_expert_tensor_parallel(part.moe_layers(), ps)
         # 4a. node-limited routing: each token's experts on at most M of the ep group's domains.

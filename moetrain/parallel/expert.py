@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moetrain.config import field_error
-from moetrain.model.moe import DispatchHandle, ExpertGroups, GroupedExperts, MoE, permute_by_expert, unpermute
+from moetrain.model.moe import (DispatchHandle, ExpertGroups, GroupedExperts, MoE, expert_counts, permute_by_expert,
+                                unpermute)
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
@@ -73,9 +74,14 @@ class AllToAllDispatcher:
         """Phases 1-3; the rows' all-to-all is left in flight (a functional collective: it is
         waited for where its result is first used, in :meth:`finish`), so the caller can
         compute meanwhile."""
-        P, El = self.ep, self.num_local
         # 1. permute by global expert id; rows for ep rank r are contiguous.
-        x_sorted, counts_E, local = permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
+        return self.exchange(*permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity))
+
+    def exchange(self, x_sorted: torch.Tensor, counts_E: torch.Tensor, local: DispatchHandle) -> tuple:
+        """Phases 2-3 for rows already sorted by expert: x_sorted [N, D] (at least sum(counts_E)
+        rows; any beyond are ignored), counts_E [E] int64 on the device, ``local`` the handle
+        that undoes the sort."""
+        P, El = self.ep, self.num_local
         # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e. Then the
         #    one host read of this layer: split sizes must be host integers.
         recv_counts = torch.empty_like(counts_E)
@@ -91,9 +97,11 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
+        if x_sorted.shape[0] != sum(input_splits):
+            x_sorted = x_sorted[:sum(input_splits)]
         x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
-        seg = torch.arange(P * El, device=x_TD.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
+        seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
         regroup = torch.argsort(e * P + src, stable=True)
         counts_El = recv_counts.view(P, El).sum(0)
@@ -114,14 +122,188 @@ class AllToAllDispatcher:
         return unpermute(y_sorted, handle.local)
 
 
-def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
-    """Keep only this rank's El = E / ep experts in every MoE layer and dispatch by all-to-all.
+@dataclass
+class HierarchicalHandle:
+    inner: AllToAllHandle  # the dispatch within the domain
+    token_of_row: torch.Tensor  # [R_send] the source token of each row sent over the rail
+    slot_mask: torch.Tensor  # [R_send, K] the row's slots whose expert lies in its domain
+    input_splits: list[int]  # rows sent to each rail rank (domain)
+    output_splits: list[int]  # rows received from each rail rank
+    num_tokens: int  # T
+    kept: torch.Tensor | None  # capacity mask of the T·K assignments (stats only)
+
+    @property
+    def host_counts(self) -> list[int]:
+        return self.inner.host_counts
+
+
+class HierarchicalDispatcher:
+    """Token dispatch that crosses the network once per token and destination node.
+
+    The ep group's P ranks lie in N NVLink domains of m ranks each (from the rank map). Rank j
+    of a domain talks across domains only to rank j of every other domain (its *rail* group,
+    N ranks) and within its domain to the m ranks there (DeepSeek-V3 §3.2.2; DeepEP's
+    inter-node mode):
+
+    1. at the source, drop assignments beyond the capacity exactly as :func:`permute_by_expert`
+       does (by position in (token, k) order, per expert), then send each token's row once to
+       every domain that holds one of its experts — over the rail, so it lands on the rail peer
+       there — with its K slots' expert ids (−1 for slots whose expert lies in another domain);
+    2. that peer dispatches the received rows within its domain as :class:`AllToAllDispatcher`
+       does, treating every valid slot as an assignment;
+    3. the combine returns the expert outputs within the domain, weights them with the routing
+       weights (sent over the rail in the combine) and sums them per row, so one row per token and
+       domain goes back over the rail, where the source adds its domains' rows.
+
+    With ``moe.max_nodes_per_token`` = M a token's row crosses the network at most M − 1 times
+    (M if none of its experts is local) instead of once per remote expert. Two host reads per
+    layer and micro-batch (the rail's counts, then the domain's), against one for the flat
+    all-to-all. The sums differ from the flat dispatcher's only in order (fp32 rounding).
+    """
+
+    combines_weighted = True
+
+    def __init__(self, num_experts: int, ep_group_ranks: list[int], domains: list[int], rail: dist.ProcessGroup,
+                 domain: dist.ProcessGroup, device: torch.device):
+        P = len(ep_group_ranks)
+        me = ep_group_ranks.index(dist.get_rank())
+        self.num_experts, self.num_local = num_experts, num_experts // P
+        self.rail, self.domain = rail, domain
+        rail_ranks = set(dist.get_process_group_ranks(rail))
+        # Expert e lives on ep index e // El: its domain's index in my rail group (the rail rank
+        # that shares that domain) and its id among the experts of its domain's group.
+        rail_of, local_of = [], []
+        for e in range(num_experts):
+            holder = ep_group_ranks[e // self.num_local]
+            peer = next(r for r in rail_ranks if domains[ep_group_ranks.index(r)] == domains[ep_group_ranks.index(holder)])
+            rail_of.append(dist.get_group_rank(rail, peer))
+            local_of.append(dist.get_group_rank(domain, holder) * self.num_local + e % self.num_local
+                            if domains[ep_group_ranks.index(holder)] == domains[me] else -1)
+        self.rail_of_expert = torch.tensor(rail_of, dtype=torch.int64, device=device)
+        self.num_rail = dist.get_world_size(rail)
+        self.my_rail = dist.get_rank(rail)
+        self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain)
+        # Domain-local id of expert e, for the rows this rank receives (experts of its domain).
+        self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
+        self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher
+
+    def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, HierarchicalHandle]:
+        return self.finish(self.start(x_TD, expert_idx_TK, capacity))
+
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
+        T, K = expert_idx_TK.shape
+        N, dev = self.num_rail, x_TD.device
+        flat = expert_idx_TK.reshape(-1)
+        valid_TK, kept = torch.ones_like(expert_idx_TK, dtype=torch.bool), None
+        if capacity is not None:  # the same drops as permute_by_expert
+            order = torch.argsort(flat, stable=True)
+            counts = expert_counts(flat, self.num_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(flat.numel(), device=dev) - starts.repeat_interleave(counts, output_size=flat.numel())
+            kept = pos < capacity
+            valid_TK = torch.empty_like(kept).index_copy_(0, order, kept).view(T, K)
+        # 1. one row per (destination domain, token), domain-major, tokens in order.
+        dom_TK = self.rail_of_expert[expert_idx_TK]
+        need_NT = torch.zeros(N, T, dtype=torch.int64, device=dev)
+        need_NT.index_put_((dom_TK.reshape(-1), torch.arange(T, device=dev).repeat_interleave(K)),
+                           valid_TK.reshape(-1).to(torch.int64), accumulate=True)
+        slots_N = need_NT.sum(1)
+        need_NT = need_NT > 0
+        send = torch.stack([need_NT.sum(1), slots_N], 1).reshape(-1)  # [N·2]: rows, valid slots
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.rail)
+        with waiting_on_peers():  # on GPU the read waits for the counts' all-to-all
+            host = torch.cat([send, recv]).tolist()
+        input_splits, output_splits = host[0:2 * N:2], host[2 * N::2]
+        recv_slots = sum(host[2 * N + 1::2])
+        R_send = sum(input_splits)
+        rows = torch.argsort((~need_NT).reshape(-1).to(torch.int32), stable=True)[:R_send]
+        dom_of_row, token_of_row = rows // T, rows % T
+        slot_mask = (dom_TK[token_of_row] == dom_of_row.unsqueeze(1)) & valid_TK[token_of_row]
+        ids_send = torch.where(slot_mask, expert_idx_TK[token_of_row], -1)  # global ids; -1: other domains
+        inter = R_send - input_splits[self.my_rail]
+        self.rows_sent[1] += inter
+        x_recv = all_to_all_single_autograd(x_TD[token_of_row], output_splits, input_splits, self.rail)
+        ids_recv = ids_send.new_empty(sum(output_splits), K)
+        dist.all_to_all_single(ids_recv, ids_send, output_splits, input_splits, group=self.rail)
+        # 2. within the domain: every valid slot of the received rows is an assignment.
+        E_dom = self.inner.num_experts
+        key = torch.where(ids_recv >= 0, self.local_of_expert[ids_recv.clamp(min=0)], E_dom).reshape(-1)
+        order = torch.argsort(key, stable=True)[:recv_slots]
+        counts = expert_counts(key, E_dom + 1)[:E_dom]
+        local = DispatchHandle(order=order, num_assignments=key.numel(), kept=None)
+        pending = self.inner.exchange(x_recv[order // K], counts, local)
+        self.rows_sent[0] += self.inner.rows_sent[0] + self.inner.rows_sent[1]
+        self.inner.rows_sent = [0, 0]
+        return pending, HierarchicalHandle(pending[2], token_of_row, slot_mask, input_splits, output_splits, T, kept)
+
+    def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, HierarchicalHandle]:
+        inner_pending, handle = pending
+        x_ND, counts_El, _ = self.inner.finish(inner_pending)
+        return x_ND, counts_El, handle
+
+    def combine_weighted(self, y_ND: torch.Tensor, handle: HierarchicalHandle, weights_TK: torch.Tensor
+                         ) -> torch.Tensor:
+        """y_ND [N, D] (rows grouped by local expert) and the routing weights [T, K] (fp32) →
+        y_TD [T, D] = Σ_k weights·expert output, in y_ND's dtype (the weighted sums in fp32)."""
+        K = weights_TK.shape[1]
+        y_VD = self.inner.combine(y_ND, handle.inner)  # [R_recv·K, D], zeros at other domains' slots
+        w_send = torch.where(handle.slot_mask, weights_TK[handle.token_of_row], 0.0)
+        w_recv = all_to_all_single_autograd(w_send, handle.output_splits, handle.input_splits, self.rail)
+        y_RD = (y_VD.view(-1, K, y_VD.shape[-1]).float() * w_recv.unsqueeze(-1)).sum(1).to(y_ND.dtype)
+        y_back = all_to_all_single_autograd(y_RD, handle.input_splits, handle.output_splits, self.rail)
+        out = y_back.new_zeros(handle.num_tokens, y_back.shape[-1], dtype=torch.float32)
+        return out.index_add(0, handle.token_of_row, y_back.float()).to(y_ND.dtype)
+
+
+def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (rail, domain) groups inside its ep group, for :class:`HierarchicalDispatcher`:
+    the domain group holds the ep ranks of its NVLink domain (``ps.domains``; all in one when
+    None), the rail group the ranks at its position (in ep order) in every domain of the ep group.
+    Every rank creates every group, in one order (``new_group`` is collective); cached on ``ps``.
+
+    Raises:
+        ConfigError: an ep group's domains hold different numbers of its ranks.
+    """
+    cached = getattr(ps, "_hierarchical_groups", None)
+    if cached is not None:
+        return cached
+    ep = ps.size(EP)
+    mesh = ps.expert_mesh.mesh  # [pp, edp, ep, tp]
+    ep_groups = mesh.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for group in ep_groups:
+        doms = [ps.domains[r] if ps.domains is not None else 0 for r in group]
+        by_domain = {d: [r for r, dd in zip(group, doms) if dd == d] for d in dict.fromkeys(doms)}
+        sizes = sorted({len(v) for v in by_domain.values()})
+        if len(sizes) != 1:
+            raise field_error("moe.token_dispatcher", "hierarchical", f"the ep group {group} spreads over NVLink "
+                              f"domains unevenly ({sizes} ranks)", "use a layout whose ep groups span whole "
+                              "domains, or token_dispatcher: alltoall")
+        rails = [list(col) for col in zip(*by_domain.values())]
+        for kind, members in [("domain", v) for v in by_domain.values()] + [("rail", v) for v in rails]:
+            pg = dist.new_group(members)
+            if ps.rank in members:
+                mine[kind] = pg
+    ps._hierarchical_groups = (mine["rail"], mine["domain"])  # type: ignore[attr-defined]
+    return ps._hierarchical_groups  # type: ignore[attr-defined]
+
+
+def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, token_dispatcher: str = "alltoall"
+                          ) -> None:
+    """Keep only this rank's El = E / ep experts in every MoE layer and dispatch by all-to-all
+    (``token_dispatcher`` ``alltoall``: :class:`AllToAllDispatcher`; ``hierarchical``:
+    :class:`HierarchicalDispatcher`).
 
     Call on the meta-device model, before materialisation: the expert weights are re-created
     with the local shape [El, ...] and ``expert_offset = ep_rank · El`` so initialisation and
     checkpoints address them by global expert index.
     """
     ep, ep_rank, group = ps.size(EP), ps.coord(EP), ps.group(EP)
+    ep_ranks = ps.group_ranks(EP)
+    domains = [ps.domains[r] for r in ep_ranks] if ps.domains is not None else None
+    rail_domain = hierarchical_groups(ps) if token_dispatcher == "hierarchical" else None
     for moe in moe_layers.values():
         old = moe.experts
         E = old.num_experts
@@ -129,8 +311,10 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None
         dim, hidden = old.w1.shape[1], old.w1.shape[2]
         with torch.device(old.w1.device):
             moe.experts = GroupedExperts(dim, hidden, n_local, expert_offset=ep_rank * n_local, num_experts=E)
-        moe.dispatcher = AllToAllDispatcher(E, group, [ps.domains[r] for r in ps.group_ranks(EP)]
-                                            if ps.domains is not None else None)
+        if rail_domain is not None:
+            moe.dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device)
+        else:
+            moe.dispatcher = AllToAllDispatcher(E, group, domains)
 
 
 class _SumOverGroup:

@@ -50,7 +50,7 @@ class ModelShape:
     capacity_factor: float | None = None      # moe.capacity_factor: None = dropless
     max_nodes_per_token: int | None = None    # moe.max_nodes_per_token: node-limited routing (DeepSeek-V3 §2.1.2)
     # whether the EP dispatch sends a token once per destination node and forwards it over NVLink
-    # (DeepSeek-V3 §3.2.2, DeepEP); moetrain's own dispatcher sends every routed copy (False)
+    # (DeepSeek-V3 §3.2.2, DeepEP; moe.token_dispatcher: hierarchical), else every routed copy
     dispatch_dedup: bool = False
     # planner-only architecture facts (see the module doc)
     head_dim_override: int | None = None      # query/key width per head when not hidden/heads
@@ -76,7 +76,8 @@ class ModelShape:
                    expert_ffn=moe.ffn_hidden, shared_experts=moe.shared_experts if moe.num_experts else 0,
                    moe_layer_flags=flags, vocab_assumed=assumed, head_dim_override=m.head_dim,
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
-                   max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None)
+                   max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None,
+                   dispatch_dedup=moe.token_dispatcher == "hierarchical")
 
     # -- widths ------------------------------------------------------------------------------
     @property

@@ -19,11 +19,11 @@ load of the busiest expert over the mean, capped by the capacity factor; ModelSh
 Without node-limited routing every copy travels on its own: the share (n − m)/n crosses the
 network. With ``moe.max_nodes_per_token`` = M each token's experts lie in at most M nodes; a
 dispatcher that sends a token once per destination node and forwards it over NVLink to the GPUs
-that need it (DeepSeek-V3 §3.2.2, DeepEP; ``ModelShape.dispatch_dedup``) then puts it on the
-network min(M, N)·(N − 1)/N times, N = n/m the domains the EP group spans, never more than its
-c·(n − m)/n copies would. moetrain's own dispatcher sends every copy, so for its configs the
-limit changes which nodes a token touches but not the bytes (measured on 2 nodes:
-benchmarks/bench_node_limited.py), and the planner counts every copy.
+that need it (DeepSeek-V3 §3.2.2, DeepEP; ``moe.token_dispatcher: hierarchical``,
+``ModelShape.dispatch_dedup``) then puts it on the network min(M, N)·(N − 1)/N times, N = n/m
+the domains the EP group spans, never more than its c·(n − m)/n copies would. The flat
+``alltoall`` dispatcher sends every copy, so there the limit changes which nodes a token touches
+but not the bytes (both measured on 2 nodes: benchmarks/bench_node_limited.py).
 """
 
 from __future__ import annotations
