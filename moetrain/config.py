@@ -276,8 +276,9 @@ class TrainConfig:
     (``val_every: 0`` disables validation). ``precision``: ``fp32``, or ``bf16`` — bf16 matmuls
     and activations with fp32 master weights, gradients, gradient reduction and AdamW states, the
     router and every loss in fp32 (see :mod:`moetrain.parallel.precision`). ``compile``: compile
-    each transformer block with ``torch.compile`` (inductor); the first steps pay the compilation
-    (tens of seconds per distinct block on a CPU)."""
+    each transformer block with ``torch.compile`` (inductor); under tensor parallelism only its
+    regions free of DTensors (:mod:`moetrain.parallel.compile`); the first steps pay the
+    compilation (tens of seconds per distinct block on a CPU)."""
 
     steps: int = 100
     micro_batch_size: int = 2

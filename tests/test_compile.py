@@ -1,7 +1,7 @@
 """``train.compile`` (moetrain.parallel.compile): compiled blocks give the eager losses and
 gradients, alone with full activation recomputation, composed with data + expert parallelism,
-FSDP (ZeRO-2) and recomputation, and with context parallelism (ring attention). Refused with
-tensor parallelism (wrong gradients in torch 2.13, see moetrain.parallel.support). Tolerances as in
+FSDP (ZeRO-2) and recomputation, with context parallelism (ring attention), and by region with
+tensor parallelism (see moetrain.parallel.compile). Tolerances as in
 test_equivalence (1e-5 relative losses; gradients 1e-5 of each tensor's largest entry): inductor
 fuses elementwise chains and keeps fp32, so only summation orders change.
 
@@ -44,12 +44,24 @@ def test_compiled_composes_with_parallelism(parallel, eager_reference, tiny_shar
     assert_matches(merged(results), eager_reference)
 
 
-def test_compile_with_tensor_parallelism_is_refused(tiny_shards, tmp_path):
-    from moetrain.config import ConfigError
-    from moetrain.parallel.support import check_supported
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2},
+    {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
+], ids=["tp2", "tp2-sp-ac"])
+def test_compiled_regions_compose_with_tensor_parallelism(parallel, eager_reference, tiny_shards, tmp_path):
+    # Under tp only the DTensor-free regions compile (moetrain.parallel.compile).
+    results = run_distributed(train_and_capture, 2, str(tiny_shards), str(tmp_path), parallel, {"compile": True},
+                              MOE, MODEL, timeout=600)
+    assert_matches(merged(results), eager_reference)
 
-    from conftest import tiny_config
 
-    with pytest.raises(ConfigError, match="train.compile"):
-        check_supported(tiny_config(tiny_shards, tmp_path, parallel={"tp": 2}, model=MODEL, train={"compile": True}),
-                        "cpu")
+@pytest.mark.slow
+def test_compiled_regions_compose_with_expert_tensor_parallelism(tiny_shards, tmp_path):
+    # etp = 2: the tp sum around the expert compute runs inside the compiled MoE layer.
+    from test_etp import etp_capture
+
+    ref = run_distributed(etp_capture, 1, str(tiny_shards), str(tmp_path / "ref"), {})[0]
+    results = run_distributed(etp_capture, 2, str(tiny_shards), str(tmp_path / "etp"), {"tp": 2, "etp": 2},
+                              {"compile": True}, timeout=600)
+    assert_matches(merged(results), ref)

@@ -22,8 +22,8 @@ MODEL = {"vocab_size": 260}
 MOE = {"first_dense": 1, "ffn_hidden": 48}
 
 
-def etp_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> dict:
-    cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE)
+def etp_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE, train=train or {})
     trainer = Trainer(cfg, write_files=False)
     captured: dict = {}
     shapes = {n: tuple(m.w1.shape) for part in trainer.model_parts for n, m in part.named_modules()

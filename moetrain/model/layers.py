@@ -201,11 +201,19 @@ class Attention(nn.Module):
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
+        return self.wo(self.core(q, k, v, cos, sin, doc))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             doc: DocumentMask | None = None) -> torch.Tensor:
+        """What lies between the projections: q/k norm, RoPE and the attention kernel, on plain
+        (local) tensors also under tensor parallelism. q: [B, S, H, Dh], k/v: [B, S, G, Dh] →
+        [B, S, H·Dh]."""
+        B, S = q.shape[:2]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc)  # [B, H, S, Dh]
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        return out.transpose(1, 2).reshape(B, S, -1)
 
 
 class FeedForward(nn.Module):
@@ -218,4 +226,8 @@ class FeedForward(nn.Module):
         self.w2 = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up, on plain (local) tensors also under tensor parallelism."""
+        return F.silu(gate) * up

@@ -180,7 +180,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
             apply_activation_checkpointing(part, cfg.parallel.activation_checkpointing)
         # 6b. torch.compile of each block (after AC, before FSDP, as torchtitan orders them).
         if cfg.train.compile:
-            apply_compile(part)
+            apply_compile(part, ps.size(TP) > 1)
         # 7. ZeRO / FSDP: shard optimizer states (1), + gradients (2), + parameters (3); see zero.py.
         if cfg.parallel.zero_stage > 0:
             fsdp_modules += apply_zero(part, ps, cfg.parallel.zero_stage, cfg.train.precision)

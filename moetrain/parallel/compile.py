@@ -15,9 +15,17 @@ demo model, CPU: 0.97× the eager step time after ~7 s of compilation with a war
 (``benchmarks/bench_compile.py``).
 
 Composes with data, expert and context parallelism, ZeRO (FSDP2) and activation checkpointing
-(tests/test_compile.py). Not with tensor parallelism: in torch 2.13 a compiled region holding
-DTensor redistributions fails in backward or, worse, gives the embedding a wrong gradient without
-an error (:func:`moetrain.parallel.support.check_supported` refuses it).
+(tests/test_compile.py).
+
+Under tensor parallelism the block is compiled by region: in torch 2.13 a compiled region that
+holds DTensor redistributions (the tp plan's input hooks, the sharded projections) fails in
+backward ("'Tensor' object has no attribute '_local_tensor'") or, worse, gives the embedding a
+wrong gradient without an error. So only the attention core (q/k norm, RoPE, kernel:
+:meth:`moetrain.model.layers.Attention.core`), the SwiGLU activation
+(:meth:`moetrain.model.layers.FeedForward.act`) and the MoE layer (its tp hooks hand it local
+tensors) are compiled; the projections, their redistributions and the norms stay eager (a
+compiled norm feeding a tp region gave wrong gradients without SP too, measured). Proved equal
+to eager with tp, tp + SP + recomputation, and expert-tensor parallelism.
 """
 
 from __future__ import annotations
@@ -27,7 +35,15 @@ import torch
 from moetrain.model.transformer import Transformer
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile every block of ``model`` (a whole model or a pipeline part) in place."""
+def apply_compile(model: Transformer, tensor_parallel: bool = False) -> None:
+    """Compile every block of ``model`` (a whole model or a pipeline part) in place: each block's
+    ``_forward`` whole, or under ``tensor_parallel`` its regions free of DTensors (module doc)."""
     for block in model.layers.values():
-        block._forward = torch.compile(block._forward)
+        if not tensor_parallel:
+            block._forward = torch.compile(block._forward)
+            continue
+        block.attention.core = torch.compile(block.attention.core)
+        if block.feed_forward is not None:
+            block.feed_forward.act = torch.compile(block.feed_forward.act)
+        if block.moe is not None:
+            block.moe.forward = torch.compile(block.moe.forward)

@@ -76,14 +76,6 @@ def check_supported(cfg: Config, device_type: str | None = None) -> None:
                               "computes attention (its kernels are sdpa's and flash-attn's)",
                               "use attention_backend sdpa or flash with cp > 1")
 
-    if cfg.train.compile and p.tp > 1:
-        # Measured (torch 2.13, CPU): with DTensor redistributions inside a compiled block the
-        # backward fails ("'Tensor' object has no attribute '_local_tensor'"), and with full
-        # recomputation, or with only the sequence-parallel norms compiled, the embedding's
-        # gradient comes out wrong without an error. Refused rather than trained wrong.
-        raise field_error("train.compile", True, f"gives wrong gradients with tensor parallelism (tp = {p.tp}) in "
-                          f"torch 2.13", "set train.compile=false, or tp=1 (compile composes with dp, ep, cp, ZeRO "
-                          "and activation checkpointing)")
     if cfg.data.document_mask and p.pp > 1:
         raise ConfigError(f"data.document_mask = True: not supported with parallel.pp = {p.pp} yet (the document "
                           f"ids would have to travel between stages). Fix: set document_mask=false or pp=1")
