@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -143,8 +144,17 @@ def trainer_hang_worker(rank: int, world: int, data: str, run_dir: str) -> None:
     def on_hang(nodes):
         os._exit(0)
 
+    def leave_once_handled():
+        # Only the rank that claims the hang calls on_hang; the others would wait in their
+        # collectives until gloo's time-out. Leave as the job's requeue would end them.
+        while not (Path(run_dir) / "hang-0.json").exists():
+            time.sleep(0.2)
+        time.sleep(2.0)
+        os._exit(0)
+
     trainer.watchdog = Watchdog(cfg.run_dir, rank, trainer.fence, trainer.heartbeat, factor=3.0,
                                 min_timeout_s=2.0, on_hang=on_hang, grace_s=2.0, poll_s=0.2).start()
+    threading.Thread(target=leave_once_handled, daemon=True).start()
     trainer.run()
 
 
