@@ -52,16 +52,15 @@ def check_node_limited(cfg: Config) -> None:
     for group in rank_map.groups("ep"):
         domains = [rank_map.domain_of(r) for r in group]
         counts = {d: domains.count(d) for d in set(domains)}
-        if hierarchical and len(set(counts.values())) != 1:
+        even = len(set(counts.values())) == 1
+        if hierarchical and not even:
             raise field_error("moe.token_dispatcher", moe.token_dispatcher, f"an ep group spreads over NVLink "
                               f"domains unevenly ({sorted(counts.values())} ranks); the hierarchical dispatch "
                               "pairs each rank with one rank of every other domain", "use a layout whose ep "
                               "groups span whole domains, or token_dispatcher: alltoall")
-        if M is None:
-            continue
-        if len(counts) <= M:
-            continue  # a token can reach every domain of this group anyway
-        if len(set(counts.values())) != 1:
+        if M is None or len(counts) <= M:
+            continue  # no limit, or a token can reach every domain of this group anyway
+        if not even:
             raise field_error("moe.max_nodes_per_token", M, f"an ep group spreads over NVLink domains unevenly "
                               f"({sorted(counts.values())} ranks)", "use a layout whose ep groups span whole "
                               "domains, or max_nodes_per_token: null")

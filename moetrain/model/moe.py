@@ -104,18 +104,27 @@ def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_exper
     x_ND, counts_E (int64 on the device of ``expert_idx_TK``), handle."""
     K = expert_idx_TK.shape[1]
     flat = expert_idx_TK.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = expert_counts(flat, num_experts)
-    kept = None
-    if capacity is not None:
-        # Position of each sorted assignment inside its expert's run.
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(flat.numel(), device=flat.device) - starts.repeat_interleave(counts, output_size=flat.numel())
-        kept = pos < capacity
+    order, counts, kept = sort_by_expert(flat, num_experts, capacity)
+    if kept is not None:
         order = order[kept]
         counts = counts.clamp(max=capacity)
     x_ND = x_TD[order // K]
     return x_ND, counts, DispatchHandle(order=order, num_assignments=flat.numel(), kept=kept)
+
+
+def sort_by_expert(flat: torch.Tensor, num_experts: int, capacity: int | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Assignments flat [T·K] (expert ids) sorted by expert, stably: (order [T·K], counts [E]
+    int64, kept [T·K] bool in sorted order — an expert's first ``capacity`` assignments, Switch
+    §2.2 — or None without a capacity). On the device, no host read."""
+    order = torch.argsort(flat, stable=True)
+    counts = expert_counts(flat, num_experts)
+    if capacity is None:
+        return order, counts, None
+    # Position of each sorted assignment inside its expert's run.
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(flat.numel(), device=flat.device) - starts.repeat_interleave(counts, output_size=flat.numel())
+    return order, counts, pos < capacity
 
 
 def expert_counts(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

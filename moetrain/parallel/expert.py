@@ -31,7 +31,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moetrain.config import field_error
 from moetrain.model.moe import (DispatchHandle, ExpertGroups, GroupedExperts, MoE, expert_counts, permute_by_expert,
-                                unpermute)
+                                sort_by_expert, unpermute)
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
@@ -165,20 +165,20 @@ class HierarchicalDispatcher:
 
     def __init__(self, num_experts: int, ep_group_ranks: list[int], domains: list[int], rail: dist.ProcessGroup,
                  domain: dist.ProcessGroup, device: torch.device):
-        P = len(ep_group_ranks)
-        me = ep_group_ranks.index(dist.get_rank())
-        self.num_experts, self.num_local = num_experts, num_experts // P
+        self.num_experts, self.num_local = num_experts, num_experts // len(ep_group_ranks)
         self.rail, self.domain = rail, domain
-        rail_ranks = set(dist.get_process_group_ranks(rail))
-        # Expert e lives on ep index e // El: its domain's index in my rail group (the rail rank
-        # that shares that domain) and its id among the experts of its domain's group.
+        domain_of = dict(zip(ep_group_ranks, domains))
+        # My rail peer in each domain, as its rank in the rail group.
+        rail_rank_of = {domain_of[r]: dist.get_group_rank(rail, r) for r in dist.get_process_group_ranks(rail)}
+        mine = domain_of[dist.get_rank()]
+        # Expert e lives on ep index e // El: its domain's index in my rail group and, for the
+        # experts of my domain, its id among the domain group's experts.
         rail_of, local_of = [], []
         for e in range(num_experts):
             holder = ep_group_ranks[e // self.num_local]
-            peer = next(r for r in rail_ranks if domains[ep_group_ranks.index(r)] == domains[ep_group_ranks.index(holder)])
-            rail_of.append(dist.get_group_rank(rail, peer))
+            rail_of.append(rail_rank_of[domain_of[holder]])
             local_of.append(dist.get_group_rank(domain, holder) * self.num_local + e % self.num_local
-                            if domains[ep_group_ranks.index(holder)] == domains[me] else -1)
+                            if domain_of[holder] == mine else -1)
         self.rail_of_expert = torch.tensor(rail_of, dtype=torch.int64, device=device)
         self.num_rail = dist.get_world_size(rail)
         self.my_rail = dist.get_rank(rail)
@@ -194,14 +194,9 @@ class HierarchicalDispatcher:
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
         T, K = expert_idx_TK.shape
         N, dev = self.num_rail, x_TD.device
-        flat = expert_idx_TK.reshape(-1)
         valid_TK, kept = torch.ones_like(expert_idx_TK, dtype=torch.bool), None
         if capacity is not None:  # the same drops as permute_by_expert
-            order = torch.argsort(flat, stable=True)
-            counts = expert_counts(flat, self.num_experts)
-            starts = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(flat.numel(), device=dev) - starts.repeat_interleave(counts, output_size=flat.numel())
-            kept = pos < capacity
+            order, _, kept = sort_by_expert(expert_idx_TK.reshape(-1), self.num_experts, capacity)
             valid_TK = torch.empty_like(kept).index_copy_(0, order, kept).view(T, K)
         # 1. one row per (destination domain, token), domain-major, tokens in order.
         dom_TK = self.rail_of_expert[expert_idx_TK]
