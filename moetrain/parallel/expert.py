@@ -78,9 +78,8 @@ class AllToAllDispatcher:
         return self.exchange(*permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity))
 
     def exchange(self, x_sorted: torch.Tensor, counts_E: torch.Tensor, local: DispatchHandle) -> tuple:
-        """Phases 2-3 for rows already sorted by expert: x_sorted [N, D] (at least sum(counts_E)
-        rows; any beyond are ignored), counts_E [E] int64 on the device, ``local`` the handle
-        that undoes the sort."""
+        """Phases 2-3 for rows already sorted by expert: x_sorted [N, D] with N = sum(counts_E),
+        counts_E [E] int64 on the device, ``local`` the handle that undoes the sort."""
         P, El = self.ep, self.num_local
         # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e. Then the
         #    one host read of this layer: split sizes must be host integers.
@@ -97,8 +96,6 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        if x_sorted.shape[0] != sum(input_splits):
-            x_sorted = x_sorted[:sum(input_splits)]
         x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
