@@ -50,6 +50,8 @@ def _published(fmt: str) -> int:
             if r["note"] not in notes:
                 notes.append(r["note"])
             tag += f" (not held, note {notes.index(r['note']) + 1})"
+        if r.get("fits") is False:
+            tag += f" (as published; the planner's memory model: {r['memory_gib']:.0f} > {r['capacity_gib']:.0f} GiB)"
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}"
         print(f"{r['key']:28s} {r['hardware']:12s} {r['gpus']:>5} {r['precision']:5s} {r['metric']:17s} "
               f"{r['published']:>9g} {pred:>9} {err:>7}  {r['layout']}{tag}")
@@ -159,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             for line in explain(p, i + 1, plans[i + 1] if i + 1 < len(plans) else None):
                 print(line)
         best = plans[0]
-        print(f"\nto use #1: --set " + " --set ".join(best.layout.overrides()))
+        if best.layout.runs_in_moetrain:
+            print(f"\nto use #1: --set " + " --set ".join(best.layout.overrides()))
+        else:
+            print(f"\n#1 recomputes {'+'.join(best.layout.recompute_modules)}: a published run's checkpointing, "
+                  "which moetrain's trainer does not have (its selective recomputes core_attn)")
     return 0
 
 

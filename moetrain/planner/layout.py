@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
 
-__all__ = ["Layout", "LayoutError", "parse_layout_spec", "LAYOUT_KEYS"]
+__all__ = ["Layout", "LayoutError", "parse_layout_spec", "LAYOUT_KEYS", "RECOMPUTE_MODULES"]
+
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "mla_up_proj")
+"""Modules selective recomputation can re-run in the backward pass (Megatron-Core's
+``--recompute-modules``; NVIDIA 2026, "Scalable Training of Mixture-of-Experts Models with
+Megatron Core", §4.1.4): ``core_attn`` the attention core (Korthikanti et al. 2022 §5, moetrain's
+``selective``), ``layernorm`` the norms (their outputs are not kept), ``moe_act`` the experts'
+activation function, ``mlp`` the dense MLP blocks, ``mla_up_proj`` multi-head latent
+attention's up-projections with the attention core (only the low-rank latents are kept)."""
 
 
 class LayoutError(ValueError):
@@ -23,7 +31,10 @@ class Layout:
     2022 §5, ``full`` = keep each layer's input only). ``sp``: Megatron sequence parallelism
     (always on when tp > 1 in the planner's search). ``etp``: expert-tensor-parallel size,
     1 (each rank keeps its experts whole) or tp (each expert's ffn dim split over the tp ranks,
-    Megatron-Core's ``--expert-tensor-parallel-size``); the config field ``parallel.etp``."""
+    Megatron-Core's ``--expert-tensor-parallel-size``); the config field ``parallel.etp``.
+    ``recompute_modules``: what ``ac = "selective"`` recomputes (:data:`RECOMPUTE_MODULES`);
+    moetrain's trainer recomputes ``core_attn`` only, the others describe published runs
+    (``python -m moetrain.plan --layout recompute_modules=layernorm+moe_act``)."""
 
     tp: int = 1
     pp: int = 1
@@ -37,6 +48,12 @@ class Layout:
     schedule: str = "1f1b"
     sp: bool = False
     etp: int = 1
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+
+    @property
+    def runs_in_moetrain(self) -> bool:
+        """Whether moetrain's trainer can run this layout's checkpointing (selective = core_attn)."""
+        return self.ac != "selective" or self.recompute_modules == ("core_attn",)
 
     @property
     def world(self) -> int:
@@ -68,6 +85,8 @@ class Layout:
         if self.etp > 1:
             s += f" etp{self.etp}"
         s += f" z{self.zero} mbs{self.mbs} ac={self.ac}"
+        if self.ac == "selective" and self.recompute_modules != ("core_attn",):
+            s += f"({'+'.join(self.recompute_modules)})"
         if self.pp > 1:
             s += f" {self.schedule}"
         return s
@@ -79,6 +98,7 @@ class Layout:
         d["micro_batch_size"] = d.pop("mbs")
         d["activation_checkpointing"] = d.pop("ac")
         d["sequence_parallel"] = d.pop("sp")
+        d["recompute_modules"] = list(self.recompute_modules) if self.ac == "selective" else []
         d["edp"] = self.edp
         return d
 
@@ -90,7 +110,15 @@ class Layout:
                    sp=p.sequence_parallel, etp=p.etp)
 
     def overrides(self) -> list[str]:
-        """``--set`` strings that put this layout into a config."""
+        """``--set`` strings that put this layout into a config.
+
+        Raises:
+            ValueError: the layout recomputes modules other than the attention core, which
+                moetrain's trainer does not (``recompute_modules`` describes published runs).
+        """
+        if not self.runs_in_moetrain:
+            raise ValueError(f"recompute_modules={'+'.join(self.recompute_modules)}: moetrain's selective "
+                             "checkpointing recomputes core_attn only. Fix: leave recompute_modules out, or use ac=full")
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}", f"parallel.cp={self.cp}",
                 f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.vpp}", f"parallel.zero_stage={self.zero}",
                 f"parallel.pp_schedule={self.schedule}", f"parallel.activation_checkpointing={self.ac}",
@@ -107,6 +135,7 @@ _ALIASES = {
     "schedule": "schedule", "pp_schedule": "schedule",
     "sp": "sp", "sequence_parallel": "sp",
     "etp": "etp", "expert_tensor_parallel": "etp",
+    "recompute_modules": "recompute_modules", "modules": "recompute_modules",
 }
 LAYOUT_KEYS = tuple(sorted(set(_ALIASES)))
 _CHOICES = {"ac": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")}
@@ -132,6 +161,13 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
             if value not in _CHOICES[k]:
                 raise LayoutError(f"--layout {key}={value}: choose one of {', '.join(_CHOICES[k])}")
             out[k] = value
+        elif k == "recompute_modules":
+            mods = tuple(m.strip() for m in value.split("+") if m.strip())
+            bad = [m for m in mods if m not in RECOMPUTE_MODULES]
+            if not mods or bad:
+                raise LayoutError(f"--layout recompute_modules={value}: {', '.join(bad) or 'empty'} unknown. "
+                                  f"Fix: '+'-separated names from {', '.join(RECOMPUTE_MODULES)}")
+            out[k] = mods
         elif k == "sp":
             if value.lower() not in ("true", "false", "1", "0"):
                 raise LayoutError(f"--layout sp={value}: write true or false")
@@ -145,4 +181,8 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
                 raise LayoutError(f"--layout {key}={value}: must be positive")
             if k == "zero" and out[k] not in (0, 1, 2, 3):
                 raise LayoutError(f"--layout zero={value}: use 0, 1, 2 or 3")
+    if "recompute_modules" in out:
+        if out.setdefault("ac", "selective") != "selective":
+            raise LayoutError(f"--layout {text!r}: recompute_modules needs ac=selective, not ac={out['ac']}. "
+                              "Fix: drop the ac key or write ac=selective")
     return out

@@ -36,7 +36,8 @@ from moetrain.planner.layout import Layout
 from moetrain.planner.model import ModelShape
 
 __all__ = ["MemoryAssumptions", "MemoryBreakdown", "ActivationArch", "zero_model_state_bytes",
-           "korthikanti_layer_bytes", "activation_terms", "attention_terms", "mlp_terms", "layer_activation_bytes", "stage_layers",
+           "korthikanti_layer_bytes", "activation_terms", "attention_terms", "mlp_terms", "layer_activation_bytes", "recomputed",
+           "stage_layers",
            "stage_counts", "memory_per_gpu", "GIB"]
 
 GIB = float(1 << 30)
@@ -200,14 +201,41 @@ def _moe_terms(shape: ModelShape, etp: int = 1, imbalance: float = 1.0) -> list[
     ]
 
 
+_NORM_OUTPUTS = frozenset({"QKV input", "MLP input", "router input"})
+_MLP_INSIDE = frozenset({"GELU input", "GELU output", "gate and up outputs", "silu(gate)", "SwiGLU output",
+                         "MLP dropout mask"})
+
+
+def recomputed(name: str, kind: str, modules: tuple[str, ...]) -> bool:
+    """Whether selective recomputation of ``modules`` (layout.RECOMPUTE_MODULES) drops the term
+    ``name`` of kind ``kind`` (see :func:`activation_terms`):
+
+    - ``core_attn``: the attention-core tensors (kind ``core``);
+    - ``layernorm``: the norms' outputs (QKV input, MLP / router input); their inputs, the
+      residual stream, stay;
+    - ``mlp``: a dense MLP block's inner tensors (its input stays);
+    - ``mla_up_proj``: the up-projected Q, K, V and the attention core: MLA keeps only its
+      low-rank latents (d_c = 512 + 64 and d_c' = 1536 per token for DeepSeek-V3: < 4 % of what
+      it drops, left out);
+    - ``moe_act``: nothing here: the planner's experts already keep only the activation's input
+      (gate and up, the fused SwiGLU) and recompute its output, which is what Megatron-Core's
+      ``moe_act`` recomputation does.
+    """
+    return (("core_attn" in modules and kind == "core")
+            or ("layernorm" in modules and name in _NORM_OUTPUTS)
+            or ("mlp" in modules and name in _MLP_INSIDE)
+            or ("mla_up_proj" in modules and (kind == "core" or name in ("Q, K", "V"))))
+
+
 def layer_activation_bytes(terms: list[tuple[str, float, str]], tokens: float, tp: int, sp: bool,
-                           ac: str, act_scale: float = 1.0) -> float:
-    """Bytes one layer keeps for ``tokens`` tokens of one micro-batch on one rank."""
+                           ac: str, act_scale: float = 1.0, modules: tuple[str, ...] = ("core_attn",)) -> float:
+    """Bytes one layer keeps for ``tokens`` tokens of one micro-batch on one rank (``modules``:
+    what ``ac = "selective"`` recomputes, :func:`recomputed`)."""
     if ac == "full":
         return terms[0][1] * tokens * act_scale / (tp if sp else 1)  # the layer input
     total = 0.0
-    for _, b, kind in terms:
-        if kind == "core" and ac == "selective":
+    for name, b, kind in terms:
+        if ac == "selective" and recomputed(name, kind, modules):
             continue
         total += b / (tp if (kind != "repl" or sp) else 1)
     return total * tokens * act_scale
@@ -293,16 +321,18 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
     dense_terms = activation_terms(arch)
     att_terms = attention_terms(arch)
 
+    mods = layout.recompute_modules
+
     def moe_layer(ac: str) -> float:
         # Under tp the MoE block works on a 1/tp slice of the sequence, with or without SP
         # (each tp rank routes its own slice), so its tensors are split by tp in any case.
         if ac == "full":
             return layer_activation_bytes(att_terms, tokens, tp, sp, "full", act_scale)
-        return (layer_activation_bytes(att_terms, tokens, tp, sp, ac, act_scale)
+        return (layer_activation_bytes(att_terms, tokens, tp, sp, ac, act_scale, mods)
                 + layer_activation_bytes(_moe_terms(shape, layout.etp, moe_imbalance), tokens, tp, True, ac,
-                                         act_scale))
+                                         act_scale, mods))
 
-    a_dense = layer_activation_bytes(dense_terms, tokens, tp, sp, layout.ac, act_scale)
+    a_dense = layer_activation_bytes(dense_terms, tokens, tp, sp, layout.ac, act_scale, mods)
     a_moe = moe_layer(layout.ac)
     a_dense_full = layer_activation_bytes(dense_terms, tokens, tp, sp, "none", act_scale)
     a_moe_full = moe_layer("none")

@@ -208,13 +208,24 @@ class ModelShape:
         fwd = sum(self.layer_matmul_flops(flag) + self.attention_flops() for flag in self.moe_layer_flags)
         return 3.0 * (fwd + self.logits_flops)
 
-    def recompute_flops_per_token(self, checkpointing: str) -> float:
-        """Extra forward FLOPs per token that activation checkpointing executes (same convention)."""
+    def recompute_flops_per_token(self, checkpointing: str, modules: tuple[str, ...] = ("core_attn",)) -> float:
+        """Extra forward FLOPs per token that activation checkpointing executes (same convention).
+        ``modules``: what selective checkpointing recomputes (layout.RECOMPUTE_MODULES):
+        ``core_attn`` the attention core, ``mla_up_proj`` the core and the attention input
+        projections (all of them: the planner keeps MLA's chain as one GEMM), ``mlp`` the dense
+        MLPs; ``layernorm`` and ``moe_act`` recompute elementwise kernels only (no matmul FLOPs)."""
         if checkpointing == "full":
             return sum(self.layer_matmul_flops(flag) + self.attention_flops() for flag in self.moe_layer_flags)
-        if checkpointing == "selective":
-            return self.layers * self.attention_flops()
-        return 0.0
+        if checkpointing != "selective":
+            return 0.0
+        f = 0.0
+        if "core_attn" in modules or "mla_up_proj" in modules:
+            f += self.layers * self.attention_flops()
+        if "mla_up_proj" in modules:
+            f += self.layers * 2.0 * (self.attn_params - self.attn_out_params)
+        if "mlp" in modules:
+            f += self.dense_layers * 2.0 * self.mlp_params
+        return f
 
     def expert_copies(self, imbalance: float = 1.0) -> float:
         """Routed copies of one token that the busiest expert rank computes and receives, in

@@ -90,6 +90,7 @@ class Plan:
         d: dict[str, Any] = {
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "vpp": lay.vpp,
             "zero_stage": lay.zero, "micro_batch_size": lay.mbs, "activation_checkpointing": lay.ac,
+            "recompute_modules": list(lay.recompute_modules) if lay.ac == "selective" else [],
             "pp_schedule": lay.schedule, "sequence_parallel": lay.sp,
             "microbatches": self.time.microbatches if self.time else None,
             "memory_gib_per_gpu": round(self.memory_gib, 3), "capacity_gib": round(self.capacity_gib, 3),
@@ -98,7 +99,7 @@ class Plan:
             "tokens_per_s": self.tokens_per_s, "tflops_per_gpu": self.tflops_per_gpu,
             "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "mfu": self.mfu,
             "broken_rules": self.broken_rules, "notes": self.notes,
-            "overrides": lay.overrides(),
+            "overrides": lay.overrides() if lay.runs_in_moetrain else None,
         }
         if self.time:
             d["time_breakdown_s"] = {k: v for k, v in self.time.breakdown.items()}
@@ -258,7 +259,8 @@ class Planner:
                             for sched, v in sched_v:
                                 for mbs in choices("mbs", list(MBS_CHOICES)):
                                     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
-                                                 mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp, etp=etp)
+                                                 mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp, etp=etp,
+                                                 recompute_modules=fixed.get("recompute_modules", ("core_attn",)))
                                     if self.check(lay) is None:
                                         yield lay
 

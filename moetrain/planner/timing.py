@@ -9,7 +9,8 @@ Phases of one step on the slowest pipeline rank (all times per micro-batch unles
    ``peak × attention_efficiency`` (backward executes 2.5× the forward FLOPs: FlashAttention-2
    recomputes the scores, Dao 2023 §3.1); elementwise kernels (norms, residuals, RoPE,
    SwiGLU, routing, permutation) at HBM bandwidth; recomputation runs the forward again
-   (full) or the attention core again (selective).
+   (full) or the modules selective recomputation names again (the attention core by default;
+   Megatron-Core's norms, expert activation, dense MLP, MLA up-projections: _Compute.recompute).
 2. communication inside a micro-batch: TP (SP all-gather / reduce-scatter, and the expert-TP
    all-gather / reduce-scatter with etp = tp) and the pipeline's point-to-point sends are not
    overlapped; the EP all-to-all (traffic.ep_all_to_all: top-k, capacity, node-limited
@@ -235,11 +236,36 @@ class _Compute:
         bwd = flops / (self.rate * _wave(m, k, sms, tile, count)) + flops / (self.rate * _wave(k, n, sms, tile, count))
         return fwd, bwd
 
+    def input_projection(self) -> tuple[float, float]:
+        """(forward, backward) seconds of the attention's input projections as one GEMM (QKV, or
+        MLA's low-rank chain)."""
+        s = self.s
+        return self.gemm(self.T, (s.attn_params - s.attn_out_params) / s.hidden / self.l.tp, s.hidden)
+
+    def recompute(self, moe: bool, core_f: float) -> float:
+        """Forward seconds that selective recomputation of ``layout.recompute_modules`` re-runs
+        in one layer's backward (see memory.recomputed for what each drops): ``core_attn`` the
+        attention core; ``mla_up_proj`` the core and the input projections; ``layernorm`` the
+        two norms (read and write h per token each); ``moe_act`` the experts' SwiGLU (reads
+        gate and up, writes their product); ``mlp`` a dense layer's MLP GEMMs and activation."""
+        mods, s, b = self.l.recompute_modules, self.s, self.act_bytes
+        t = 0.0
+        if "core_attn" in mods or "mla_up_proj" in mods:
+            t += core_f
+        if "mla_up_proj" in mods:
+            t += self.input_projection()[0]
+        if "layernorm" in mods:
+            t += b * 2 * 2.0 * s.hidden * self.Tt / self.hbm
+        if moe and "moe_act" in mods:
+            t += b * self.Tm * 3.0 * s.expert_ffn * (s.expert_copies(self.ta.moe_imbalance) + s.shared_experts) / self.hbm
+        if not moe and "mlp" in mods:
+            t += self.mlp()[0] + b * self.T * s.mlp_matrices * s.ffn / self.l.tp / self.hbm
+        return t
+
     def attention(self) -> tuple[float, float, float, float]:
         """(GEMMs fwd, GEMMs bwd, attention core fwd, attention core bwd) of the attention block."""
         s, tp = self.s, self.l.tp
-        # projections as one input GEMM (QKV, or MLA's low-rank chain) and the output GEMM
-        f1, b1 = self.gemm(self.T, (s.attn_params - s.attn_out_params) / s.hidden / tp, s.hidden)
+        f1, b1 = self.input_projection()
         f2, b2 = self.gemm(self.T, s.hidden, s.h_v / tp)
         if self.ta.attention == "flash":
             core_flops = self.T * s.attention_flops(causal=True) / tp  # causal: half the score matrix
@@ -365,6 +391,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
             "tp_f": regions * tp_region, "tp_b": regions * tp_region,
             "cp_f": cp_f, "cp_b": cp_b,
             "ep_f": ep_f + t_etp if moe else 0.0, "ep_b": ep_b + t_etp if moe else 0.0,
+            "rec_selective": c.recompute(moe, core_f) if lay.ac == "selective" else 0.0,
         }
         return d
 
@@ -386,7 +413,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         if lay.ac == "full":
             rec = sum(acc[k] for k in keys_f if k not in ("pp_f",)) - (log_f if r == lay.pp - 1 else 0.0)
         elif lay.ac == "selective":
-            rec = acc.get("attn_f", 0.0)
+            rec = acc["rec_selective"]
         t_b = sum(acc[k] for k in acc if k.endswith("_b")) + rec
         if worst is None or t_f + t_b > worst[0] + worst[1]:
             worst = (t_f, t_b, acc, rec, r, n_dense + n_moe)
@@ -449,7 +476,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     }
     tokens = global_batch * shape.seq_len
     model_flops = tokens * shape.model_flops_per_token()
-    executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac)
+    executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules)
     tiers = {a: places[a].tier for a in places}
     return StepTime(step, t_f, t_b, m, bd, tiers, model_flops, executed)
 
