@@ -409,3 +409,49 @@ def test_published_layout_is_timed_as_stated_even_where_memory_disagrees():
     assert row["fits"] is False and row["memory_gib"] > row["capacity_gib"] and row["error"] is not None
     stated = predict(next(e for e in PUBLISHED if e.key == "qwen3-235b-gb200-25.11"))
     assert "ac=none" in stated["layout"] and stated["fits"]
+
+
+# ---------------------------------------------------------------------------------------------
+# De-duplicating dispatch without a node limit; EP folded over TP (Megatron-Core parallel folding)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dedup_without_a_limit_is_the_expected_remote_domains():
+    from moetrain.planner.traffic import remote_domains
+
+    # 2 domains, 8 experts of which 4 per domain, top-2: 1 − C(4,2)/C(8,2) = 22/28 remote sends
+    assert remote_domains(2, 8, 2) == pytest.approx(22 / 28)
+    assert remote_domains(1, 8, 2) == 0.0 and remote_domains(4, 128, 8) < 3.0
+    assert [remote_domains(4, 128, k) for k in (1, 2, 4, 8)] == sorted(remote_domains(4, 128, k) for k in (1, 2, 4, 8))
+    # the demo on the dev SLURM cluster (8 experts, top-2, ep 4 over 2 nodes): the hierarchical
+    # dispatcher put 0.775 of the flat all-to-all's bytes on the network (README,
+    # benchmarks/bench_node_limited.py); the expectation under balanced routing is 0.786
+    flat = a2a_network_share(2, 4, 2, None)[0]
+    dedup = a2a_network_share(2, 4, 2, None, (8, 2))[0]
+    assert dedup / flat == pytest.approx(0.775, abs=0.02)
+    shape = _moe(dispatch_dedup=True)
+    assert shape.dedup_args() == (None, (64, 4))
+    assert dataclasses.replace(shape, max_nodes_per_token=2).dedup_args() == (2, None)
+    assert _moe().dedup_args() == (None, None)
+
+
+def test_ep_folded_over_tp():
+    s = _moe(layers=8)
+    lay = Layout(tp=2, dp=16, ep=32, sp=True, ep_fold=True)
+    assert lay.edp == 1 and lay.expert_shard == 1 and not lay.runs_in_moetrain and "ep32(tp×dp)" in lay.short()
+    with pytest.raises(ValueError, match="ep_fold"):
+        lay.overrides()
+    assert parse_layout_spec("tp=2,ep=32,ep_fold=true")["ep_fold"] is True
+    planner = Planner(s, H100, 4, 64)
+    assert planner.check(lay) is None
+    assert "ep_fold" in planner.check(dataclasses.replace(lay, tp=1, dp=32))
+    assert "ep_fold" in planner.check(dataclasses.replace(lay, ep=8, dp=16, tp=2, etp=2))
+    places, _ = planner.places(lay)
+    assert places["ep"].size == 32 and places["ep"].per_domain == 8 and places["ep"].tier != "nvlink"
+    # the same experts per rank as unfolded ep 32 would give, half of ep 16's
+    fold = memory_per_gpu(s, lay, 64)
+    flat16 = memory_per_gpu(s, Layout(tp=2, dp=16, ep=16, sp=True), 64)
+    assert fold.detail["expert_params"] * 2 == pytest.approx(flat16.detail["expert_params"])
+    # the search keeps ep a multiple of tp dividing dp × cp when folding is asked for
+    eps = {p.layout.ep for p in planner.search({"tp": 2, "ep_fold": True, "pp": 1}, top=50).ranked}
+    assert eps and eps <= {2, 4, 8, 16, 32}   # e = 2·e' with e' | 16

@@ -32,6 +32,9 @@ class Layout:
     (always on when tp > 1 in the planner's search). ``etp``: expert-tensor-parallel size,
     1 (each rank keeps its experts whole) or tp (each expert's ffn dim split over the tp ranks,
     Megatron-Core's ``--expert-tensor-parallel-size``); the config field ``parallel.etp``.
+    ``ep_fold``: the ep groups span tp × dp × cp (Megatron-Core's MoE parallel folding with
+    etp = 1: the tp ranks of an attention block are ep ranks of its MoE block; Liu et al. 2025,
+    arXiv 2504.14960) instead of dp × cp with whole-expert copies on the tp ranks; planner-only.
     ``recompute_modules``: what ``ac = "selective"`` recomputes (:data:`RECOMPUTE_MODULES`);
     moetrain's trainer recomputes ``core_attn`` only, the others describe published runs
     (``python -m moetrain.plan --layout recompute_modules=layernorm+moe_act``)."""
@@ -49,11 +52,13 @@ class Layout:
     sp: bool = False
     etp: int = 1
     recompute_modules: tuple[str, ...] = ("core_attn",)
+    ep_fold: bool = False
 
     @property
     def runs_in_moetrain(self) -> bool:
-        """Whether moetrain's trainer can run this layout's checkpointing (selective = core_attn)."""
-        return self.ac != "selective" or self.recompute_modules == ("core_attn",)
+        """Whether moetrain's trainer can run this layout: its selective checkpointing recomputes
+        core_attn only, and its ep groups lie within dp × cp."""
+        return (self.ac != "selective" or self.recompute_modules == ("core_attn",)) and not self.ep_fold
 
     @property
     def world(self) -> int:
@@ -61,13 +66,14 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        return self.dp * self.cp // self.ep
+        return self.dp * self.cp * (self.tp if self.ep_fold else 1) // self.ep
 
     @property
     def expert_shard(self) -> int:
         """Ranks holding replicas of the same expert shard (ZeRO shards them): edp × tp with
-        whole experts (the tp ranks hold copies), edp when tp splits the experts (etp = tp)."""
-        return self.edp * (self.tp // self.etp)
+        whole experts (the tp ranks hold copies), edp when tp splits the experts (etp = tp) or
+        the ep groups fold the tp ranks in (``ep_fold``)."""
+        return self.edp if self.ep_fold else self.edp * (self.tp // self.etp)
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per pipeline per step (gradient accumulation steps)."""
@@ -81,7 +87,7 @@ class Layout:
         if self.cp > 1:
             s += f" cp{self.cp}"
         if self.ep > 1:
-            s += f" ep{self.ep}"
+            s += f" ep{self.ep}" + ("(tp×dp)" if self.ep_fold else "")
         if self.etp > 1:
             s += f" etp{self.etp}"
         s += f" z{self.zero} mbs{self.mbs} ac={self.ac}"
@@ -116,6 +122,9 @@ class Layout:
             ValueError: the layout recomputes modules other than the attention core, which
                 moetrain's trainer does not (``recompute_modules`` describes published runs).
         """
+        if self.ep_fold:
+            raise ValueError("ep_fold: moetrain's ep groups lie within dp × cp (the tp ranks keep whole-expert "
+                             "copies). Fix: leave ep_fold out, or use parallel.etp = tp")
         if not self.runs_in_moetrain:
             raise ValueError(f"recompute_modules={'+'.join(self.recompute_modules)}: moetrain's selective "
                              "checkpointing recomputes core_attn only. Fix: leave recompute_modules out, or use ac=full")
@@ -136,6 +145,7 @@ _ALIASES = {
     "sp": "sp", "sequence_parallel": "sp",
     "etp": "etp", "expert_tensor_parallel": "etp",
     "recompute_modules": "recompute_modules", "modules": "recompute_modules",
+    "ep_fold": "ep_fold",
 }
 LAYOUT_KEYS = tuple(sorted(set(_ALIASES)))
 _CHOICES = {"ac": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")}
@@ -168,9 +178,9 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
                 raise LayoutError(f"--layout recompute_modules={value}: {', '.join(bad) or 'empty'} unknown. "
                                   f"Fix: '+'-separated names from {', '.join(RECOMPUTE_MODULES)}")
             out[k] = mods
-        elif k == "sp":
+        elif k in ("sp", "ep_fold"):
             if value.lower() not in ("true", "false", "1", "0"):
-                raise LayoutError(f"--layout sp={value}: write true or false")
+                raise LayoutError(f"--layout {key}={value}: write true or false")
             out[k] = value.lower() in ("true", "1")
         else:
             try:

@@ -227,6 +227,16 @@ class ModelShape:
             f += self.dense_layers * 2.0 * self.mlp_params
         return f
 
+    def dedup_args(self) -> tuple[int | None, tuple[int, int] | None]:
+        """(max_nodes, spread) for traffic.ep_all_to_all: a de-duplicating dispatcher sends a token
+        once per destination domain, limited to ``max_nodes_per_token`` or, without a limit, to
+        the domains its top-k experts fall into; the flat dispatcher sends every copy (None, None)."""
+        if not self.dispatch_dedup:
+            return None, None
+        if self.max_nodes_per_token is not None:
+            return self.max_nodes_per_token, None
+        return None, (self.num_experts, self.top_k)
+
     def expert_copies(self, imbalance: float = 1.0) -> float:
         """Routed copies of one token that the busiest expert rank computes and receives, in
         units of a token: top_k × the load of the busiest expert over the mean, capped by the

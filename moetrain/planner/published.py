@@ -178,17 +178,22 @@ _GPT_OSS_NOTE = ("GPT-OSS runs at 16-19 % of peak by NVIDIA's own TFLOP/s column
 
 def _mb(key: str, arch: dict[str, Any], profile: str, gpus: int, gbs: int, mbs: int, seq: int, pp: int, vpp: int,
         ep: int, value: float, release: str, note: str = "", source: str = "", ep_overlap: str = "none",
-        recompute: tuple[str, ...] | None = None) -> Published:
+        recompute: tuple[str, ...] | None = None, tp: int = 1) -> Published:
     """A Megatron-Core run (Megatron-Bridge's tables or NVIDIA's MoE report). ``recompute``: the
     recipe's stated checkpointing, () for none, modules for selective (then the layout is timed
     as published even where the planner's memory model says it does not fit); None: unstated,
-    the planner chooses. ``ep_overlap``: the recipe's ``moe_a2a_overlap`` (TimingAssumptions)."""
+    the planner chooses. ``ep_overlap``: the recipe's ``moe_a2a_overlap`` (TimingAssumptions).
+    ``tp`` > 1: Megatron-Core with sequence parallelism and etp = 1, the ep groups folded over
+    tp × dp (Layout.ep_fold)."""
     # A job of 64-GPU blocks on NVL72 racks uses 16 of each rack's 18 trays (assumed: the
     # tables do not say; filling racks in turn would put one EP group across two racks).
     per_domain = 16 if profile == "gb200-nvl72" and gpus > 72 else None
     a = dict(arch)
     shape = model_shape(a.pop("layers"), a.pop("hidden"), a.pop("heads"), a.pop("vocab"), seq, **a)
-    fixed: dict[str, Any] = {"tp": 1, "pp": pp, "vpp": vpp, "dp": gpus // pp, "cp": 1, "ep": ep, "mbs": mbs, "zero": 1}
+    fixed: dict[str, Any] = {"tp": tp, "pp": pp, "vpp": vpp, "dp": gpus // (pp * tp), "cp": 1, "ep": ep, "mbs": mbs,
+                             "zero": 1}
+    if tp > 1:
+        fixed |= {"sp": True, "etp": 1, "ep_fold": True}
     if recompute is not None:
         fixed |= {"ac": "selective", "recompute_modules": recompute} if recompute else {"ac": "none"}
     return Published(key, source or f"{_SRC_MB}, {release} container", profile, gpus, fixed,
@@ -250,6 +255,10 @@ PUBLISHED: tuple[Published, ...] = (
         source=_SRC_MCORE_MOE, recompute=("mlp",)),
     _mb("qwen3-235b-gb200-mcore0.16", _QWEN3_235B, "gb200-nvl72", 256, 8192, 1, 4096, 4, 12, 32, 5100, "",
         source=_SRC_MCORE_MOE, ep_overlap="combined_1f1b", recompute=("moe_act", "layernorm")),
+    # EP 32 over 4 H100 nodes, DeepEP (a token crosses once to each remote node its experts use)
+    _mb("qwen3-235b-h100-mcore0.16", _QWEN3_235B | {"dispatch_dedup": True}, "h100-superpod", 256, 2048, 1, 4096,
+        8, 4, 32, 2132, "", source=_SRC_MCORE_MOE, ep_overlap="combined_1f1b", recompute=("moe_act", "layernorm"),
+        tp=2),
 )
 
 
@@ -293,8 +302,7 @@ def predict(entry: Published) -> dict[str, Any]:
         if cand is None and "ac" in fixed and "mbs" in fixed:
             # The publication states the whole layout and ran it: time it as published, and
             # report what the planner's memory model says of it (fits: False).
-            lay = Layout(**{k: v for k, v in fixed.items() if k in _LAYOUT_FIELDS},
-                         sp=fixed.get("sp", fixed["tp"] > 1))
+            lay = Layout(**({"sp": fixed["tp"] > 1} | {k: v for k, v in fixed.items() if k in _LAYOUT_FIELDS}))
             if planner.check(lay) is None:
                 cand = planner.evaluate(lay)
         if cand is not None and (best is None or cand.step_s < best.step_s):

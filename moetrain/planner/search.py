@@ -24,7 +24,7 @@ from moetrain.planner.memory import GIB, MemoryAssumptions, MemoryBreakdown, mem
 from moetrain.planner.model import ModelShape
 from moetrain.planner.timing import StepTime, TimingAssumptions, step_time
 from moetrain.planner.traffic import AxisPlace, places_from_rank_map
-from moetrain.topology.cluster import Allocation, ClusterProfile, synthetic_allocation
+from moetrain.topology.cluster import TIERS, Allocation, ClusterProfile, synthetic_allocation
 from moetrain.topology.mapper import map_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,7 +90,7 @@ class Plan:
         d: dict[str, Any] = {
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "vpp": lay.vpp,
             "zero_stage": lay.zero, "micro_batch_size": lay.mbs, "activation_checkpointing": lay.ac,
-            "recompute_modules": list(lay.recompute_modules) if lay.ac == "selective" else [],
+            "recompute_modules": list(lay.recompute_modules) if lay.ac == "selective" else [], "ep_fold": lay.ep_fold,
             "pp_schedule": lay.schedule, "sequence_parallel": lay.sp,
             "microbatches": self.time.microbatches if self.time else None,
             "memory_gib_per_gpu": round(self.memory_gib, 3), "capacity_gib": round(self.capacity_gib, 3),
@@ -155,11 +155,19 @@ class Planner:
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
         """Axis placements and broken rules of the rank map for this layout (cached)."""
-        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep)
+        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.ep_fold)
         if key not in self._places:
-            rm = map_ranks({"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep},
+            # a folded ep group is one tp group times ep/tp ranks of dp × cp: mapped as the latter,
+            # then widened by the tp group it takes in (which the map keeps inside a domain)
+            ep = lay.ep // lay.tp if lay.ep_fold else lay.ep
+            rm = map_ranks({"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": ep},
                            self.allocation, self.profile, self.gpn)
-            self._places[key] = (places_from_rank_map(rm), [f"{r.name}: {r.detail}" for r in rm.broken_rules])
+            places = places_from_rank_map(rm)
+            if lay.ep_fold:
+                part, tp = places["ep"], places["tp"]
+                tier = max(part.tier if part.size > 1 else "none", tp.tier, key=TIERS.index)
+                places["ep"] = AxisPlace(lay.ep, tier, part.per_domain * tp.size)
+            self._places[key] = (places, [f"{r.name}: {r.detail}" for r in rm.broken_rules])
         return self._places[key]
 
     # -- evaluation --------------------------------------------------------------------------
@@ -172,7 +180,12 @@ class Planner:
             return f"tp = {lay.tp} does not divide heads = {s.heads} and kv_heads = {s.kv_heads}"
         if lay.pp * lay.vpp > s.layers:
             return f"pp·vpp = {lay.pp * lay.vpp} stages for {s.layers} layers"
-        if (lay.dp * lay.cp) % lay.ep or (s.is_moe and s.num_experts % lay.ep) or (not s.is_moe and lay.ep > 1):
+        if lay.ep_fold:
+            if lay.etp != 1 or lay.tp == 1 or lay.ep % lay.tp or (lay.dp * lay.cp) % (lay.ep // lay.tp) \
+                    or not s.is_moe or s.num_experts % lay.ep:
+                return (f"ep_fold: ep = {lay.ep} must be tp = {lay.tp} (> 1, etp = 1) times a divisor of dp·cp = "
+                        f"{lay.dp * lay.cp}, and divide the experts ({s.num_experts})")
+        elif (lay.dp * lay.cp) % lay.ep or (s.is_moe and s.num_experts % lay.ep) or (not s.is_moe and lay.ep > 1):
             return f"ep = {lay.ep} must divide the experts ({s.num_experts}) and dp·cp = {lay.dp * lay.cp}"
         if lay.etp not in (1, lay.tp) or (lay.etp > 1 and (not s.is_moe or s.expert_ffn % lay.etp)):
             return (f"etp = {lay.etp}: use 1, or tp = {lay.tp} for an MoE model whose expert width "
@@ -239,7 +252,9 @@ class Planner:
                     if "dp" in fixed and fixed["dp"] != dp:
                         continue
                     e_all = s.num_experts or 1
-                    eps = choices("ep", [e for e in range(1, e_all + 1) if e_all % e == 0 and (dp * cp) % e == 0]
+                    fold = bool(fixed.get("ep_fold", False))
+                    eps = choices("ep", [e for e in range(1, e_all + 1) if e_all % e == 0 and
+                                         (e % tp == 0 and (dp * cp) % (e // tp) == 0 if fold else (dp * cp) % e == 0)]
                                   if s.is_moe else [1])
                     if pp == 1:
                         sched_v = [("1f1b", 1)]
@@ -260,7 +275,8 @@ class Planner:
                                 for mbs in choices("mbs", list(MBS_CHOICES)):
                                     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
                                                  mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp, etp=etp,
-                                                 recompute_modules=fixed.get("recompute_modules", ("core_attn",)))
+                                                 recompute_modules=fixed.get("recompute_modules", ("core_attn",)),
+                                                 ep_fold=fold)
                                     if self.check(lay) is None:
                                         yield lay
 

@@ -371,7 +371,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     t_a2a = ep_f = ep_b = ep_hidden = t_etp = 0.0
     if shape.is_moe:
         t_a2a = ep_all_to_all(sz["ep"], places["ep"], prof, shape.expert_copies(ta.moe_imbalance),
-                              shape.max_nodes_per_token if shape.dispatch_dedup else None)[0]
+                              *shape.dedup_args())[0]
         ep_f, ep_b, ep_hidden = ep_exposed(2 * t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
                                            shared_f, shared_b, ta.ep_overlap, lay, m)
         if lay.etp > 1:

@@ -21,7 +21,9 @@ network. With ``moe.max_nodes_per_token`` = M each token's experts lie in at mos
 dispatcher that sends a token once per destination node and forwards it over NVLink to the GPUs
 that need it (DeepSeek-V3 §3.2.2, DeepEP; ``moe.token_dispatcher: hierarchical``,
 ``ModelShape.dispatch_dedup``) then puts it on the network min(M, N)·(N − 1)/N times, N = n/m
-the domains the EP group spans, never more than its c·(n − m)/n copies would. The flat
+the domains the EP group spans, never more than its c·(n − m)/n copies would; without a limit,
+once per remote domain its experts fall into (:func:`remote_domains`, the expectation under
+balanced routing: 0.75 of the flat dispatcher's bytes for top-2 over 2 domains, measured 0.775). The flat
 ``alltoall`` dispatcher sends every copy, so there the limit changes which nodes a token touches
 but not the bytes (both measured on 2 nodes: benchmarks/bench_node_limited.py).
 """
@@ -40,7 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.mapper import RankMap
 
 __all__ = ["AxisPlace", "places_from_rank_map", "bus_factor", "comm_time", "CollectiveVolume",
-           "step_collectives", "microbatch_buffers", "ep_all_to_all", "a2a_network_share", "expert_grad_axis",
+           "step_collectives", "microbatch_buffers", "ep_all_to_all", "a2a_network_share", "remote_domains",
+           "expert_grad_axis",
            "COMM_AXES"]
 
 COMM_AXES = ("tp", "cp", "pp", "dp_cp", "ep", "edp", "edp_tp")
@@ -107,9 +110,25 @@ def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile
     return t, tiers
 
 
-def a2a_network_share(copies: float, n: int, m: int, max_nodes: int | None) -> tuple[float, float]:
+def remote_domains(domains: int, experts: int, top_k: int) -> float:
+    """Expected NVSwitch domains other than its own that a token's ``top_k`` distinct experts,
+    drawn uniformly from ``experts`` spread evenly over ``domains``, fall into:
+    (N − 1)·(1 − C(E − E/N, k) / C(E, k)). What a de-duplicating dispatcher without a node limit
+    sends over the network per token (balanced routing, as the benchmarks force)."""
+    if domains <= 1 or top_k <= 0:
+        return 0.0
+    per = experts // domains
+    miss = math.comb(experts - per, top_k) / math.comb(experts, top_k) if experts - per >= top_k else 0.0
+    return (domains - 1) * (1.0 - miss)
+
+
+def a2a_network_share(copies: float, n: int, m: int, max_nodes: int | None,
+                      spread: tuple[int, int] | None = None) -> tuple[float, float]:
     """(network, NVLink) bytes per byte of an EP all-to-all buffer of ``copies`` routed copies
-    per token, over a group of n ranks with m in each NVSwitch domain (module doc).
+    per token, over a group of n ranks with m in each NVSwitch domain (module doc). A
+    de-duplicating dispatcher passes ``max_nodes`` (its node limit) or, without one, ``spread`` =
+    (experts, top_k): a token then crosses once to each remote domain its experts lie in
+    (:func:`remote_domains`).
 
     Raises:
         ValueError: max_nodes below 1.
@@ -118,29 +137,35 @@ def a2a_network_share(copies: float, n: int, m: int, max_nodes: int | None) -> t
         return 0.0, 0.0
     m = min(max(1, m), n)
     plain_net, plain_nv = (n - m) / n, (m - 1) / n
-    if max_nodes is None or m == n or copies <= 0:
+    if (max_nodes is None and spread is None) or m == n or copies <= 0:
         return plain_net, plain_nv
-    if max_nodes < 1:
+    if max_nodes is not None and max_nodes < 1:
         raise ValueError(f"max_nodes_per_token = {max_nodes}: must be at least 1")
     domains = math.ceil(n / m)
-    per_token = min(max_nodes, domains) * (domains - 1) / domains   # network sends per token
+    if max_nodes is not None:
+        per_token = min(max_nodes, domains) * (domains - 1) / domains   # network sends per token
+    else:
+        assert spread is not None
+        per_token = remote_domains(domains, spread[0], spread[1])
     net = min(plain_net, per_token / copies)
     # arrivals fan out from the receiving GPU to the others of its domain that need them
     return net, plain_nv + plain_net * (m - 1) / m
 
 
 def ep_all_to_all(nbytes: float, place: AxisPlace, profile: "ClusterProfile", copies: float,
-                  max_nodes: int | None = None) -> tuple[float, dict[str, float]]:
+                  max_nodes: int | None = None, spread: tuple[int, int] | None = None) -> tuple[float, dict[str, float]]:
     """Seconds and bytes per tier of one EP all-to-all of an ``nbytes`` buffer per GPU holding
-    ``copies`` routed copies per token, with node-limited routing when ``max_nodes`` is set."""
-    shares = a2a_network_share(copies, place.size, place.per_domain, max_nodes) if place.size > 1 else None
+    ``copies`` routed copies per token; a de-duplicating dispatcher passes ``max_nodes`` or
+    ``spread`` (:func:`a2a_network_share`)."""
+    shares = (a2a_network_share(copies, place.size, place.per_domain, max_nodes, spread)
+              if place.size > 1 else None)
     return comm_time("all_to_all", nbytes, place, profile, shares)
 
 
 def expert_grad_axis(layout: Layout) -> str:
     """The group that reduces expert gradients: edp × tp when the tp ranks hold whole-expert
-    replicas, edp when tp splits the experts (etp = tp)."""
-    return "edp" if layout.etp > 1 else "edp_tp"
+    replicas, edp when tp splits the experts (etp = tp) or the ep groups fold them in."""
+    return "edp" if layout.etp > 1 or layout.ep_fold else "edp_tp"
 
 
 @dataclass
@@ -206,7 +231,7 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
             return
         if op == "all_to_all":
             t, tiers = ep_all_to_all(nbytes, places[axis], profile, shape.expert_copies(moe_imbalance),
-                                     shape.max_nodes_per_token if shape.dispatch_dedup else None)
+                                     *shape.dedup_args())
         else:
             t, tiers = comm_time(op, nbytes, places[axis], profile)
         out.append(CollectiveVolume(axis, op, what, nbytes, calls, overlap,
