@@ -161,11 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             for line in explain(p, i + 1, plans[i + 1] if i + 1 < len(plans) else None):
                 print(line)
         best = plans[0]
-        if best.layout.runs_in_moetrain:
+        try:
             print(f"\nto use #1: --set " + " --set ".join(best.layout.overrides()))
-        else:
-            print(f"\n#1 recomputes {'+'.join(best.layout.recompute_modules)}: a published run's checkpointing, "
-                  "which moetrain's trainer does not have (its selective recomputes core_attn)")
+        except ValueError as e:  # a published run's layout (Layout.runs_in_moetrain)
+            print(f"\n#1 is not a layout moetrain's trainer runs: {e}")
     return 0
 
 

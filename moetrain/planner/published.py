@@ -27,7 +27,8 @@ Sources (full citations, layouts, precision and hardware in docs/topology.md §5
   token distribution among experts and all benchmarks are token-dropless";
 - NVIDIA 2026, "Scalable Training of Mixture-of-Experts Models with Megatron Core" (arXiv
   2603.07685, Megatron-Core v0.16): Table 11 (tokens/s/GPU), Table 20 (layouts), Appendix B.2
-  (recomputation modules, 1F1B all-to-all overlap), GB200 BF16 rows of DeepSeek-V3 and Qwen3.
+  (recomputation modules, 1F1B all-to-all overlap): the BF16 rows of DeepSeek-V3 and Qwen3-235B on
+  GB200 and of Qwen3-235B on H100.
 
 Where a row states the recipe's recomputation, the layout is timed as published even when the
 planner's memory model says it does not fit (``fits`` in the result says which).
@@ -244,7 +245,7 @@ PUBLISHED: tuple[Published, ...] = (
     _mb("gpt-oss-120b-gb200-25.11", _GPT_OSS, "gb200-nvl72", 64, 1280, 1, 8192, 1, 1, 64, 15876, "25.11",
         _GPT_OSS_NOTE),
     _mb("gpt-oss-120b-gb200-26.02", _GPT_OSS, "gb200-nvl72", 64, 1280, 4, 4096, 1, 1, 64, 15784, "26.02",
-        _GPT_OSS_NOTE, ep_overlap="combined_1f1b", recompute=("layernorm", "moe_act")),
+        _GPT_OSS_NOTE, recompute=("layernorm", "moe_act")),
     _mb("deepseek-v3-gb200-25.11", _DSV3, "gb200-nvl72", 256, 4096, 1, 4096, 4, 4, 64, 3139, "25.11",
         recompute=("mla_up_proj",)),
     _mb("qwen3-235b-gb200-25.11", _QWEN3_235B, "gb200-nvl72", 256, 8192, 1, 4096, 8, 3, 32, 4916, "25.11",
