@@ -37,20 +37,11 @@ def test_compiled_equals_eager_with_recomputation(eager_reference, tiny_shards, 
 @pytest.mark.parametrize("parallel", [
     {"dp": 2, "ep": 2, "zero_stage": 2, "activation_checkpointing": "full"},
     {"cp": 2},
-], ids=["dp2-ep2-zero2-ac", "cp2"])
-def test_compiled_composes_with_parallelism(parallel, eager_reference, tiny_shards, tmp_path):
-    results = run_distributed(train_and_capture, 2, str(tiny_shards), str(tmp_path), parallel, {"compile": True},
-                              MOE, MODEL, timeout=600)
-    assert_matches(merged(results), eager_reference)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel", [
+    # under tp only the DTensor-free regions compile (moetrain.parallel.compile)
     {"tp": 2},
     {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "full"},
-], ids=["tp2", "tp2-sp-ac"])
-def test_compiled_regions_compose_with_tensor_parallelism(parallel, eager_reference, tiny_shards, tmp_path):
-    # Under tp only the DTensor-free regions compile (moetrain.parallel.compile).
+], ids=["dp2-ep2-zero2-ac", "cp2", "tp2", "tp2-sp-ac"])
+def test_compiled_composes_with_parallelism(parallel, eager_reference, tiny_shards, tmp_path):
     results = run_distributed(train_and_capture, 2, str(tiny_shards), str(tmp_path), parallel, {"compile": True},
                               MOE, MODEL, timeout=600)
     assert_matches(merged(results), eager_reference)

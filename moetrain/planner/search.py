@@ -237,6 +237,7 @@ class Planner:
         def choices(key: str, default: list[Any]) -> list[Any]:
             return [fixed[key]] if key in fixed else default
 
+        fold = bool(fixed.get("ep_fold", False))
         g = math.gcd(s.heads, s.kv_heads)
         tps = choices("tp", [t for t in range(1, g + 1) if g % t == 0 and t <= max(dom, 1) and self.world % t == 0])
         for tp in tps:
@@ -252,7 +253,6 @@ class Planner:
                     if "dp" in fixed and fixed["dp"] != dp:
                         continue
                     e_all = s.num_experts or 1
-                    fold = bool(fixed.get("ep_fold", False))
                     eps = choices("ep", [e for e in range(1, e_all + 1) if e_all % e == 0 and
                                          (e % tp == 0 and (dp * cp) % (e // tp) == 0 if fold else (dp * cp) % e == 0)]
                                   if s.is_moe else [1])

@@ -23,9 +23,10 @@ that need it (DeepSeek-V3 §3.2.2, DeepEP; ``moe.token_dispatcher: hierarchical`
 ``ModelShape.dispatch_dedup``) then puts it on the network min(M, N)·(N − 1)/N times, N = n/m
 the domains the EP group spans, never more than its c·(n − m)/n copies would; without a limit,
 once per remote domain its experts fall into (:func:`remote_domains`, the expectation under
-balanced routing: 0.75 of the flat dispatcher's bytes for top-2 over 2 domains, measured 0.775). The flat
-``alltoall`` dispatcher sends every copy, so there the limit changes which nodes a token touches
-but not the bytes (both measured on 2 nodes: benchmarks/bench_node_limited.py).
+balanced routing: 0.786 of the flat dispatcher's bytes for the demo's 8 experts, top-2, over 2
+domains; measured 0.775). The flat ``alltoall`` dispatcher sends every copy, so there the limit
+changes which nodes a token touches but not the bytes (both measured on 2 nodes:
+benchmarks/bench_node_limited.py).
 """
 
 from __future__ import annotations
