@@ -271,7 +271,11 @@ class TrainConfig:
     """``steps``: optimizer steps. ``micro_batch_size``: sequences per rank per forward.
     ``global_batch_size``: sequences per optimizer step over all data-parallel ranks
     (= micro_batch_size × accumulation × dp). ``lr``: peak learning rate after linear warm-up of
-    ``warmup_steps``, then cosine decay to ``min_lr`` at ``steps`` (Loshchilov & Hutter 2017).
+    ``warmup_steps``, then cosine decay to ``min_lr`` at ``decay_steps`` (``null``: ``steps``; as
+    Megatron's ``--lr-decay-iters``), ``min_lr`` after it (Loshchilov & Hutter 2017). To train a
+    finished run further without changing the schedule of the steps it took, raise ``steps`` and
+    set ``decay_steps`` to the old ``steps``; a resumed run whose schedule differs says so in its
+    log.
     ``grad_clip``: max global L2 norm (0 disables). ``log_every`` / ``val_every`` in steps
     (``val_every: 0`` disables validation). ``precision``: ``fp32``, or ``bf16`` — bf16 matmuls
     and activations with fp32 master weights, gradients, gradient reduction and AdamW states, the
@@ -286,6 +290,7 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 10
+    decay_steps: int | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -295,6 +300,10 @@ class TrainConfig:
     val_every: int = 25
     precision: Literal["fp32", "bf16"] = "fp32"
     compile: bool = False
+
+    @property
+    def resolved_decay_steps(self) -> int:
+        return self.steps if self.decay_steps is None else self.decay_steps
 
 
 @dataclass(frozen=True)
@@ -531,9 +540,7 @@ def _build_dataclass(section: str, cls: type, raw: Any) -> Any:
             problem, fix = REMOVED_KEYS[f"{section}.{key}"](value)
             raise field_error(f"{section}.{key}", value, problem, fix)
         if key not in known:
-            close = _closest(str(key), known)
-            hint = f"did you mean {section}.{close}?" if close else f"valid keys: {', '.join(sorted(known))}"
-            raise field_error(f"{section}.{key}", value, "unknown key", hint)
+            raise field_error(f"{section}.{key}", value, "unknown key", _unknown_key_fix(section, str(key), known))
         kwargs[by_key[key]] = _coerce(f"{section}.{key}", value, hints[by_key[key]])
     return cls(**kwargs)
 
@@ -548,6 +555,16 @@ def _removed_dtype(value: Any) -> tuple[str, str]:
 REMOVED_KEYS: dict[str, Callable[[Any], tuple[str, str]]] = {
     "train.dtype": _removed_dtype,
 }
+
+
+def _unknown_key_fix(section: str, key: str, known: set[str]) -> str:
+    """Where an unknown key belongs: another section that has it (``train.init_from`` →
+    ``checkpoint.init_from``), a close spelling in its own section, or the section's keys."""
+    owners = [name for name, cls in _SECTION_TYPES.items() if name != section and key in {_key(f) for f in fields(cls)}]
+    if owners:
+        return " or ".join(f"it belongs to the {o} section: write it as {o}.{key}" for o in owners)
+    close = _closest(key, known)
+    return f"did you mean {section}.{close}?" if close else f"valid keys: {', '.join(sorted(known))}"
 
 
 def _closest(key: str, known: set[str]) -> str | None:
@@ -601,8 +618,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         section, key, value = parse_override(text)
         if section not in _SECTION_TYPES:
             close = _closest(section, set(_SECTION_TYPES))
-            raise field_error(section, value, "unknown section in --set",
-                       f"did you mean `{close}`?" if close else f"sections are {', '.join(_SECTION_TYPES)}")
+            raise field_error(f"{section}.{key}", value, f"unknown section {section!r} in --set",
+                              f"did you mean {close}.{key}?" if close else
+                              f"sections are {', '.join(_SECTION_TYPES)}")
         sec = out.setdefault(section, {}) or {}
         if not isinstance(sec, dict):
             raise field_error(section, sec, "a section must be a mapping", "fix the YAML file")
@@ -729,6 +747,9 @@ def validate(cfg: Config) -> None:
             raise field_error(name, value, "must not be negative", "use 0 or a positive value")
     if m.vocab_size is not None:
         positive("model.vocab_size", m.vocab_size)
+    if tr.decay_steps is not None and tr.decay_steps <= tr.warmup_steps:
+        raise field_error("train.decay_steps", tr.decay_steps, f"must exceed train.warmup_steps = {tr.warmup_steps}",
+                          "use a larger value, or null for train.steps")
     if ln.cpus_per_task is not None:
         positive("launch.cpus_per_task", ln.cpus_per_task)
     positive("parallel.grad_bucket_mb", par.grad_bucket_mb)

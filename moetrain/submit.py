@@ -17,12 +17,13 @@ job requeues itself (:mod:`moetrain.launch.job`); locally this command relaunche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -47,7 +48,7 @@ def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentPa
 def load_and_resolve(args: argparse.Namespace) -> Config:
     from moetrain.launch.preflight import preflight
 
-    cfg = preflight(load_config(args.config, args.overrides))
+    cfg = preflight(load_config(args.config, args.overrides), live=not args.dry_run)
     check_sinks_installed(cfg)
     return cfg
 
@@ -67,13 +68,27 @@ def _executor(cfg: Config, folder: Path) -> Any:
 
 
 def dry_run(cfg: Config, folder: Path) -> str:
-    """Human-readable description of the submission (the sbatch script on SLURM)."""
+    """Human-readable description of the submission (the sbatch script on SLURM). On SLURM the
+    request is checked against the cluster when one answers here; where none does, the first
+    line says that it was not (the script is still shown).
+
+    Raises:
+        ConfigError: the cluster that answers cannot run the request.
+    """
     lines = [f"# run directory: {cfg.run_dir}", f"# world size {cfg.world_size}: pp {cfg.parallel.pp} × dp "
              f"{cfg.parallel.dp} × cp {cfg.parallel.cp} × tp {cfg.parallel.tp}; ep {cfg.parallel.ep}",
              f"# {cfg.grad_accum_steps} micro-batches of {cfg.train.micro_batch_size} per rank per step"]
     if cfg.launch.cluster == "slurm":
-        from moetrain.launch.slurm import render_batch_script
+        from moetrain.launch.slurm import SlurmUnavailableError, check_against_cluster, query_cluster, \
+            render_batch_script
 
+        try:
+            cluster = query_cluster()
+        except SlurmUnavailableError as e:
+            lines.insert(0, f"# NOT checked against a cluster: SLURM does not answer here ({e})")
+        else:
+            check_against_cluster(cfg, cluster)
+            lines.insert(0, f"# checked against the cluster: partition {cfg.launch.partition or cluster.default_partition}")
         lines.append(render_batch_script(cfg, folder))
     else:
         lines.append(f"# submitit local executor: 1 node × {cfg.world_size} tasks, "
@@ -81,6 +96,25 @@ def dry_run(cfg: Config, folder: Path) -> str:
     lines.append("# resolved config:")
     lines.append(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _children_stderr(path: Path, redirect: bool) -> Iterator[None]:
+    """Processes started inside write their stderr to ``path`` instead of the console (when
+    ``redirect``): Ctrl-C reaches submitit's local controller too, which then prints
+    KeyboardInterrupt tracebacks of its own; this command's one line says what happened."""
+    if not redirect:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def record_submission(run_dir: Path, job_id: str, cfg: Config) -> None:
@@ -110,6 +144,9 @@ def format_event(e: dict) -> str | None:
         return f"skipped corrupt checkpoint {e.get('checkpoint')}: {e.get('reason')}"
     if kind == "resumed":
         return f"resumed from {e.get('checkpoint')} at step {e.get('step')}"
+    if kind == "schedule_changed":
+        return (f"the learning-rate schedule differs from the one steps 1-{e.get('step')} were trained with "
+                f"({e.get('changed')}){e.get('hint', '')}")
     if kind == "restart":
         return (f"restarting from the latest complete checkpoint (restart {e.get('restart')} of "
                 f"{e.get('max_restarts')}): {e.get('cause')}")
@@ -231,18 +268,27 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = cfg.run_dir
     folder = run_dir / "logs"
     if args.dry_run:
-        print(dry_run(cfg, folder))
+        try:
+            print(dry_run(cfg, folder))
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
         return 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     from moetrain.launch.job import TrainJob, job_config
 
-    executor = _executor(cfg, folder)
+    try:
+        executor = _executor(cfg, folder)
+    except ConfigError as e:  # the cluster changed since the preflight's query
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
     events = EventPrinter(run_dir)
     restart = 0
     while True:
         since = time.time()
-        job = executor.submit(TrainJob(job_config(cfg), restart=restart))
+        with _children_stderr(folder / "controller.err", cfg.launch.cluster == "local"):
+            job = executor.submit(TrainJob(job_config(cfg), restart=restart))
         record_submission(run_dir, str(job.job_id), cfg)
         register_job(str(job.job_id), run_dir)
         print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"

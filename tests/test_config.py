@@ -30,6 +30,8 @@ def test_demo_config_loads_with_overrides():
 @pytest.mark.parametrize("data, field, words", [
     ({"train": {"stpes": 3}}, "train.stpes", ["unknown key", "did you mean train.steps"]),
     ({"modle": {}}, "modle", ["unknown section", "model"]),
+    ({"train": {"init_from": "/w"}}, "train.init_from", ["unknown key", "belongs to the checkpoint section",
+                                                         "checkpoint.init_from"]),
     ({"train": {"steps": "ten"}}, "train.steps", ["expected an integer"]),
     ({"train": {"lr": "fast"}}, "train.lr", ["expected a number"]),
     ({"model": {"tie_embeddings": "yes"}}, "model.tie_embeddings", ["true or false"]),
@@ -70,8 +72,11 @@ def test_override_syntax_errors():
         apply_overrides({}, ["train.steps"])
     with pytest.raises(ConfigError, match="section.key"):
         apply_overrides({}, ["steps=3"])
-    with pytest.raises(ConfigError, match="unknown section"):
+    with pytest.raises(ConfigError, match=r"^trian.steps = 3: unknown section 'trian' in --set. Fix: did you mean "
+                                          r"train.steps\?"):
         apply_overrides({}, ["trian.steps=3"])
+    with pytest.raises(ConfigError, match=r"^modle.hidden = 64: .*Fix: did you mean model.hidden\?"):
+        apply_overrides({}, ["modle.hidden=64"])
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -4,6 +4,7 @@ input units (byte and row-group ranges), and broken input: bad documents, corrup
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from moetrain.data.corpus import (
     markdown_to_text,
     plan_units,
     read_unit,
+    write_jsonl_zst,
 )
 
 
@@ -73,6 +75,12 @@ def test_incomplete_demo_corpus_is_detected(tmp_path):
     (tmp_path / "roman.jsonl.zst").unlink()
     assert not demo_corpus_complete(tmp_path)
     (tmp_path / "tragedies.jsonl.zst").write_bytes(b"not zstd")
+    assert not demo_corpus_complete(tmp_path)
+    # A corpus written before moetrain wrote checksums is rebuilt: its corruption would be silent.
+    build_demo_corpus(tmp_path)
+    assert demo_corpus_complete(tmp_path)
+    f = tmp_path / "roman.jsonl.zst"
+    f.write_bytes(zstandard.ZstdCompressor().compress(zstandard.ZstdDecompressor().decompress(f.read_bytes())))
     assert not demo_corpus_complete(tmp_path)
 
 
@@ -184,6 +192,33 @@ def test_corrupt_or_truncated_zstd_fails_naming_the_file(tmp_path):
     # A corrupt file fails even when bad documents are skipped: what follows it is unknown.
     with pytest.raises(CorruptInputError):
         list(read_unit(plan_units([tmp_path / "cut.jsonl.zst"])[0], on_bad="skip", skipped=SkipLog()))
+
+
+def test_a_bit_flip_in_a_moetrain_written_zst_is_refused_with_file_and_offset(tmp_path, caplog):
+    """write_jsonl_zst writes a content checksum, so no flipped byte decodes into altered text
+    (without one, most flips in the compressed blocks decoded into valid, garbled JSON)."""
+    records = [{"text": f"bottom were as deep {i} " * 40, "id": str(i)} for i in range(200)]
+    path = tmp_path / "plays.jsonl.zst"
+    write_jsonl_zst(path, records)
+    blob = path.read_bytes()
+    assert zstandard.get_frame_parameters(blob).has_checksum
+    flips = range(20, len(blob) - 1, max(1, (len(blob) - 21) // 18))
+    for pos in flips:
+        damaged = bytearray(blob)
+        damaged[pos] ^= 0x10
+        bad = tmp_path / "damaged.jsonl.zst"
+        bad.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptInputError) as err:
+            list(iter_documents(bad))
+        msg = str(err.value)
+        assert msg.startswith(f"{bad.resolve()}: ") and "in the frame at compressed byte 0," in msg, msg
+        assert re.search(r"detected in compressed bytes [\d,]+-[\d,]+", msg), msg
+    # A frame without a checksum (another tool's) still reads, with a warning that says so.
+    plain = tmp_path / "plain.jsonl.zst"
+    plain.write_bytes(zstandard.ZstdCompressor(write_checksum=False).compress(b'{"text": "x"}\n'))
+    with caplog.at_level("WARNING"):
+        assert list(iter_documents(plain)) == ["x"]
+    assert "without a content checksum" in caplog.text
 
 
 def test_parquet_row_group_units(tmp_path):

@@ -169,6 +169,48 @@ def test_cli_import_and_export(converted, tmp_path, capsys):
     assert not list(tmp_path.glob("q*"))
 
 
+def _tiny_tokenizer(out: Path, eos: str = "<|endoftext|>") -> Path:
+    """A word-level tokenizer.json of 40 tokens with ``eos`` at id 0 (a run's own tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {eos: 0, **{f"w{i}": i + 1 for i in range(38)}, '"': 39}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    return out / "tokenizer.json"
+
+
+@pytest.mark.parametrize("case", ["mixtral", "olmoe"])
+def test_exported_token_ids_are_those_of_the_shipped_tokenizer(case, converted, tmp_path):
+    """Fine-tuned on data of another tokenizer, the export ships that tokenizer, and every
+    special token id in config.json and generation_config.json names its tokens (an imported
+    Mixtral's eos 2 would be '"' here, an OLMoE's pad 1 a word), or is refused by name."""
+    from transformers import AutoTokenizer
+
+    c = converted[case]
+    imported = json.loads((c["hf_dir"] / "config.json").read_text())
+    assert imported["eos_token_id"] not in (None, 0)  # the import's ids differ from the run tokenizer's
+    # As imported, with the imported model's own files, its ids stay.
+    kept = json.loads((c["export"] / "config.json").read_text())
+    assert all(kept.get(k) == imported.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
+
+    export_hf(c["weights"], tmp_path / "e", tokenizer=_tiny_tokenizer(tmp_path / "tok"), progress=False)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "e")
+    for f in ("config.json", "generation_config.json"):
+        conf = json.loads((tmp_path / "e" / f).read_text())
+        assert conf["eos_token_id"] == tok.eos_token_id == 0, f
+        assert conf.get("bos_token_id") is None and conf.get("pad_token_id") is None, f
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "e", dtype=torch.float32)
+    assert model.generation_config.eos_token_id == 0
+
+    # A tokenizer that does not hold the end-of-text token it is said to use is refused.
+    bad = _tiny_tokenizer(tmp_path / "bad", eos="</s>")
+    with pytest.raises(WeightsError, match=r"names eos_token '<\|endoftext\|>', which is not in its tokenizer.json"):
+        export_hf(c["weights"], tmp_path / "refused", tokenizer=bad, progress=False)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_corrupt_weights_are_refused(converted, tmp_path):
     c = converted["llama"]
     shutil.copytree(c["weights"], tmp_path / "w")

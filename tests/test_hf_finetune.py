@@ -69,6 +69,11 @@ def test_demo_finetunes_from_an_imported_model_and_exports(demo_data, tmp_path):
     export = tmp_path / "export"
     assert json.loads((export / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
     tokenizer = AutoTokenizer.from_pretrained(export)
+    # The ids are the shipped (run's) tokenizer's, not the imported Mixtral's (its eos 2 is another token here).
+    for f in ("config.json", "generation_config.json"):
+        conf = json.loads((export / f).read_text())
+        assert conf["eos_token_id"] == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        assert conf.get("bos_token_id") is None and conf.get("pad_token_id") is None
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     prompt = tokenizer("To be, or not to be", return_tensors="pt").input_ids
     out = model.generate(prompt, max_new_tokens=5, do_sample=False)

@@ -142,6 +142,30 @@ def test_validate_slurm_runs_offline_checks():
         ms.validate_slurm(make_cfg(account="a;b"))
 
 
+def test_submit_without_slurm_exits_2_in_one_line_and_writes_nothing(tiny_shards, tmp_path, monkeypatch, capsys):
+    """A SLURM config on a machine where SLURM does not answer is a config error before anything
+    is written; its dry run still shows the script, saying first that it was not checked."""
+    from moetrain import submit
+
+    monkeypatch.setattr(ms.shutil, "which", lambda name: None)  # no scontrol on this "laptop"
+    config = tmp_path / "c.yaml"
+    config.write_text(f"run: {{name: tiny, dir: {tmp_path / 'run'}}}\ndata: {{path: {tiny_shards}}}\n"
+                      "model: {layers: 2, hidden: 32, heads: 4, kv_heads: 2, ffn_hidden: 64, seq_len: 16}\n"
+                      "moe: {num_experts: 0}\nparallel: {dp: 4}\ntrain: {global_batch_size: 8}\n"
+                      "launch: {cluster: slurm, nodes: 2}\n")
+    assert submit.main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("config error: launch.cluster = 'slurm': SLURM does not answer on this machine "
+                          "(`scontrol` is not installed")
+    assert "Fix:" in err and "launch.cluster=local" in err
+    assert not (tmp_path / "run").exists(), "nothing may be written before the run can start"
+    assert submit.main(["--config", str(config), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# NOT checked against a cluster: SLURM does not answer here") and "#SBATCH" in out
+    assert not (tmp_path / "run").exists()
+
+
 def _fake_cluster(gpus: int = 4) -> ms.ClusterInfo:
     nodes = tuple(ms.NodeInfo(f"n{i}", cpus=4, gpus=gpus, partitions=("low", "high"), state="IDLE") for i in (1, 2))
     return ms.ClusterInfo(("low", "high"), "low", nodes)

@@ -135,3 +135,30 @@ def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
     assert failure_kind(RuntimeError("Timed out waiting 600000ms for recv operation")) == "peer"
     assert failure_kind(ShardError("x.bin: sha256 mismatch")) == "error"
     assert failure_kind(StaleAttemptError("attempt 1 is stale: ... timed out")) == "error"
+
+
+def test_ctrl_c_prints_one_line_and_no_traceback(tiny_shards, tmp_path):
+    """Ctrl-C in the terminal reaches the whole foreground process group (this command, submitit's
+    local controller, the ranks): the console gets one line, not the controller's tracebacks."""
+    import signal
+    import time
+
+    cfg = config(tiny_shards, tmp_path / "run").replace(train={"steps": 10_000}, launch={"max_restarts": 0})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "MOETRAIN_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, "-m", "moetrain.submit", "--config", str(path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "step 2/" not in proc.stdout.readline():
+            assert time.time() < deadline and proc.poll() is None, "the run did not start"
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "interrupted: cancelling the run (use --detach to leave it running)"], err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,34 @@ def test_incomplete_checkpoint_is_invisible(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4]
     with pytest.raises(CheckpointError, match="missing"):
         verify_checkpoint(tmp_path / "step_00000004")
+
+
+def lr_schedule_run(rank: int, world: int, data: str, run_dir: str, train: dict, n_steps: int) -> list[float]:
+    cfg = tiny_config(data, run_dir, train={"warmup_steps": 1, **train}, checkpoint={"resume": True, "every": 0})
+    trainer = Trainer(cfg)
+    lrs = [trainer.train_step().lr for _ in range(n_steps)]
+    trainer.save_checkpoint()
+    return lrs
+
+
+def test_extending_a_run_keeps_its_schedule_with_decay_steps_and_says_when_it_changes(tiny_shards, tmp_path):
+    """Raising train.steps stretches the cosine over the steps already taken: the resumed run
+    says so (log and event, with the fix); with train.decay_steps = the old steps it does not,
+    and the learning rate goes on from where the old schedule was, to min_lr after it."""
+    def events(run: Path) -> list[dict]:
+        return [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                if e["event"] == "schedule_changed"]
+
+    first = run_distributed(lr_schedule_run, 1, str(tiny_shards), str(tmp_path / "a"), {"steps": 4}, 4)[0]
+    for run in ("b", "c"):
+        (tmp_path / run).mkdir()
+        shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / run / "checkpoints")
+    run_distributed(lr_schedule_run, 1, str(tiny_shards), str(tmp_path / "b"), {"steps": 8}, 1)
+    changed = events(tmp_path / "b")
+    assert len(changed) == 1 and changed[0]["step"] == 4
+    assert "decay_steps 4 → 8" in changed[0]["changed"] and "train.decay_steps=4" in changed[0]["hint"]
+    kept = run_distributed(lr_schedule_run, 1, str(tiny_shards), str(tmp_path / "c"), {"steps": 8, "decay_steps": 4},
+                           4)[0]
+    assert not events(tmp_path / "c")
+    cfg = tiny_config(tiny_shards, tmp_path)
+    assert first[-1] > cfg.train.min_lr and kept == [pytest.approx(cfg.train.min_lr)] * 4

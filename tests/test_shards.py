@@ -139,8 +139,11 @@ def test_val_split_is_deterministic_nonempty_and_disjoint(small, tmp_path_factor
                         progress=False)["splits"] == manifest["splits"]
     first_n = write_shards(docs, CharTokenizer(), again, val_docs=3, progress=False)
     assert first_n["splits"]["val"]["documents"] == 3 and first_n["val_split"]["rule"] == "first_n"
-    with pytest.raises(ValueError, match="all 3 documents fell in the validation split"):
-        write_shards(docs[:3], CharTokenizer(), again, val_docs=3, progress=False)
+    for layout in ("moetrain", "megatron"):  # a late refusal leaves no shard behind
+        late = tmp_path_factory.mktemp(f"late-{layout}")
+        with pytest.raises(ValueError, match="all 3 documents fell in the validation split"):
+            write_shards(docs[:3], CharTokenizer(), late, val_docs=3, shard_tokens=20, layout=layout, progress=False)
+        assert not [f.name for f in late.iterdir()], layout
 
 
 def test_dtype_follows_vocab_size(tmp_path):

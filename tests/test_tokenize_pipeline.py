@@ -17,7 +17,7 @@ import pytest
 from tokenize_helpers import SlowByteTokenizer, jsonl, tree, write_corpus
 
 from conftest import ByteTokenizer
-from moetrain.data.corpus import iter_documents
+from moetrain.data.corpus import iter_documents, write_jsonl_zst
 from moetrain.data.pipeline import TokenizeJob, UnitsFailed
 from moetrain.data.shards import TokenShards, write_shards
 
@@ -157,6 +157,22 @@ def test_cli_corrupt_file_fails_by_name_and_the_rerun_redoes_only_it(tmp_path):
     assert f"resuming: {units - 1} of {units} inputs already tokenized" in second.stdout
     third = _tool(*args)
     assert third.returncode == 0 and "up to date" in third.stdout
+
+
+def test_cli_refuses_a_bit_flip_in_a_checksummed_zst_and_commits_nothing(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    zst = corpus / "plays.jsonl.zst"
+    write_jsonl_zst(zst, [{"text": f"bottom were as deep as the sea {i} " * 30} for i in range(100)])
+    damaged = bytearray(zst.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01  # a flip in the middle of the file
+    zst.write_bytes(bytes(damaged))
+    out = _tool("--input", str(corpus), "--tokenizer", "gpt2", "--out", str(tmp_path / "out"), "--quiet",
+                "--workers", "0")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{zst.resolve()}: corrupt zstandard data in the frame at compressed byte 0" in out.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not list((tmp_path / "out").glob("*.bin"))
 
 
 def test_units_failed_lists_every_bad_file_after_the_others_finish(tmp_path):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections import Counter
@@ -44,6 +45,8 @@ from pathlib import Path
 from typing import Literal
 
 import zstandard
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SUPPORTED_SUFFIXES",
@@ -75,6 +78,7 @@ BAD_REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_text_ke
                "invalid_unicode")
 DEFAULT_UNIT_BYTES = 256 * 2**20
 _READ_CHUNK = 2**20  # raw bytes per read: progress granularity, and the memory of a partial line
+_ZSTD_READ = 2**17  # compressed bytes per read: how closely an error's offset is located
 
 OnBad = Literal["skip", "fail"]
 
@@ -270,29 +274,57 @@ def _zstd_chunks(path: str, f, progress: ReadProgress) -> Iterator[bytes]:
     """Uncompressed bytes of a zstandard file, frame after frame.
 
     One decompressobj per frame, because its ``eof`` is the only way to tell a complete stream
-    from a truncated one (``stream_reader`` returns what it has at EOF without an error).
+    from a truncated one (``stream_reader`` returns what it has at EOF without an error). A frame
+    with a content checksum (moetrain writes one, as the ``zstd`` tool does) is verified when it
+    ends, so a flipped bit raises :class:`CorruptInputError` before the unit's tokens are kept;
+    a frame without one cannot be checked and is logged once per file.
+
+    Raises:
+        CorruptInputError: corrupt or truncated data, naming the file, the compressed byte
+            offset of the frame and of the read that failed, and the uncompressed bytes so far.
     """
     dctx = zstandard.ZstdDecompressor()
     d, fed, out_bytes = dctx.decompressobj(), False, 0
-    while raw := f.read(_READ_CHUNK):
+    pos = frame_start = 0  # compressed offsets: of the bytes being fed, of the current frame
+    warned = False
+    while raw := f.read(_ZSTD_READ):
         progress.raw_bytes += len(raw)
         while raw:
+            if not fed and not warned:
+                warned = not _frame_has_checksum(path, raw)
             try:
                 out = d.decompress(raw)
             except zstandard.ZstdError as e:
-                raise CorruptInputError(f"{path}: corrupt zstandard data after {out_bytes:,} uncompressed "
-                                        f"bytes ({e})") from None
+                raise CorruptInputError(
+                    f"{path}: corrupt zstandard data in the frame at compressed byte {frame_start:,}, detected "
+                    f"in compressed bytes {pos:,}-{pos + len(raw):,} after {out_bytes:,} uncompressed bytes "
+                    f"({e}); the file is damaged: restore or re-download it") from None
             fed = True
             out_bytes += len(out)
             if out:
                 yield out
             if d.eof:  # a frame ended inside this chunk: the rest is the next frame
-                raw, d, fed = d.unused_data, dctx.decompressobj(), False
+                pos += len(raw) - len(d.unused_data)
+                raw, d, fed, frame_start = d.unused_data, dctx.decompressobj(), False, pos
             else:
+                pos += len(raw)
                 raw = b""
     if fed and not d.eof:
-        raise CorruptInputError(f"{path}: truncated zstandard data: the file ends inside a frame after "
-                                f"{out_bytes:,} uncompressed bytes (an interrupted copy or download?)")
+        raise CorruptInputError(f"{path}: truncated zstandard data: the file ends at compressed byte {pos:,} inside "
+                                f"the frame at compressed byte {frame_start:,}, after {out_bytes:,} uncompressed "
+                                f"bytes (an interrupted copy or download?)")
+
+
+def _frame_has_checksum(path: str, head: bytes) -> bool:
+    """Whether the frame starting at ``head`` carries a content checksum (logs when not)."""
+    try:
+        if zstandard.get_frame_parameters(head).has_checksum:
+            return True
+    except zstandard.ZstdError:
+        return True  # not a readable header: decompressing it raises the real error
+    log.warning("%s: a zstandard frame without a content checksum: corruption inside it cannot be detected "
+                "(recompress with `zstd` or moetrain.data.corpus.write_jsonl_zst, which write checksums)", path)
+    return False
 
 
 def _lines(chunks: Iterator[bytes], first_offset: int) -> Iterator[tuple[int, bytes]]:
@@ -559,13 +591,16 @@ def markdown_to_text(markdown: str) -> str:
 
 
 def write_jsonl_zst(path: str | os.PathLike, records: list[dict], level: int = 10) -> int:
-    """Write ``records`` as zstandard-compressed JSON lines, atomically (temp file, then rename).
+    """Write ``records`` as zstandard-compressed JSON lines with a content checksum, atomically
+    (temp file, then rename).
 
     Returns the size written in bytes.
     """
     path = Path(path)
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-    blob = zstandard.ZstdCompressor(level=level).compress(data)
+    # The frame's content checksum lets a reader detect a flipped bit (zstd's default; the
+    # library's is off).
+    blob = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(data)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_bytes(blob)
     os.replace(tmp, path)
@@ -604,8 +639,13 @@ def build_demo_corpus(out_dir: str | os.PathLike) -> list[Path]:
 
 
 def demo_corpus_complete(out_dir: str | os.PathLike) -> bool:
-    """Whether ``out_dir`` holds a readable demo corpus with all 38 plays."""
+    """Whether ``out_dir`` holds a readable demo corpus with all 38 plays, every file's frames
+    checksummed (a corpus written before moetrain wrote checksums is rebuilt)."""
     try:
+        for p in list_corpus_files(out_dir):
+            with open(p, "rb") as f:
+                if p.name.endswith(".zst") and not zstandard.get_frame_parameters(f.read(18)).has_checksum:
+                    return False
         ids = [doc_id for doc_id, _ in iter_records(out_dir)]
     except (OSError, ValueError, zstandard.ZstdError):
         return False

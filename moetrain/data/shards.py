@@ -229,9 +229,14 @@ class _SplitWriter:
         return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
 
     def abort(self) -> None:
+        """Delete what this writer wrote: the open shard's temporary file and the full shards."""
         if self._file is not None:
             self._file.close()
             self._tmp.unlink(missing_ok=True)
+            self._file = None
+        for sh in self.shards:
+            for name in (sh["name"], sh["index_name"]):
+                (self.out_dir / name).unlink(missing_ok=True)
 
 
 class _MegatronSplitWriter:
@@ -239,6 +244,10 @@ class _MegatronSplitWriter:
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype):
         self._writer = MegatronWriter(out_dir / split, dtype)
+
+    @property
+    def documents(self) -> int:
+        return self._writer.documents
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         self._writer.add_documents(tokens, lengths)
@@ -355,7 +364,7 @@ class ShardWriter:
         self.writers["train"].add_documents(tokens[~in_val], lengths[~held_out])
 
     def abort(self) -> None:
-        """Delete the temporary files of an unfinished write."""
+        """Delete every file this unfinished write made (temporary and completed shards)."""
         for w in self.writers.values():
             w.abort()
 
@@ -366,14 +375,18 @@ class ShardWriter:
         Raises:
             ValueError: no documents, or every document fell in the val split.
         """
-        splits = {s: w.close() for s, w in self.writers.items()}
+        # Checked before any split is closed (closing writes its files): a refused write leaves
+        # nothing behind.
+        problem = None
         if self.documents == 0:
-            raise ValueError("no (non-empty) documents in the input")
-        if splits["train"]["documents"] == 0:
-            raise ValueError(
-                f"all {self.documents} documents fell in the validation split ({self.rule['description']}); "
-                f"give more documents, a smaller val fraction, or fewer val docs"
-            )
+            problem = "no (non-empty) documents in the input"
+        elif self.writers["train"].documents == 0:
+            problem = (f"all {self.documents} documents fell in the validation split ({self.rule['description']}); "
+                       f"give more documents, a smaller val fraction, or fewer val docs")
+        if problem:
+            self.abort()
+            raise ValueError(problem)
+        splits = {s: w.close() for s, w in self.writers.items()}
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION if self.layout == "moetrain" else MEGATRON_FORMAT_VERSION,

@@ -38,7 +38,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import yaml
@@ -285,11 +285,67 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in entries)
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": writer.weight_map}, indent=2))
-        eos = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
-        hf_config = to_hf(cfg, arch, base, dtype_name, eos)
+        shipped = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
+        hf_config = to_hf(cfg, arch, base, dtype_name)
+        generation = json.loads((side_dir / "generation_config.json").read_text()) \
+            if side_dir is not None and (side_dir / "generation_config.json").is_file() else None
+        # The token ids must name tokens of the shipped tokenizer: the imported model's ids are
+        # kept only with the imported model's tokenizer.
+        if shipped != "imported":
+            if (tmp / "tokenizer.json").is_file():
+                ids = special_token_ids(tmp, cfg.model.vocab_size)
+            else:  # none to read them from: keep those that are at least inside the vocabulary
+                ids = {k: v for k in SPECIAL_TOKEN_KEYS if isinstance(v := hf_config.get(k), int)
+                       and v < cfg.model.vocab_size}
+                dropped = {k: hf_config[k] for k in SPECIAL_TOKEN_KEYS if hf_config.get(k) is not None and k not in ids}
+                if dropped:
+                    log.warning("no tokenizer.json to check the special token ids against; dropped %s (outside the "
+                                "vocabulary of %d)", dropped, cfg.model.vocab_size)
+            for conf in (hf_config, generation):
+                for key in SPECIAL_TOKEN_KEYS:
+                    if conf is not None and (key in conf or ids.get(key) is not None):
+                        conf[key] = ids.get(key)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-        if side_dir is not None and (side_dir / "generation_config.json").is_file():
-            shutil.copy2(side_dir / "generation_config.json", tmp / "generation_config.json")
+        if generation is not None:
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(tokenizer_dir: Path, vocab_size: int | None = None) -> dict[str, int | None]:
+    """``{"bos_token_id": …, "eos_token_id": …, "pad_token_id": …}`` of the tokenizer in
+    ``tokenizer_dir``: the tokens its ``tokenizer_config.json`` (or ``special_tokens_map.json``)
+    names, looked up in its ``tokenizer.json``; ``None`` for a role it names no token for.
+
+    Raises:
+        WeightsError: a named token is not in ``tokenizer.json``, or its id is not below
+            ``vocab_size`` (the exported model could not produce it).
+    """
+    import tokenizers
+
+    names: dict[str, Any] = {}
+    for f in ("special_tokens_map.json", "tokenizer_config.json"):  # the second wins
+        if (tokenizer_dir / f).is_file():
+            names.update({k: v for k, v in json.loads((tokenizer_dir / f).read_text()).items() if k.endswith("_token")})
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    out: dict[str, int | None] = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        name = names.get(key.removesuffix("_id"))
+        if isinstance(name, dict):  # {"content": "</s>", "lstrip": false, ...}
+            name = name.get("content")
+        if not name:
+            out[key] = None
+            continue
+        token_id = tok.token_to_id(name)
+        if token_id is None or (vocab_size is not None and token_id >= vocab_size):
+            where = "is not in its tokenizer.json" if token_id is None else \
+                f"has id {token_id}, outside the model's vocabulary of {vocab_size}"
+            raise WeightsError(f"the tokenizer to ship names {key.removesuffix('_id')} {name!r}, which {where}; pass "
+                               f"--tokenizer DIR holding the tokenizer.json the run's data was written with and a "
+                               f"tokenizer_config.json that names its special tokens")
+        out[key] = token_id
     return out
 
 
@@ -326,10 +382,10 @@ def _export_sources(reader: CheckpointReader, config_path: str | os.PathLike | N
 
 
 def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: Path | None,
-                    explicit: str | os.PathLike | None) -> int | None:
-    """Copy the tokenizer into ``out``; returns the EOS id to put in config.json when known.
-    Order: ``explicit``; the run's (its data manifest's tokenizer, found and verified by sha256);
-    the imported model's files."""
+                    explicit: str | os.PathLike | None) -> str | None:
+    """Copy the tokenizer into ``out``. Order: ``explicit``; the run's (its data manifest's
+    tokenizer, found and verified by sha256); the imported model's files. Returns which:
+    ``"explicit"``, ``"run"``, ``"imported"``, or ``None`` when there is none."""
     if explicit is not None:
         p = Path(explicit)
         if p.is_dir():
@@ -342,11 +398,11 @@ def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: 
             shutil.copy2(src, dst)
         if not (out / "tokenizer_config.json").is_file():
             write_tokenizer_config(out, cfg)
-        return None
+        return "explicit"
     if reader.kind == "dcp":
         found = run_tokenizer(cfg)
         if found is not None:
-            src, eos = found
+            src, _ = found
             if src == "gpt2":
                 from moetrain.data.tokenizer import load_tokenizer
 
@@ -354,13 +410,14 @@ def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: 
             else:
                 shutil.copy2(src, out / "tokenizer.json")
             write_tokenizer_config(out, cfg)
-            return eos
-    if side_dir is not None:
+            return "run"
+    if side_dir is not None and any((side_dir / f).is_file() for f in TOKENIZER_FILES):
         for f in TOKENIZER_FILES:
             if (side_dir / f).is_file():
                 shutil.copy2(side_dir / f, out / f)
-        return None
-    log.warning("no tokenizer found for %s: the export has none (pass --tokenizer)", reader.path)
+        return "imported"
+    log.warning("no tokenizer found for %s: the export has none and no special token ids (pass --tokenizer)",
+                reader.path)
     return None
 
 

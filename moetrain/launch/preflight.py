@@ -72,9 +72,11 @@ def check_node_limited(cfg: Config) -> None:
                               f"experts per node, or null")
 
 
-def preflight(cfg: Config) -> Config:
+def preflight(cfg: Config, *, live: bool = True) -> Config:
     """The resolved config, or :class:`ConfigError` for anything wrong with it (see the module
-    docstring): what this version supports, the vocabulary, the SLURM request."""
+    docstring): what this version supports, the vocabulary, the SLURM request — against the
+    cluster that answers here when ``live`` (a SLURM run cannot be submitted where none does;
+    ``live=False``: a dry run checks what it can offline)."""
     check_supported(cfg)
     check_node_limited(cfg)
     cfg = resolve_vocab(cfg)
@@ -82,5 +84,5 @@ def preflight(cfg: Config) -> Config:
     if cfg.launch.cluster == "slurm":
         from moetrain.launch.slurm import validate_slurm
 
-        validate_slurm(cfg)
+        validate_slurm(cfg, live=live)
     return cfg

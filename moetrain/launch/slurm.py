@@ -9,12 +9,14 @@ Three steps, in the order ``submit`` runs them:
 2. **check** — :func:`check_launch` (no cluster needed: strings and the cluster profile's GPUs per
    node) and :func:`check_against_cluster` (a live :class:`ClusterInfo` from
    :func:`query_cluster`: the partition exists, its nodes offer the GPUs and CPUs asked for);
-   :func:`validate_slurm` runs both, the second only when SLURM answers.
+   :func:`validate_slurm` runs both (a submission needs SLURM to answer; a ``--dry-run`` runs
+   the second only when it does, and says so).
 3. **build** — :func:`make_slurm_executor` (runs both checks, then builds the executor) or, for
    ``--dry-run``, :func:`render_batch_script`: the exact sbatch script submitit would submit.
 
 Every bad value raises :class:`~moetrain.config.ConfigError` naming the field, the value and the
-fix; a cluster that does not answer raises :class:`SlurmUnavailableError`.
+fix; a cluster that does not answer raises :class:`SlurmUnavailableError` (a ``ConfigError`` naming
+``launch.cluster`` from :func:`validate_slurm`).
 """
 
 from __future__ import annotations
@@ -323,22 +325,24 @@ def check_against_cluster(cfg: Config, cluster: ClusterInfo) -> None:
                    f"use launch.cpus_per_task <= {max(1, most_cpus // ln.resolved_tasks_per_node(cfg.world_size))}")
 
 
-def validate_slurm(cfg: Config, *, timeout_s: float = 10.0) -> ClusterInfo | None:
+def validate_slurm(cfg: Config, *, timeout_s: float = 10.0, live: bool = True) -> ClusterInfo | None:
     """Every check before submission (``moetrain.launch.preflight`` runs it): :func:`check_launch`
-    with ``run.name`` as the job name, then :func:`check_against_cluster` when SLURM answers.
-
-    Returns the cluster queried, or ``None`` when SLURM does not answer (a ``--dry-run`` away from
-    the cluster): then only the offline checks ran, and :func:`make_slurm_executor` will raise
-    :class:`SlurmUnavailableError` if a submission is attempted.
+    with ``run.name`` as the job name, then, when ``live``, :func:`check_against_cluster` on what
+    SLURM answers. Returns the cluster queried (``None`` when not ``live``).
 
     Raises:
-        ConfigError: see :func:`check_launch` and :func:`check_against_cluster`.
+        ConfigError: see :func:`check_launch` and :func:`check_against_cluster`; with ``live``,
+            also when SLURM does not answer on this machine (naming ``launch.cluster``).
     """
     check_launch(cfg, job_name=cfg.run.name)
+    if not live:
+        return None
     try:
         cluster = query_cluster(timeout_s=timeout_s)
-    except SlurmUnavailableError:
-        return None
+    except SlurmUnavailableError as e:
+        raise field_error("launch.cluster", cfg.launch.cluster, f"SLURM does not answer on this machine ({e})",
+                          "submit from a SLURM login node (or bring up slurm/dev-cluster), or run here with "
+                          "--set launch.cluster=local") from None
     check_against_cluster(cfg, cluster)
     return cluster
 

@@ -12,11 +12,11 @@ from moetrain.config import TrainConfig
 
 def lr_at(step: int, tc: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warm-up over
-    ``warmup_steps`` to ``lr``, then cosine decay to ``min_lr`` at ``steps``
-    (SGDR, Loshchilov & Hutter 2017, without restarts)."""
+    ``warmup_steps`` to ``lr``, then cosine decay to ``min_lr`` at ``decay_steps`` (default
+    ``steps``), ``min_lr`` after it (SGDR, Loshchilov & Hutter 2017, without restarts)."""
     if tc.warmup_steps and step < tc.warmup_steps:
         return tc.lr * (step + 1) / tc.warmup_steps
-    span = max(1, tc.steps - tc.warmup_steps)
+    span = max(1, tc.resolved_decay_steps - tc.warmup_steps)
     progress = min(1.0, (step - tc.warmup_steps) / span)
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
@@ -46,3 +46,9 @@ def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def schedule_fields(tc: TrainConfig) -> dict:
+    """What decides :func:`lr_at` (kept in checkpoints, so that a resumed run can tell when its
+    schedule changed)."""
+    return {"lr": tc.lr, "min_lr": tc.min_lr, "warmup_steps": tc.warmup_steps, "decay_steps": tc.resolved_decay_steps}

@@ -47,7 +47,7 @@ from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, in
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.flops import flops_per_token
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
-from moetrain.train.optim import build_optimizer, lr_at, set_lr
+from moetrain.train.optim import build_optimizer, lr_at, schedule_fields, set_lr
 from moetrain.train.records import Fence, Heartbeat, append_event
 from moetrain.train.weights import load_initial_weights
 
@@ -187,6 +187,7 @@ class Trainer:
             state = self.checkpointer.load(path, self.model_parts, self.optimizers)
             self.step = int(state["step"])
             self.loader.load_state_dict(state)
+            self._check_schedule(state.get("lr_schedule"), path)
         if self.ps.is_logging_rank:
             if found is not None:
                 log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
@@ -202,13 +203,29 @@ class Trainer:
                     append_event(self.cfg.run_dir, self.fence, "resumed", step=self.step, checkpoint=str(path))
         return found is not None
 
+    def _check_schedule(self, trained: dict | None, path: Path) -> None:
+        """Say when the learning-rate schedule of this run differs from the one the checkpoint's
+        steps were trained with (e.g. ``train.steps`` raised without ``train.decay_steps``)."""
+        now = schedule_fields(self.cfg.train)
+        if trained is None or not self.ps.is_logging_rank:
+            return
+        changed = {k: (trained.get(k), v) for k, v in now.items() if trained.get(k) != v}
+        if not changed:
+            return
+        what = ", ".join(f"{k} {a} → {b}" for k, (a, b) in changed.items())
+        hint = f"; to keep it, set train.decay_steps={trained['decay_steps']}" if "decay_steps" in changed else ""
+        log.warning("the learning-rate schedule differs from the one steps 1-%d were trained with (%s): steps from %d "
+                    "follow the new one%s", self.step, what, self.step + 1, hint)
+        if self.write_files:
+            append_event(self.cfg.run_dir, self.fence, "schedule_changed", step=self.step, changed=what, hint=hint)
+
     def save_checkpoint(self, wait: bool = True) -> Path:
         """Checkpoint the current step; ``wait=False`` returns once the state is staged (with
         ``checkpoint.async``) and the write goes on in the background
         (:meth:`moetrain.train.checkpoint.Checkpointer.save`)."""
         p = self.cfg.parallel
         layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "etp": p.etp, "zero_stage": p.zero_stage}
-        train_state = {"step": self.step, **self.loader.state_dict()}
+        train_state = {"step": self.step, **self.loader.state_dict(), "lr_schedule": schedule_fields(self.cfg.train)}
         return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout,
                                       wait=wait or not self.cfg.checkpoint.async_)
 
