@@ -12,6 +12,9 @@ import pytest
 from moetrain.config import Config, config_from_dict
 from moetrain.data.shards import write_shards
 
+# Every process the tests start (local runs, SLURM jobs) may inject faults (tests/faults.py).
+os.environ.setdefault("MOETRAIN_FAULT_HOOK", f"{Path(__file__).resolve().parent / 'faults.py'}:install")
+
 
 class ByteTokenizer:
     """Bytes as tokens (ids 0-255) plus EOS 256: a real, lossless tokenizer with no files."""

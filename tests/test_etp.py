@@ -7,11 +7,8 @@ parallelism, with expert parallelism and with ZeRO; the experts hold 1/tp of the
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from moetrain.model.moe import GroupedExperts
-from moetrain.parallel.state import TP
 from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
@@ -26,20 +23,13 @@ def etp_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, 
     cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE, train=train or {})
     trainer = Trainer(cfg, write_files=False)
     captured: dict = {}
-    shapes = {n: tuple(m.w1.shape) for part in trainer.model_parts for n, m in part.named_modules()
-              if isinstance(m, GroupedExperts)}
+    # The pieces this rank holds (a DTensor's local shard).
+    shapes = {n: tuple(getattr(m.w1, "_local_tensor", m.w1).shape) for part in trainer.model_parts
+              for n, m in part.named_modules() if isinstance(m, GroupedExperts)}
 
     def hook(opt, args, kwargs):
-        if captured:
-            return
-        grads = full_grads(trainer)  # experts gathered over ep; under etp their columns over tp too
-        if trainer.ps.parallel.etp > 1:
-            for name, g in list(grads.items()):
-                if ".experts." in name:
-                    pieces = [torch.empty_like(g) for _ in range(trainer.ps.size(TP))]
-                    dist.all_gather(pieces, g.contiguous(), group=trainer.ps.group(TP))
-                    grads[name] = torch.cat(pieces, dim=2 if not name.endswith("w2") else 1)
-        captured.update(grads)
+        if not captured:
+            captured.update(full_grads(trainer))  # experts made whole from their ep and tp pieces
 
     trainer.optimizers[0].register_step_pre_hook(hook)
     losses = [trainer.train_step().loss for _ in range(STEPS)]

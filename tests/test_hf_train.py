@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import config_from_dict, save_config, to_dict
 from moetrain.hf.convert import export_hf, import_hf
-from moetrain.parallel.state import EP
 from moetrain.train.trainer import Trainer
 from moetrain.train.weights import model_parameters
 
@@ -53,17 +51,12 @@ def train_config(data: str, run_dir: Path, sections: dict, parallel: dict, **che
 
 
 def full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """This rank's parameters as the single-process model holds them (DTensors made whole,
-    experts gathered over ep). Collective."""
+    """This rank's parameters as the single-process model holds them (DTensors made whole).
+    Collective."""
     out = {}
     for part in trainer.model_parts:
-        for name, p, _, shape in model_parameters(part):
-            t = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            if t.shape[0] != shape[0]:  # this rank's experts of all E
-                pieces = [torch.empty_like(t) for _ in range(trainer.ps.size(EP))]
-                dist.all_gather(pieces, t.contiguous(), group=trainer.ps.group(EP))
-                t = torch.cat(pieces)
-            out[name] = t
+        for name, p, _ in model_parameters(part):
+            out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
     return out
 
 

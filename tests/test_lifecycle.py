@@ -17,6 +17,7 @@ from moetrain.train.records import Fence, Heartbeat, StaleAttemptError, read_eve
 from moetrain.train.checkpoint import list_checkpoints
 from moetrain.train.trainer import Trainer
 
+import faults
 from conftest import tiny_config
 from multiproc import run_distributed
 
@@ -133,13 +134,13 @@ def test_watchdog_dumps_stacks_and_names_the_hung_rank(tmp_path):
 
 def trainer_hang_worker(rank: int, world: int, data: str, run_dir: str) -> None:
     # dp4 × ep2, rank 3 hangs: its ep peer (rank 2) waits inside an all-to-all, but ranks 0 and 1
-    # finish their backward and wait on rank 3 in the bucketed gradient all-reduce, through work
-    # handles in our own code (no torch.distributed frame on the stack).
+    # finish their backward and wait on rank 3 in the gradient reduction or the step's host read.
     cfg = tiny_config(data, run_dir, parallel={"dp": 4, "ep": 2}, train={"steps": STEPS},
                       checkpoint={"every": 0})
     trainer = Trainer(cfg, job_id="test", restart=0)
     if rank == 3:
-        trainer.hang_at_step = 3
+        os.environ["MOETRAIN_TEST_HANG"] = "3:3"
+        faults.install(trainer, rank, 0)
 
     def on_hang(nodes):
         os._exit(0)

@@ -67,7 +67,7 @@ def test_route_equals_reference(score_function, with_bias, groups, max_groups, n
         moe.expert_bias.copy_(torch.randn(8) * 0.3)
         bias = moe.expert_bias.tolist()
     if groups is not None:
-        moe.expert_groups, moe.max_groups = ExpertGroups.from_list(groups, torch.device("cpu")), max_groups
+        moe.parallel.expert_groups, moe.parallel.max_groups = ExpertGroups.from_list(groups, torch.device("cpu")), max_groups
     logits = torch.randn(64, 8) * 2
     _, weights, chosen = moe.route(logits)
     ref_w, ref_idx = reference_route(logits, score_function, bias, groups, max_groups, 2, norm, scale)
@@ -139,7 +139,7 @@ def limited_capture(rank: int, world: int, data: str, run_dir: str, parallel: di
     trainer = Trainer(cfg, write_files=False, **kwargs)
     if inject:  # one process: the grouping the 4-rank layout gets from its domains
         for m in trainer.moe_layers.values():
-            m.expert_groups, m.max_groups = ExpertGroups.from_list([0, 0, 1, 1], trainer.device), 1
+            m.parallel.expert_groups, m.parallel.max_groups = ExpertGroups.from_list([0, 0, 1, 1], trainer.device), 1
     captured: dict = {}
 
     def hook(opt, args, kwargs):

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from moetrain.parallel.data_parallel import reduced_by_fsdp
 from moetrain.train.trainer import Trainer
 
 from multiproc import run_distributed
@@ -25,7 +25,7 @@ from test_tensor_parallel import capture as tp_capture
 def train_and_count(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict) -> dict:
     """``train_and_capture`` plus: the gradient norm of every step, FSDP's all-gathers and
     reduce-scatters in each micro-batch of step 1 (forward + backward), and whether every
-    parameter is marked as reduced by FSDP."""
+    parameter carries its placement (a DTensor)."""
     calls = {"all_gather": 0, "reduce_scatter": 0}
     marks: list[dict] = []  # call counts at the start of every forward of the whole model
     norms: list[float] = []
@@ -50,7 +50,7 @@ def train_and_count(rank: int, world: int, data: str, run_dir: str, parallel: di
 
     def recording_step(self):
         if not marked:
-            marked.append(all(reduced_by_fsdp(p) for part in self.model_parts for p in part.parameters()))
+            marked.append(all(isinstance(p, DTensor) for part in self.model_parts for p in part.parameters()))
         res = step(self)
         norms.append(res.grad_norm)
         return res
@@ -92,7 +92,7 @@ def test_stage_matches_single_process_with_accumulation(stage, reference, tiny_s
     results = run_distributed(train_and_count, 2, str(tiny_shards), str(tmp_path), parallel, {})
     assert_matches(merged(results), reference)
     assert_norms_match(results, reference)
-    assert all(r["all_marked"] for r in results), "a parameter under FSDP is not tagged _moetrain_fsdp"
+    assert all(r["all_marked"] for r in results), "a parameter under FSDP is not a DTensor"
     for r in results:
         got = [(c["all_gather"], c["reduce_scatter"]) for c in r["per_micro_batch"]]
         assert got == EXPECTED_CALLS[stage], f"zero {stage}: (all-gathers, reduce-scatters) per micro-batch {got}"
@@ -116,8 +116,8 @@ def test_zero3_with_expert_parallel(parallel, train, reference, tiny_shards, tmp
 
 def test_zero_with_tensor_sequence_and_expert_parallel(tiny_shards, tmp_path):
     # FSDP's 2-D (dp_cp, tp) DTensors shard dim 0 as _StridedShard; the router and shared expert
-    # (plain under TP, summed over tp) must keep their tag through fully_shard. Test_tensor_parallel's
-    # model: block 0 dense, block 1 MoE, vocabulary 260.
+    # (local tokens under TP) are reduced over dp_cp_tp. Test_tensor_parallel's model: block 0
+    # dense, block 1 MoE, vocabulary 260.
     ref = run_distributed(tp_capture, 1, str(tiny_shards), str(tmp_path / "ref"), {})[0]
     parallel = {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 1}
     results = run_distributed(tp_capture, 4, str(tiny_shards), str(tmp_path / "run"), parallel)

@@ -187,18 +187,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             signal.signal(sig, lambda signum, frame: stop.set(signal.Signals(signum).name))
 
         trainer = Trainer(cfg, job_id=str(env.job_id), restart=restart, stop_flag=stop)
-        hang = os.environ.get("MOETRAIN_TEST_HANG")  # "rank:step", fault injection for the tests
-        if hang and int(hang.split(":")[0]) == denv.rank:
-            trainer.hang_at_step = int(hang.split(":")[1])
-        # "seconds:attempts": attempts with SLURM_RESTART_COUNT < attempts idle that long before each
-        # step, so that a test's signal, preemption or node failure lands mid-run (fault injection).
-        slow = os.environ.get("MOETRAIN_TEST_SLOW")
-        if slow and restart < int(slow.split(":")[1]):
-            trainer.step_delay_s = float(slow.split(":")[0])
-
-        kill = os.environ.get("MOETRAIN_TEST_KILL")  # "rank:step": SIGKILL itself inside that step (tests)
-        if kill and int(kill.split(":")[0]) == denv.rank and restart == 0:
-            _kill_in_step(trainer, int(kill.split(":")[1]))
+        install_fault_hook(trainer, denv.rank, restart)
 
         def on_hang(nodes: list[str]) -> None:
             excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
@@ -267,15 +256,21 @@ def claim_requeue(where: Path) -> bool:
     return True
 
 
-def _kill_in_step(trainer: Any, step: int) -> None:
-    """Fault injection: SIGKILL this process in the forward pass of step ``step`` (mid-step)."""
+def install_fault_hook(trainer: Any, rank: int, restart: int) -> None:
+    """``MOETRAIN_FAULT_HOOK="path/to/file.py:function"``: call ``function(trainer, rank, restart)``
+    from that file before training, so that a test can inject faults (a hang, a slow step, a
+    killed rank) through ``trainer.before_step`` or module hooks without any test code here
+    (tests/faults.py)."""
+    spec = os.environ.get("MOETRAIN_FAULT_HOOK")
+    if not spec:
+        return
+    import importlib.util
 
-    def hook(module: Any, args: Any) -> None:
-        if trainer.step == step - 1:
-            log.warning("fault injection: SIGKILL in step %d", step)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    trainer.model_parts[0].register_forward_pre_hook(hook)
+    path, _, name = spec.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location("moetrain_fault_hook", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    getattr(module, name)(trainer, rank, restart)
 
 
 def job_config(cfg: Config) -> dict:

@@ -48,16 +48,12 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             for pname in ("w1", "w3", "w2"):
                 p = getattr(module, pname)
                 s = out_std if pname == "w2" else std
+                # This rank's experts (offset[0]: the global id of the first; ep and FSDP shard
+                # dim 0) and, under expert-tensor parallelism, its columns of each.
                 local, offset = _local_and_offset(p)
-                shape, ffn_dim = module.expert_slice(pname)
-                start = list(offset[1:])
-                start[ffn_dim] += module.ffn_offset  # expert-tensor parallelism: this rank's columns
                 for e in range(local.shape[0]):
-                    # Global expert id: the module's first expert (expert parallelism) plus this
-                    # shard's first row of the module's [El, ...] tensor (FSDP shards dim 0).
-                    g = module.expert_offset + offset[0] + e
-                    one = _normal(torch.Size(shape), s, seed, f"{full}.{pname}.{g}")
-                    for dim, (first, size) in enumerate(zip(start, local.shape[1:])):
+                    one = _normal(p.shape[1:], s, seed, f"{full}.{pname}.{offset[0] + e}")
+                    for dim, (first, size) in enumerate(zip(offset[1:], local.shape[1:])):
                         one = one.narrow(dim, first, size)
                     local[e].copy_(one.to(local.dtype))
         elif isinstance(module, (nn.Linear, nn.Embedding)):
@@ -80,18 +76,12 @@ def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return p.to_local(), tuple(offset)
 
 
-def local_piece(p: torch.Tensor, module_offset: tuple[int, ...] | None = None
-                ) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def local_piece(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """This rank's piece of parameter ``p`` (a DTensor's local shard, or ``p`` itself) and where it
-    lies in the single-process model's tensor: one slice per dim. ``module_offset`` is added per
-    dim: for an expert tensor where the module's [El, ...] tensor starts in the global [E, ...]
-    one (its ``expert_offset``, and under expert-tensor parallelism its ffn columns).
-    Tensor-parallel and FSDP shards (also FSDP over tensor parallelism) are contiguous blocks of
-    the whole tensor."""
+    lies in the single-process model's tensor: one slice per dim. Tensor-parallel, expert-parallel
+    and FSDP shards are contiguous blocks of the whole tensor."""
     local, offset = _local_and_offset(p)
-    module_offset = module_offset or (0,) * len(offset)
-    starts = tuple(a + b for a, b in zip(offset, module_offset))
-    return local, tuple(slice(s, s + n) for s, n in zip(starts, local.shape))
+    return local, tuple(slice(s, s + n) for s, n in zip(offset, local.shape))
 
 
 def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:

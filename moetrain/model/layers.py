@@ -33,6 +33,15 @@ def cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return w if dtype is None else w.to(dtype)
 
 
+def local(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The piece of weight ``w`` this rank computes with, in ``dtype``: ``w`` itself, or the
+    local shard of a DTensor (a module whose inputs are this rank's own rows, such as the
+    experts under expert parallelism). Differentiable: the gradient returns with w's placement."""
+    from torch.distributed.tensor import DTensor
+
+    return cast(w.to_local() if isinstance(w, DTensor) else w, dtype)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (tensor parallelism styles accept it) computing in ``compute_dtype``:
     x: [..., in] → [..., out] in ``compute_dtype`` (or the weight's dtype when ``None``)."""

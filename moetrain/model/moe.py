@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import FeedForward, Linear, cast
+from moetrain.model.layers import FeedForward, Linear, local
 from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
@@ -63,12 +63,41 @@ class AttachAuxLoss(torch.autograd.Function):
 
 @dataclass
 class DispatchHandle:
-    """What :meth:`LocalDispatcher.combine` needs to undo :meth:`LocalDispatcher.dispatch`."""
+    """What a dispatcher's :meth:`~Dispatcher.combine` needs to undo its dispatch. Every
+    dispatcher's handle has ``kept`` and ``host_counts``."""
 
     order: torch.Tensor  # [N] positions in the flattened T·K assignments, sorted by expert
     num_assignments: int  # T·K
-    kept: torch.Tensor | None  # [N_all] bool, False for assignments dropped by the capacity factor
+    kept: torch.Tensor | None  # [T·K] bool in sorted order, False where the capacity factor dropped
     host_counts: list[int] | None = None  # rows per local expert, when already on the host
+
+
+class Dispatcher(Protocol):
+    """Moves a MoE layer's token-expert assignments to the experts that hold them and back.
+
+    Shapes: T tokens of this rank, K top-k, D hidden, El experts held by this rank, N rows that
+    reach them. Phases 2-3 and 5-6 of :meth:`MoE.forward`; :class:`LocalDispatcher` (every expert
+    here) is the reference, :mod:`moetrain.parallel.expert` has the all-to-all ones.
+    """
+
+    rows_sent: list[int]  # rows sent to ranks [in this NVLink domain, in others], summed until reset
+
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> Any:
+        """Begin the dispatch of x_TD [T, D] by expert_idx_TK [T, K] (int64; ``capacity``: the
+        rows an expert keeps, None for dropless); the rows may still travel when it returns."""
+
+    def finish(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """End it: (x_ND rows grouped by local expert, counts_El [El] int64 on the device, the
+        handle for :meth:`combine`, which has ``kept`` and ``host_counts``)."""
+
+    def combine(self, y_ND: torch.Tensor, handle: Any, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs y_ND back to their tokens, weighted by weights_TK [T, K] (fp32)
+        and summed over k (in fp32): y_TD [T, D] in y_ND's dtype; dropped assignments add 0."""
+
+
+def weighted_sum(y_TKD: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights_TK · y_TKD in fp32, returned in y's dtype: [T, K, D], [T, K] → [T, D]."""
+    return (y_TKD.float() * weights_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
 
 
 class LocalDispatcher:
@@ -76,24 +105,40 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-
-    def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        """Group assignments by expert. Returns x_ND (rows grouped by expert), counts_E (rows per
-        expert, int64 on x's device) and the handle for :meth:`combine`."""
-        return self.finish(self.start(x_TD, expert_idx_TK, capacity))
+        self.rows_sent = [0, 0]
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
-        """First half of :meth:`dispatch` (here all of it: nothing travels)."""
         return permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
 
     def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        """Second half of :meth:`dispatch`."""
         return pending
 
-    def combine(self, y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Inverse of :meth:`dispatch`: y_ND → y_(T·K)D in assignment order (dropped rows zero)."""
-        return unpermute(y_ND, handle)
+    def combine(self, y_ND: torch.Tensor, handle: DispatchHandle, weights_TK: torch.Tensor) -> torch.Tensor:
+        return weighted_sum(unpermute(y_ND, handle).view(*weights_TK.shape, -1), weights_TK)
+
+
+@dataclass
+class MoEParallel:
+    """How a MoE layer's tokens and experts are spread over ranks: the one object
+    :mod:`moetrain.parallel` hands the layer (the defaults are one process).
+
+    * ``dispatcher`` — where the experts are (:class:`Dispatcher`);
+    * a sequence split over ``seq_ranks`` ranks (context × tensor parallelism) needs its whole
+      expert counts for the per-sequence balance loss: ``sum_seq_counts`` sums [B, E] counts over
+      those ranks (no autograd); ``aux_scale`` / ``z_scale`` multiply this rank's share of the
+      aux / z loss so that the gradient reduction of its parameters gives the one-process
+      gradient (see :func:`moetrain.parallel.expert.sequence_split`);
+    * node-limited routing: ``expert_groups`` (the NVLink domain of each expert's rank) and
+      ``max_groups`` (how many of them a token may use), or None.
+    """
+
+    dispatcher: Dispatcher
+    seq_ranks: int = 1
+    sum_seq_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+    aux_scale: float = 1.0
+    z_scale: float = 1.0
+    expert_groups: "ExpertGroups | None" = None
+    max_groups: int | None = None
 
 
 def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int, capacity: int | None
@@ -141,11 +186,12 @@ def unpermute(y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """``num_local`` SwiGLU experts stored stacked so a grouped GEMM can run them at once.
+    """E SwiGLU experts stored stacked so a grouped GEMM can run them at once.
 
-    w1, w3: [El, D, F]; w2: [El, F, D]. ``expert_offset`` is the global index of local expert 0
-    (non-zero under expert parallelism); initialisation uses it so every layout gets the same
-    weights. ``backend`` (one of :data:`EXPERT_BACKENDS`):
+    w1, w3: [E, D, F]; w2: [E, F, D]. Under expert parallelism they are DTensors placed
+    Shard(0) over ep (and, with expert-tensor parallelism, over tp along F): the forward computes
+    with the local pieces [El, D, F/etp], on the rows of this rank's experts. ``backend`` (one of
+    :data:`EXPERT_BACKENDS`):
 
     * ``loop`` — one GEMM per expert in plain PyTorch, the reference path (and the faster one on
       CPU); needs the row counts on the host;
@@ -161,30 +207,18 @@ class GroupedExperts(nn.Module):
 
     compute_dtype: torch.dtype | None = None
 
-    def __init__(self, dim: int, hidden: int, num_local: int, expert_offset: int = 0, num_experts: int | None = None,
-                 backend: str = "loop"):
+    def __init__(self, dim: int, hidden: int, num_experts: int, backend: str = "loop"):
         super().__init__()
-        self.num_local, self.expert_offset = num_local, expert_offset
-        self.num_experts = num_experts if num_experts is not None else num_local
         self.backend = backend
-        # Under expert-tensor parallelism this module holds columns [ffn_offset, ffn_offset +
-        # hidden) of each expert's ffn width ffn_total (moetrain.parallel.expert).
-        self.ffn_total, self.ffn_offset = hidden, 0
-        self.w1 = nn.Parameter(torch.empty(num_local, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(num_local, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden, dim))
-
-    def expert_slice(self, name: str) -> tuple[tuple[int, int], int]:
-        """For weight ``name`` (w1, w3, w2): one whole expert's shape (D, F) or (F, D), and the
-        dim of it this module holds a slice of (from ``ffn_offset``)."""
-        D, F = self.w1.shape[1], self.ffn_total
-        return ((D, F), 1) if name in ("w1", "w3") else ((F, D), 0)
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None
                 ) -> torch.Tensor:
         """x_ND: rows grouped by local expert, ``counts_El[e]`` rows for expert e ([El] int64 on
         x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D]."""
-        w1, w3, w2 = (cast(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (local(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
         x_ND = x_ND.to(w1.dtype)
         if self.backend == "grouped_mm":
             # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
@@ -248,9 +282,6 @@ class Router(nn.Linear):
         return F.linear(x_TD.float(), self.weight.float())
 
 
-SeqCountReducer = Callable[[torch.Tensor], torch.Tensor]
-
-
 class MoE(nn.Module):
     """Routed experts (+ optional shared experts) replacing the MLP of a block.
 
@@ -264,6 +295,9 @@ class MoE(nn.Module):
         shared_hidden: the shared SwiGLU's width, when not shared_experts·F (Qwen1.5-MoE).
         shared_gate: scale the shared output per token by sigmoid(``shared_gate`` x), a
             [1, D] projection (Qwen1.5-MoE / Qwen2-MoE).
+
+    ``parallel`` (:class:`MoEParallel`) says how tokens and experts are spread over ranks; the
+    trainer sets ``aux_loss_scale`` (1 / micro-batches) and empties ``stats_accum`` every step.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int = 0,
@@ -281,42 +315,26 @@ class MoE(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
             self.expert_bias = None
-        # Node-limited routing (set by moetrain.parallel.expert.configure_node_limited): the
-        # group (NVLink domain) of each expert's rank and how many groups a token may use.
-        self.expert_groups: ExpertGroups | None = None
-        self.max_groups: int | None = None
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
         self.router = Router(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(dim, hidden, num_experts, 0, num_experts)
+        self.experts = GroupedExperts(dim, hidden, num_experts)
         width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
         self.shared = FeedForward(dim, width) if width else None
         self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
-        self.dispatcher: Any = LocalDispatcher(num_experts)
+        self.parallel = MoEParallel(LocalDispatcher(num_experts))
         # Compute the shared experts while the dispatch is in flight (off: after it, for the
         # overlap benchmark's baseline).
         self.overlap_shared = True
         # Set by the trainer: gradient given to the aux losses in backward (1 / micro-batches).
         self.aux_loss_scale = 1.0
-        # Sums the per-sequence expert counts over the ranks that share a sequence (context /
-        # sequence parallelism); identity when a rank holds whole sequences.
-        self.seq_count_reducer: SeqCountReducer | None = None
-        # Multiplies the local aux loss when a sequence is split over ranks whose gradients are
-        # averaged (cp): each rank's part must count fully, see router_losses.
-        self.seq_split_scale = 1.0
-        # Ranks one sequence is split over (cp × tp, each holding an equal part): the full
-        # sequence length is the local one times this.
-        self.seq_split_size = 1
-        # Multiplies the local z-loss when tokens are split over ranks whose gradients are summed
-        # (tp: 1/tp), so the sum over those ranks is the mean over all tokens.
-        self.token_split_scale = 1.0
         # Sums over the micro-batches of a step, on the device, reset by the trainer (``{}``):
         # aux_loss, z_loss, dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
         self.stats_accum: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, handle: Any) -> None:
-        kept = handle_kept(handle)
+    def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, kept: torch.Tensor | None
+                      ) -> None:
         dropped = (torch.zeros((), dtype=torch.float64, device=idx_TK.device) if kept is None
                    else (~kept).sum(dtype=torch.float64) / idx_TK.numel())
         new = {"aux_loss": aux.detach().double(), "z_loss": z.detach().double(),
@@ -334,16 +352,16 @@ class MoE(nn.Module):
         2. the choice uses scores + ``expert_bias`` when aux-loss-free balancing is on (the bias
            never enters the weights);
         3. node-limited routing (DeepSeek-V3 §2.2 "node-limited routing", Megatron-Core's
-           group-limited top-k): with ``max_groups`` M, each group of experts (the experts of
-           one NVLink domain's ranks) is scored by the sum of its top ⌈K / M⌉ choice scores, the
-           M best groups kept, the other experts masked;
+           group-limited top-k): with ``parallel.max_groups`` M, each group of experts (the
+           experts of one NVLink domain's ranks) is scored by the sum of its top ⌈K / M⌉ choice
+           scores, the M best groups kept, the other experts masked;
         4. top-k of the choice; the weights are the unbiased scores of the chosen experts,
            renormalised to sum to 1 with ``norm_topk_prob``, times ``routed_scaling_factor``.
         """
         scores_TE = logits_TE.softmax(-1) if self.score_function == "softmax" else logits_TE.sigmoid()
         choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
-        if self.max_groups is not None:
-            choice_TE = limit_to_groups(choice_TE, self.expert_groups, self.max_groups, self.top_k)
+        if self.parallel.max_groups is not None:
+            choice_TE = limit_to_groups(choice_TE, self.parallel.expert_groups, self.parallel.max_groups, self.top_k)
         topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
         topk_p_TK = scores_TE.gather(1, topk_idx_TK)
         if self.norm_topk_prob:
@@ -377,22 +395,25 @@ class MoE(nn.Module):
         each sequence (GShard's groups = sequences; DeepSeek-V3 §2.1.2 "sequence-wise" loss) so
         its value does not depend on how a batch is split over ranks or micro-batches. Equals 1
         for a perfectly uniform router. z = mean over tokens of logsumexp(logits)² (Zoph et al.
-        2022, ST-MoE eq. 5). Returns (aux, z, counts_BE).
+        2022, ST-MoE eq. 5). S is the whole sequence: this rank holds 1 / ``parallel.seq_ranks``
+        of it. Returns (aux, z, counts_BE).
         """
         B, S, E = probs_BSE.shape
+        par = self.parallel
         counts_BE = torch.zeros(B, E, device=idx_BSK.device, dtype=probs_BSE.dtype)
         counts_BE.scatter_add_(1, idx_BSK.reshape(B, -1), torch.ones_like(idx_BSK.reshape(B, -1), dtype=probs_BSE.dtype))
-        seq_len = S * self.seq_split_size
-        if self.seq_count_reducer is not None:
-            counts_BE = self.seq_count_reducer(counts_BE)
+        seq_len = S * par.seq_ranks
+        if par.sum_seq_counts is not None:
+            counts_BE = par.sum_seq_counts(counts_BE)
         psum_BE = probs_BSE.sum(1)
-        aux = (counts_BE * psum_BE).sum(-1).mean() * (E / (seq_len * seq_len * self.top_k)) * self.seq_split_scale
-        z = torch.logsumexp(logits_BSE, dim=-1).pow(2).mean() * self.token_split_scale
+        aux = (counts_BE * psum_BE).sum(-1).mean() * (E / (seq_len * seq_len * self.top_k)) * par.aux_scale
+        z = torch.logsumexp(logits_BSE, dim=-1).pow(2).mean() * par.z_scale
         return aux, z, counts_BE
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
+        dispatcher = self.parallel.dispatcher
 
         # 1. route (fp32): scores, the top-k choice and its combine weights; the losses.
         logits_TE = self.router(x_TD)
@@ -406,26 +427,22 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts)
-        pending = self.dispatcher.start(x_TD, topk_idx_TK, capacity)
+        pending = dispatcher.start(x_TD, topk_idx_TK, capacity)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).
         shared_TD = self._shared_output(x_TD) if self.shared is not None and self.overlap_shared else None
-        x_ND, counts_El, handle = self.dispatcher.finish(pending)
+        x_ND, counts_El, handle = dispatcher.finish(pending)
 
         # 4. expert compute, rows grouped by local expert.
         y_ND = self.experts(x_ND, counts_El, handle.host_counts)
 
-        # 5.-6. return to the source rank, restore assignment order, weight (fp32) and sum over k.
-        if getattr(self.dispatcher, "combines_weighted", False):  # weights applied where the rows are
-            y_TD = self.dispatcher.combine_weighted(y_ND, handle, topk_p_TK)
-        else:
-            y_TKD = self.dispatcher.combine(y_ND, handle).view(-1, self.top_k, D)
-            y_TD = (y_TKD.float() * topk_p_TK.unsqueeze(-1)).sum(1).to(y_TKD.dtype)
+        # 5.-6. back to the source rank, in assignment order, weighted (fp32) and summed over k.
+        y_TD = dispatcher.combine(y_ND, handle, topk_p_TK)
         if self.shared is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared_output(x_TD))
 
         if not is_recomputing():  # activation recomputation must not count twice
-            self._record_stats(aux, z, topk_idx_TK, handle)
+            self._record_stats(aux, z, topk_idx_TK, handle.kept)
         total_aux = self.aux_loss_coef * aux + self.z_loss_coef * z
         out = y_TD.view(B, S, D).to(x_BSD.dtype)
         if self.training and total_aux.requires_grad:
@@ -471,8 +488,3 @@ class ExpertGroups:
         dense = [ids.index(g) for g in group_of_expert]  # 0..G-1
         of_expert = torch.tensor(dense, dtype=torch.int64, device=device)
         return cls(of_expert, torch.argsort(of_expert, stable=True), len(ids))
-
-
-def handle_kept(handle: Any) -> torch.Tensor | None:
-    """The capacity mask of a dispatch handle, whatever dispatcher made it."""
-    return getattr(handle, "kept", None)

@@ -6,18 +6,22 @@ The order is fixed; each step says why it sits where it does:
 2. pipeline split — keep this stage's blocks (pp > 1); everything after works per part;
 3. tensor + sequence parallelism — shard attention / MLP / embedding / head over tp
    (before EP and FSDP: both must see the TP-sharded parameters);
-4. expert parallelism — keep this rank's experts, dispatch tokens by all-to-all over ep;
-   then, when a sequence is split over cp × tp ranks, make the MoE losses add up across them;
+4. the MoE layers' spread — the experts placed over ep (and tp under expert-tensor
+   parallelism), the token dispatcher, the losses of sequences split over cp × tp ranks,
+   node-limited routing: one :class:`~moetrain.model.moe.MoEParallel` per layer;
 5. context parallelism — swap the attention kernel for ring attention over cp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
    then ``train.compile`` compiles each block's computation (the recomputation wraps it);
-7. ZeRO / FSDP wrapping — last, as it takes over the (possibly DTensor) parameters; with bf16
-   its mixed-precision policy all-gathers bf16 copies of the fp32 shards;
+7. data parallelism / ZeRO — FSDP2 (``replicate`` for stage 0) wraps each parameter group over
+   its replica group, last, as it takes over the (possibly DTensor) parameters; with ZeRO in
+   bf16 its mixed-precision policy all-gathers bf16 copies of the fp32 shards;
 8. materialise on the device, initialise with layout-independent values (fp32: the master
    weights), set the compute dtype and the expert backend (see
    :mod:`moetrain.parallel.precision`).
 
-Steps that a layout does not use are skipped here, by this caller, never inside the step.
+After it every parameter is a DTensor that carries its placement (or, in one process, a plain
+tensor): the gradient reduction, the norm, checkpoints and exports read it from there. Steps
+that a layout does not use are skipped here, by this caller, never inside the step.
 """
 
 from __future__ import annotations
@@ -37,18 +41,13 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
-from moetrain.parallel.expert import (
-    apply_expert_parallel,
-    apply_expert_tensor_parallel,
-    configure_node_limited,
-    configure_sequence_split,
-)
+from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
+from moetrain.parallel.expert import apply_expert_parallel
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype
-from moetrain.parallel.state import CP, CP_TP, EP, PP, TP, ParallelState
+from moetrain.parallel.state import CP, PP, TP, ParallelState
 from moetrain.parallel.support import check_supported
 from moetrain.parallel.tensor import apply_tensor_parallel, loss_context
-from moetrain.parallel.zero import ZeroMicroBatchSync, apply_zero
 
 
 class StepRunner(Protocol):
@@ -68,12 +67,9 @@ class SingleStageRunner:
 
     def __init__(self, model: Transformer, ps: ParallelState):
         self.model, self.ps, self.device = model, ps, ps.device
-        # [zero] called as (index, count) before each micro-batch's forward (ZeRO sets
-        # FSDP's gradient sync and resharding there); None without ZeRO.
+        # Called as (index, count) before each micro-batch's forward: FSDP's gradient sync and
+        # resharding (MicroBatchSync); None in one process.
         self.before_micro_batch: Callable[[int, int], None] | None = None
-        # Called before the step's last micro-batch: the data-parallel gradient reduction starts
-        # during its backward (OverlappedGradReducer.arm); None: reduce after the backward.
-        self.before_last_micro_batch: Callable[[], None] | None = None
 
     def _loss(self, mb: MicroBatch) -> torch.Tensor:
         doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
@@ -82,10 +78,8 @@ class SingleStageRunner:
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
-            if self.before_micro_batch is not None:  # [zero]
+            if self.before_micro_batch is not None:
                 self.before_micro_batch(i, len(micro_batches))
-            if i == len(micro_batches) - 1 and self.before_last_micro_batch is not None:
-                self.before_last_micro_batch()
             with loss_context(self.ps):
                 loss = self._loss(mb)
                 (loss / len(micro_batches)).backward()
@@ -108,11 +102,8 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
-    # to_empty (and a dtype change) may replace the parameter objects: carry over the
-    # ``_moetrain_*`` tags the parallelisation steps set on them (e.g. _moetrain_tp_partial),
-    # and re-tie parameters shared by two modules (tied embeddings), which come back as two.
-    tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_moetrain_")}
-            for name, p in part.named_parameters()}
+    # to_empty replaces the parameter objects: re-tie parameters shared by two modules (tied
+    # embeddings), which come back as two.
     first_name: dict[int, str] = {}
     aliases = []  # (alias, name of the first holder)
     for name, p in part.named_parameters(remove_duplicate=False):
@@ -124,9 +115,6 @@ def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
         holder, _, leaf = alias.rpartition(".")
         setattr(part.get_submodule(holder), leaf, part.get_parameter(name))
     init_weights(part, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
-    for name, p in part.named_parameters():
-        for k, v in tags.get(name, {}).items():
-            setattr(p, k, v)
     if part.positions is not None:  # RoPE positions set by tp / cp: once to the device, not per forward
         part.positions = part.positions.to(ps.device)
     # Parameters stay fp32 (master weights); modules compute in the precision's dtype.
@@ -156,22 +144,15 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
     #    with only that stage's blocks (names stay global); see moetrain.parallel.pipeline.
     parts, stages = pipeline_parts(model, cfg, ps) if ps.size(PP) > 1 else ([model], [0])
 
-    fsdp_modules: list = []  # [zero]
+    fsdp_modules: list = []
     for part in parts:
         # 3. tensor + sequence parallelism: attention / MLP / embedding / head sharded over tp.
         if ps.size(TP) > 1:
             apply_tensor_parallel(part, ps, cfg)
-        # 4. expert parallelism: local experts + all-to-all dispatch.
-        if ps.size(EP) > 1:
-            apply_expert_parallel(part.moe_layers(), ps, cfg.moe.token_dispatcher)
-        if cfg.parallel.etp > 1:  # expert-tensor parallelism: each expert's ffn width over tp
-            apply_expert_tensor_parallel(part.moe_layers(), ps)
-        # 4a. node-limited routing: each token's experts on at most M of the ep group's domains.
-        if cfg.moe.max_nodes_per_token is not None and part.moe_layers():
-            configure_node_limited(part.moe_layers(), ps, cfg.moe.max_nodes_per_token)
-        # 4b. MoE losses of sequences split over cp × tp ranks (per-sequence balance counts).
-        if ps.size(CP_TP) > 1:
-            configure_sequence_split(part.moe_layers(), ps)
+        # 4. the MoE layers: experts over ep (and tp with etp), dispatcher, sequence split,
+        #    node-limited routing.
+        if part.moe_layers() and ps.world_size > 1:
+            apply_expert_parallel(part.moe_layers(), ps, cfg)
         # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
         if ps.size(CP) > 1:
             apply_context_parallel(part, ps.group(CP), cfg.model.seq_len)
@@ -181,17 +162,17 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 6b. torch.compile of each block (after AC, before FSDP, as torchtitan orders them).
         if cfg.train.compile:
             apply_compile(part, ps.size(TP) > 1)
-        # 7. ZeRO / FSDP: shard optimizer states (1), + gradients (2), + parameters (3); see zero.py.
-        if cfg.parallel.zero_stage > 0:
-            fsdp_modules += apply_zero(part, ps, cfg.parallel.zero_stage, cfg.train.precision)
+        # 7. data parallelism / ZeRO: every parameter group over its replica group (FSDP2).
+        if ps.world_size > 1:
+            fsdp_modules += apply_data_parallel(part, ps, cfg.parallel.zero_stage, cfg.train.precision)
         # 8. materialise and initialise (values depend on names and global expert ids only).
         _materialize(part, cfg, ps)
 
     # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
     runner: StepRunner = PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1 else SingleStageRunner(parts[0], ps)
-    # [zero] gradient sync / resharding per micro-batch (under pp the schedule drives FSDP: pipeline.py)
-    if cfg.parallel.zero_stage > 0 and ps.size(PP) == 1:
-        runner.before_micro_batch = ZeroMicroBatchSync(fsdp_modules, cfg.parallel.zero_stage)
+    # Gradient sync / resharding per micro-batch (under pp the schedule drives FSDP: pipeline.py)
+    if fsdp_modules and ps.size(PP) == 1:
+        runner.before_micro_batch = MicroBatchSync(fsdp_modules, cfg.parallel.zero_stage)
     return parts, runner
 
 

@@ -29,9 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from moetrain.config import field_error
-from moetrain.model.moe import (DispatchHandle, ExpertGroups, GroupedExperts, MoE, expert_counts, permute_by_expert,
-                                sort_by_expert, unpermute)
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from moetrain.config import Config, field_error
+from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, MoE, MoEParallel, expert_counts,
+                                permute_by_expert, sort_by_expert, unpermute, weighted_sum)
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
@@ -63,12 +66,6 @@ class AllToAllDispatcher:
         domains = domains or [0] * self.ep
         self._remote = [d != domains[me] for d in domains]
         self.rows_sent = [0, 0]  # [same domain, other domains]
-
-    def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
-        """Phases 1-4: x_ND (received rows grouped by local expert), counts_El ([El] int64 on
-        the device) and the handle for :meth:`combine`."""
-        return self.finish(self.start(x_TD, expert_idx_TK, capacity))
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
         """Phases 1-3; the rows' all-to-all is left in flight (a functional collective: it is
@@ -110,13 +107,19 @@ class AllToAllDispatcher:
         x_recv, counts_El, handle = pending
         return x_recv[handle.regroup], counts_El, handle
 
-    def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+    def combine_rows(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        """The rows back to their source ranks, in assignment order: y_ND → [T·K, D] (zeros for
+        assignments the capacity dropped)."""
         # 4'. back to (source, local expert) order.
         y_recv = torch.empty_like(y_ND).index_copy(0, handle.regroup, y_ND)
         # 3'. rows back to the ranks that sent them.
         y_sorted = all_to_all_single_autograd(y_recv, handle.input_splits, handle.output_splits, self.group)
         # 1'. unpermute to assignment order.
         return unpermute(y_sorted, handle.local)
+
+    def combine(self, y_ND: torch.Tensor, handle: AllToAllHandle, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Phases 5-6: :meth:`combine_rows`, then the weighted sum over k (fp32)."""
+        return weighted_sum(self.combine_rows(y_ND, handle).view(*weights_TK.shape, -1), weights_TK)
 
 
 @dataclass
@@ -158,8 +161,6 @@ class HierarchicalDispatcher:
     all-to-all. The sums differ from the flat dispatcher's only in order (fp32 rounding).
     """
 
-    combines_weighted = True
-
     def __init__(self, num_experts: int, ep_group_ranks: list[int], domains: list[int], rail: dist.ProcessGroup,
                  domain: dist.ProcessGroup, device: torch.device):
         self.num_experts, self.num_local = num_experts, num_experts // len(ep_group_ranks)
@@ -183,10 +184,6 @@ class HierarchicalDispatcher:
         # Domain-local id of expert e, for the rows this rank receives (experts of its domain).
         self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
         self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher
-
-    def dispatch(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, HierarchicalHandle]:
-        return self.finish(self.start(x_TD, expert_idx_TK, capacity))
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
         T, K = expert_idx_TK.shape
@@ -235,12 +232,12 @@ class HierarchicalDispatcher:
         x_ND, counts_El, _ = self.inner.finish(inner_pending)
         return x_ND, counts_El, handle
 
-    def combine_weighted(self, y_ND: torch.Tensor, handle: HierarchicalHandle, weights_TK: torch.Tensor
-                         ) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, handle: HierarchicalHandle, weights_TK: torch.Tensor) -> torch.Tensor:
         """y_ND [N, D] (rows grouped by local expert) and the routing weights [T, K] (fp32) →
-        y_TD [T, D] = Σ_k weights·expert output, in y_ND's dtype (the weighted sums in fp32)."""
+        y_TD [T, D] = Σ_k weights·expert output, in y_ND's dtype (the weighted sums in fp32,
+        phase 3 of the class docstring)."""
         K = weights_TK.shape[1]
-        y_VD = self.inner.combine(y_ND, handle.inner)  # [R_recv·K, D], zeros at other domains' slots
+        y_VD = self.inner.combine_rows(y_ND, handle.inner)  # [R_recv·K, D], zeros at other domains' slots
         w_send = torch.where(handle.slot_mask, weights_TK[handle.token_of_row], 0.0)
         w_recv = all_to_all_single_autograd(w_send, handle.output_splits, handle.input_splits, self.rail)
         y_RD = (y_VD.view(-1, K, y_VD.shape[-1]).float() * w_recv.unsqueeze(-1)).sum(1).to(y_ND.dtype)
@@ -262,8 +259,7 @@ def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.Proc
     if cached is not None:
         return cached
     ep = ps.size(EP)
-    mesh = ps.expert_mesh.mesh  # [pp, edp, ep, tp]
-    ep_groups = mesh.permute(0, 1, 3, 2).reshape(-1, ep).tolist()
+    ep_groups = ps.expert_mesh.mesh.reshape(-1, ep).tolist()  # [pp, edp, tp, ep]: ep innermost
     mine: dict[str, dist.ProcessGroup] = {}
     for group in ep_groups:
         doms = [ps.domains[r] if ps.domains is not None else 0 for r in group]
@@ -282,31 +278,68 @@ def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.Proc
     return ps._hierarchical_groups  # type: ignore[attr-defined]
 
 
-def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, token_dispatcher: str = "alltoall"
-                          ) -> None:
-    """Keep only this rank's El = E / ep experts in every MoE layer and dispatch by all-to-all
-    (``token_dispatcher`` ``alltoall``: :class:`AllToAllDispatcher`; ``hierarchical``:
-    :class:`HierarchicalDispatcher`).
+def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Config) -> None:
+    """Spread the MoE layers over the ranks: step 4 of
+    :func:`moetrain.parallel.apply.build_model_parts`, on the meta-device model, after tensor
+    parallelism. Each layer gets one :class:`~moetrain.model.moe.MoEParallel`:
 
-    Call on the meta-device model, before materialisation: the expert weights are re-created
-    with the local shape [El, ...] and ``expert_offset = ep_rank · El`` so initialisation and
-    checkpoints address them by global expert index.
+    1. the experts' placement: with ep > 1 the stacked [E, ...] weights become DTensors Shard(0)
+       over ep, so this rank computes El = E / ep of them (TorchTitan's expert parallelism), and
+       with expert-tensor parallelism (``parallel.etp`` = tp) also Shard over tp along the ffn
+       width F (:func:`_expert_tensor_parallel`);
+    2. the dispatcher: :class:`AllToAllDispatcher` (``moe.token_dispatcher: alltoall``) or
+       :class:`HierarchicalDispatcher` (``hierarchical``) over ep, else the local one;
+    3. a sequence split over cp × tp ranks: :func:`sequence_split`;
+    4. node-limited routing (``moe.max_nodes_per_token``): :func:`node_limited_groups`.
+
+    Raises:
+        ConfigError: node-limited routing or the hierarchical dispatcher on ep groups whose NVLink
+            domains hold unequal numbers of ranks, or too few experts per domain for top_k.
     """
-    ep, ep_rank, group = ps.size(EP), ps.coord(EP), ps.group(EP)
+    ep, etp = ps.size(EP), cfg.parallel.etp > 1
     ep_ranks = ps.group_ranks(EP)
     domains = [ps.domains[r] for r in ep_ranks] if ps.domains is not None else None
-    rail_domain = hierarchical_groups(ps) if token_dispatcher == "hierarchical" else None
+    rail_domain = hierarchical_groups(ps) if ep > 1 and cfg.moe.token_dispatcher == "hierarchical" else None
+    split = sequence_split(ps)
     for moe in moe_layers.values():
-        old = moe.experts
-        E = old.num_experts
-        n_local = E // ep
-        dim, hidden = old.w1.shape[1], old.w1.shape[2]
-        with torch.device(old.w1.device):
-            moe.experts = GroupedExperts(dim, hidden, n_local, expert_offset=ep_rank * n_local, num_experts=E)
+        E = moe.num_experts
+        if ep > 1 or etp:
+            mesh = ps.expert_mesh[(TP, EP)] if etp and ep > 1 else ps.expert_mesh[TP if etp else EP]
+            for name, p in list(moe.experts.named_parameters()):
+                ffn = Shard(1 if name == "w2" else 2)  # F of w1 / w3 [E, D, F] and of w2 [E, F, D]
+                placements = ([ffn] if etp else []) + ([Shard(0)] if ep > 1 else [])
+                moe.experts.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, placements,
+                                                                                  src_data_rank=None)))
+        if etp:
+            _expert_tensor_parallel(moe, ps)
         if rail_domain is not None:
-            moe.dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device)
+            dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device)
+        elif ep > 1:
+            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains)
         else:
-            moe.dispatcher = AllToAllDispatcher(E, group, domains)
+            dispatcher = LocalDispatcher(E)
+        groups, max_groups = (None, None)
+        if cfg.moe.max_nodes_per_token is not None:
+            groups, max_groups = node_limited_groups(moe, ps, cfg.moe.max_nodes_per_token)
+        moe.parallel = MoEParallel(dispatcher, *split, expert_groups=groups, max_groups=max_groups)
+
+
+def _expert_tensor_parallel(moe: MoE, ps: ParallelState) -> None:
+    """Expert-tensor parallelism (``parallel.etp`` = tp): each expert's ffn width F split over the
+    tp ranks — w1 / w3 [E, D, F/tp] by columns, w2 [E, F/tp, D] by rows, as a dense MLP under tp
+    (Megatron-Core's expert-tensor-parallel group = the tp group here).
+
+    Every tp rank routes the whole sequence (the tp plan gives the MoE a replicated input), sends
+    the same rows to its ep peers (the ep group lies inside one tp coordinate), computes its
+    columns of every expert, and the experts' output is summed over tp before the combine
+    (:class:`moetrain.parallel.tensor.ReduceFromTP`; the input's gradient is summed over tp by
+    :class:`moetrain.parallel.tensor.CopyToTP`), so routing, combine and losses see whole
+    values."""
+    from moetrain.parallel.tensor import CopyToTP, ReduceFromTP
+
+    group = ps.group(TP)
+    moe.experts.register_forward_pre_hook(lambda mod, args: (CopyToTP.apply(args[0], group), *args[1:]))
+    moe.experts.register_forward_hook(lambda mod, args, out: ReduceFromTP.apply(out, group))
 
 
 class _SumOverGroup:
@@ -322,62 +355,31 @@ class _SumOverGroup:
         return out
 
 
-def apply_expert_tensor_parallel(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
-    """Expert-tensor parallelism (``parallel.etp`` = tp): split each expert's ffn width F over the
-    tp ranks — w1 / w3 [El, D, F/tp] by columns, w2 [El, F/tp, D] by rows, as a dense MLP under
-    tp (Megatron-Core's expert-tensor-parallel group = the tp group here).
-
-    Every tp rank routes the whole sequence (the tp plan gives the MoE a replicated input), sends
-    the same rows to its ep peers (the ep group lies inside one tp coordinate), computes its
-    columns of every expert, and the experts' output is summed over tp before the combine
-    (:class:`moetrain.parallel.tensor.ReduceFromTP`; the input's gradient is summed over tp by
-    :class:`moetrain.parallel.tensor.CopyToTP`), so routing, combine and losses see whole
-    values. Call on the meta-device model after :func:`apply_expert_parallel`.
-    """
-    from moetrain.parallel.tensor import CopyToTP, ReduceFromTP
-
-    tp, tp_rank, group = ps.size(TP), ps.coord(TP), ps.group(TP)
-    for moe in moe_layers.values():
-        old = moe.experts
-        F = old.ffn_total
-        with torch.device(old.w1.device):
-            moe.experts = GroupedExperts(old.w1.shape[1], F // tp, old.num_local, old.expert_offset, old.num_experts,
-                                         old.backend)
-        moe.experts.ffn_total, moe.experts.ffn_offset = F, tp_rank * (F // tp)
-        moe.experts.register_forward_pre_hook(
-            lambda mod, args, group=group: (CopyToTP.apply(args[0], group), *args[1:]))
-        moe.experts.register_forward_hook(lambda mod, args, out, group=group: ReduceFromTP.apply(out, group))
-
-
-def configure_sequence_split(moe_layers: dict[str, MoE], ps: ParallelState) -> None:
-    """Make the MoE losses of a sequence split over cp × tp ranks equal the single-process ones.
+def sequence_split(ps: ParallelState) -> tuple[int, _SumOverGroup | None, float, float]:
+    """``(seq_ranks, sum_seq_counts, aux_scale, z_scale)`` of :class:`MoEParallel` that make the
+    MoE losses of a sequence split over cp × tp ranks equal the single-process ones.
 
     The load-balancing loss of a sequence needs the sequence's expert counts: they are summed
     over ``cp_tp``; each rank's part (its tokens' router probabilities × the global counts)
     adds up to the whole. Gradients are averaged over cp (data-parallel reduction) but summed
-    over tp (the tp ranks' parts are different tokens of the same sample), so the part is scaled
-    by cp; the z-loss, a mean over tokens, is scaled by 1/tp for the same reason. Call it only
-    when ``cp_tp`` has more than one rank. With expert-tensor parallelism every tp rank routes
-    the whole cp-local sequence: only cp splits it, and each tp rank's losses are already whole.
-    """
+    over tp (the tp ranks' parts are different tokens of the same sample: the router's gradient
+    reduction runs over dp × cp × tp, divided by dp × cp), so the part is scaled by cp; the
+    z-loss, a mean over tokens, is scaled by 1/tp for the same reason. With expert-tensor
+    parallelism every tp rank routes the whole cp-local sequence: only cp splits it, and each tp
+    rank's losses are already whole."""
     etp = ps.parallel.etp > 1
     axis = CP if etp else CP_TP
     if ps.size(axis) == 1:
-        return
-    reducer = _SumOverGroup(ps.group(axis))
-    for moe in moe_layers.values():
-        moe.seq_count_reducer = reducer
-        moe.seq_split_size = ps.size(axis)
-        moe.seq_split_scale = float(ps.size(CP))
-        moe.token_split_scale = 1.0 if etp else 1.0 / ps.size(TP)
+        return 1, None, 1.0, 1.0
+    return ps.size(axis), _SumOverGroup(ps.group(axis)), float(ps.size(CP)), 1.0 if etp else 1.0 / ps.size(TP)
 
 
-def configure_node_limited(moe_layers: dict[str, MoE], ps: ParallelState, max_nodes: int) -> int:
+def node_limited_groups(moe: MoE, ps: ParallelState, max_nodes: int) -> tuple[ExpertGroups | None, int | None]:
     """Node-limited routing (``moe.max_nodes_per_token``): group the experts by the NVLink domain
-    (node) of the ep rank that holds them — from ``ps.domains``, the rank map's — and let each
-    token choose among its ``max_nodes`` best groups only, so its dispatch crosses the network to
-    at most that many nodes. Returns the number of domains the ep group spans (with no more than
-    ``max_nodes`` of them nothing is limited).
+    (node) of the ep rank that holds them — from ``ps.domains``, the rank map's — so each token
+    chooses among its ``max_nodes`` best groups only and its dispatch crosses the network to at
+    most that many nodes. Returns (groups, max_nodes), or (None, None) when the ep group spans no
+    more than ``max_nodes`` domains (nothing to limit).
 
     Raises:
         ConfigError: the domains hold unequal numbers of experts, or ``max_nodes`` domains hold
@@ -385,21 +387,18 @@ def configure_node_limited(moe_layers: dict[str, MoE], ps: ParallelState, max_no
     """
     ep_ranks = ps.group_ranks(EP)
     domains = [ps.domains[r] if ps.domains is not None else 0 for r in ep_ranks]
-    for moe in moe_layers.values():
-        E = moe.num_experts
-        per_rank = E // len(ep_ranks)
-        try:
-            groups = ExpertGroups.from_list([domains[e // per_rank] for e in range(E)], ps.device)
-        except ValueError as e:
-            raise field_error("moe.max_nodes_per_token", max_nodes, f"the ep group's NVLink domains hold "
-                              f"different numbers of its ranks ({e})",
-                              "use a layout whose ep groups span whole domains, or max_nodes_per_token=null") from None
-        if groups.num_groups <= max_nodes:
-            moe.expert_groups, moe.max_groups = None, None
-            continue
-        if max_nodes * (E // groups.num_groups) < moe.top_k:
-            raise field_error("moe.max_nodes_per_token", max_nodes, f"{max_nodes} of {groups.num_groups} domains "
-                              f"hold {max_nodes * (E // groups.num_groups)} experts, fewer than top_k={moe.top_k}",
-                              f"raise max_nodes_per_token to at least {-(-moe.top_k // (E // groups.num_groups))}")
-        moe.expert_groups, moe.max_groups = groups, max_nodes
-    return len(set(domains))
+    E = moe.num_experts
+    per_rank = E // len(ep_ranks)
+    try:
+        groups = ExpertGroups.from_list([domains[e // per_rank] for e in range(E)], ps.device)
+    except ValueError as e:
+        raise field_error("moe.max_nodes_per_token", max_nodes, f"the ep group's NVLink domains hold "
+                          f"different numbers of its ranks ({e})",
+                          "use a layout whose ep groups span whole domains, or max_nodes_per_token=null") from None
+    if groups.num_groups <= max_nodes:
+        return None, None
+    if max_nodes * (E // groups.num_groups) < moe.top_k:
+        raise field_error("moe.max_nodes_per_token", max_nodes, f"{max_nodes} of {groups.num_groups} domains "
+                          f"hold {max_nodes * (E // groups.num_groups)} experts, fewer than top_k={moe.top_k}",
+                          f"raise max_nodes_per_token to at least {-(-moe.top_k // (E // groups.num_groups))}")
+    return groups, max_nodes

@@ -3,14 +3,15 @@
 One :class:`ParallelState` object is built per process and passed explicitly to whoever needs
 a group; nothing here is a module global.
 
-Axes (``moetrain.parallel.axes``):
+Axes (:mod:`moetrain.axes`):
 
 * dense mesh ``(pp, dp, cp, tp)`` — world = pp × dp × cp × tp;
-* expert mesh ``(pp, edp, ep, tp)`` — inside one pipeline stage, the dp × cp ranks (flattened
+* expert mesh ``(pp, edp, tp, ep)`` — inside one pipeline stage, the dp × cp ranks (flattened
   dp-major) are split into ``edp`` × ``ep`` with ``ep`` innermost ("parallel folding",
-  Megatron-Core; torchtitan does the same). Experts are split over ``ep``; the ranks with the
-  same ``(pp, ep)`` coordinate — ``edp`` × ``tp`` of them — hold replicas of the same experts
-  and average their gradients.
+  Megatron-Core; torchtitan does the same). Experts are split over ``ep`` (and their ffn width
+  over ``tp`` under expert-tensor parallelism); the ranks with the same ``(pp, ep)`` coordinate
+  hold replicas of the same experts and reduce their gradients (``edp_tp``, or ``edp`` under
+  expert-tensor parallelism).
 
 Both meshes are built from the same rank tensor ``[pp, dp, cp, tp]`` given by the topology
 mapper, so the placement shown by ``python -m moetrain.ranks`` is the one used.
@@ -27,18 +28,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from moetrain.axes import CP, CP_TP, DENSE_AXES, DP, DP_CP, DP_CP_TP, EDP, EDP_TP, EP, EXPERT_AXES, PP, TP
 from moetrain.config import ParallelConfig
 
-PP, DP, CP, TP = "pp", "dp", "cp", "tp"
-EDP, EP = "edp", "ep"
-DENSE_AXES = (PP, DP, CP, TP)
-EXPERT_AXES = (PP, EDP, EP, TP)
-# Flattened axes: the dense gradient group and the expert-replica gradient group.
-DP_CP = "dp_cp"
-EDP_TP = "edp_tp"
-# The ranks that share one sequence: context parallel × tensor parallel (under tensor parallelism
-# an MoE layer works on a 1/tp slice of the sequence). MoE load-balancing counts are summed here.
-CP_TP = "cp_tp"
+__all__ = ["ParallelState", "init_distributed", "PP", "DP", "CP", "TP", "EDP", "EP", "DP_CP", "CP_TP",
+           "DP_CP_TP", "EDP_TP"]
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
@@ -71,7 +65,7 @@ class ParallelState:
     """This process's coordinates and groups on the dense and expert meshes.
 
     Build with :meth:`build`. ``group(axis)`` returns the process group of an axis name
-    (``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, ``dp_cp``, ``edp_tp``, ``cp_tp``); ``size`` and
+    (``pp``, ``dp``, ``cp``, ``tp``, ``ep``, ``edp``, ``dp_cp``, ``edp_tp``, ``cp_tp``, ``dp_cp_tp``); ``size`` and
     ``coord`` likewise. A size-1 axis still has a (trivial) group.
     """
 
@@ -81,7 +75,7 @@ class ParallelState:
     device: torch.device
     rank: int
     world_size: int
-    flat: dict[str, DeviceMesh]  # the flattened axes (dp_cp, cp_tp, edp_tp), kept as returned
+    flat: dict[str, DeviceMesh]  # the flattened axes (dp_cp, cp_tp, dp_cp_tp, edp_tp), kept as returned
     # NVLink domain of every global rank (from the rank map), for node-limited routing; None: one
     domains: list[int] | None = None
     _axes: dict[str, tuple] = field(default_factory=dict, repr=False)  # see _axis
@@ -110,8 +104,9 @@ class ParallelState:
                              f"got shape {tuple(ranks.shape)}")
         dev_type = device.type
         mesh = DeviceMesh(dev_type, ranks, mesh_dim_names=DENSE_AXES)
-        flat = {DP_CP: mesh[(DP, CP)]._flatten(DP_CP), CP_TP: mesh[(CP, TP)]._flatten(CP_TP)}
-        expert_ranks = ranks.reshape(p.pp, p.dp * p.cp, p.tp).reshape(p.pp, p.edp, p.ep, p.tp)
+        flat = {DP_CP: mesh[(DP, CP)]._flatten(DP_CP), CP_TP: mesh[(CP, TP)]._flatten(CP_TP),
+                DP_CP_TP: mesh[(DP, CP, TP)]._flatten(DP_CP_TP)}
+        expert_ranks = ranks.reshape(p.pp, p.edp, p.ep, p.tp).permute(0, 1, 3, 2)
         expert_mesh = DeviceMesh(dev_type, expert_ranks, mesh_dim_names=EXPERT_AXES)
         flat[EDP_TP] = expert_mesh[(EDP, TP)]._flatten(EDP_TP)
         if domains is not None and len(domains) != world:

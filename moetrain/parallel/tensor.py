@@ -54,15 +54,13 @@ computes a different 1/t of the sequence, so no tp rank repeats another's expert
 2. the MoE runs on the slice (expert parallelism, if any, dispatches from there);
 3. the output stays the local shard (SP) or is all-gathered back to [B, S, D] (no SP).
 
-Gradients then: the experts' are summed over ``edp_tp`` by
-:func:`moetrain.parallel.data_parallel.reduce_gradients` (tp ranks saw different tokens); the
-router, shared-expert and shared-gate parameters are tagged ``_moetrain_tp_partial`` so the same
-function sums them over tp. The q/k norm weights are tagged too: each tp rank's gradient covers
-its own heads (of the same tokens), and the sum over tp is the whole gradient. The per-sequence
-load-balancing counts are summed over ``cp_tp`` and the z-loss is scaled by 1/t by
-:func:`moetrain.parallel.expert.configure_sequence_split` (step 4b of
-:func:`moetrain.parallel.apply.build_model_parts`). Norm weights under SP get Partial(sum)
-gradients from DTensor; ``reduce_gradients`` sums them over tp and marks them Replicate.
+Gradients then (:mod:`moetrain.parallel.data_parallel`): the experts' are reduced over
+``edp_tp`` (tp ranks saw different tokens of the same experts); the router, shared-expert and
+shared-gate parameters, and the q/k norm weights (each tp rank normalises its own heads of the
+same tokens), over ``dp_cp_tp`` — in both cases the sum over tp is the whole gradient. The
+per-sequence load-balancing counts are summed over ``cp_tp`` and the z-loss is scaled by 1/t
+(:func:`moetrain.parallel.expert.sequence_split`). Norm weights under SP get Partial(sum)
+gradients from DTensor, which FSDP2 sums over tp before its own reduction.
 """
 
 from __future__ import annotations
@@ -88,11 +86,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
 
 __all__ = ["AllReduceSum", "CopyToTP", "ReduceFromTP", "apply_tensor_parallel", "loss_context",
-           "tensor_parallel_plan", "TP_PARTIAL"]
-
-# Attribute set on plain parameters that see different tokens on each tp rank: their gradients
-# are summed over tp by reduce_gradients.
-TP_PARTIAL = "_moetrain_tp_partial"
+           "tensor_parallel_plan"]
 
 
 class AllReduceSum(torch.autograd.Function):
@@ -206,9 +200,8 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
 
     Besides the plan (:func:`tensor_parallel_plan`) it (1) ties the head to the embedding again
     when ``model.tie_embeddings`` (both are [V, D] Shard(0), so the tie survives sharding);
-    (2) tags the MoE router, shared-expert and shared-gate parameters and the q/k norm weights
-    ``_moetrain_tp_partial``, and gives each ``projection`` q/k norm its rows and the tp sum of
-    its statistic (see the module docstring); (3) under SP
+    (2) gives each ``projection`` q/k norm its rows and the tp sum of its statistic (see the
+    module docstring); (3) under SP
     gives RoPE the positions 0..S-1 explicitly: ``Transformer.forward`` sees the embedding's
     S/t local rows, but attention runs on the all-gathered S (context parallelism, applied
     later, replaces them by its chunks' positions).
@@ -228,25 +221,15 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     parallelize_module(model, ps.submesh(TP), tensor_parallel_plan(model, sp, etp))
     if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
-    for moe in model.moe_layers().values():
-        for name, p in moe.named_parameters():
-            # router, shared experts, shared gate: different tokens on each tp rank (etp = 1);
-            # under etp every tp rank computes them on the same tokens, a full gradient each.
-            if not name.startswith("experts.") and not etp:
-                setattr(p, TP_PARTIAL, True)
     tp_rank = ps.coord(TP)
     for block in model.layers.values():
         for norm in (block.attention.q_norm, block.attention.k_norm):
-            if norm is None:
-                continue
-            setattr(norm.weight, TP_PARTIAL, True)
-            if not norm.per_head:
+            if norm is not None and not norm.per_head:
                 rows = norm.weight.shape[0] // tp
                 norm.tp_slice = (tp_rank * rows, rows)
                 norm.stat_reducer = _TPSum(ps.group(TP))
     if sp:
         model.positions = torch.arange(m.seq_len)
-
 
 
 def loss_context(ps: ParallelState) -> contextlib.AbstractContextManager:

@@ -29,10 +29,9 @@ left over from an earlier attempt can never complete a checkpoint of the current
 
 Reading: the newest ``step_*`` whose manifest verifies (sizes and sha256; each rank checks about
 1/ranks of the bytes, one collective agrees) is loaded; a corrupt one is reported and skipped,
-never loaded. Expert weights and their optimizer states are saved as DTensors with their global
-shape [experts, ...] sharded as they live: over ``ep`` (and, under ZeRO, FSDP's shards over
-``edp_tp`` inside each ep slice), so nothing is gathered to full tensors, and a checkpoint
-written with one (dp, ep, zero) layout loads into another: DCP reshards them.
+never loaded. Every parameter and optimizer state is a DTensor of its global shape placed as it
+lives (tp, ep, FSDP shards; the experts [experts, ...] Shard(0) over ep), so nothing is gathered
+to full tensors, and a checkpoint written with one layout loads into another: DCP reshards.
 """
 
 from __future__ import annotations
@@ -61,13 +60,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 from tqdm import tqdm
 
 from moetrain.data.shards import sha256_file, split_by_bytes
-from moetrain.model.moe import GroupedExperts
-from moetrain.parallel.state import EDP, EP, PP, TP, ParallelState
+from moetrain.parallel.state import ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -173,59 +169,25 @@ class Checkpointer:
         (rename) and before deleting anything, so a stale attempt never does either."""
         self.root, self.ps, self.keep, self.attempt, self.fence = Path(root), ps, keep, attempt, fence
         self.async_save, self.timeout_s = async_save, timeout_s
-        self._expert_mesh = ps.expert_mesh[(EDP, EP, TP)]
         # DCP's collectives (plan, write results) run in a background thread during training:
         # on a group of their own, so they never interleave with the step's collectives.
         self._pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self._shard_mesh: DeviceMesh | None = None
         self._pending: Future | None = None
         self.last_stall_s = 0.0  # seconds the last save() kept the caller (staging, or all of it)
         self.last_background_s = 0.0  # seconds from staged to written and hashed (rank 0: committed)
         self.skipped: list[tuple[Path, str]] = []  # corrupt checkpoints the last latest_valid() skipped
 
-    # -- state dict with layout-independent expert tensors ------------------------------------
+    # -- state dicts ------------------------------------------------------------------------
 
-    def _fsdp_expert_mesh(self) -> DeviceMesh:
-        """This pipeline stage's expert ranks as the mesh FSDP's expert shards sit on in the
-        global [E, ...] tensor, built without process groups (only coordinates are needed):
-        (ep, edp_tp) — ep outer, FSDP's flattened edp × tp shard axis inner (edp-major, as
-        ``edp_tp`` is flattened); sharding dim 0 over both, in that order, is exactly where the
-        FSDP shards of each ep slice's [El, ...] tensor sit (both chunk with ``torch.chunk``).
-        Under expert-tensor parallelism FSDP shards over edp only and tp holds columns: (ep, edp,
-        tp)."""
-        if self._shard_mesh is None:
-            ranks = self.ps.expert_mesh.mesh[self.ps.coord(PP)]  # [edp, ep, tp]
-            edp, ep, tp = ranks.shape
-            if self.ps.parallel.etp > 1:
-                grid, names = ranks.permute(1, 0, 2), ("ckpt_ep", "ckpt_edp", "ckpt_tp")
-            else:
-                grid, names = ranks.permute(1, 0, 2).reshape(ep, edp * tp), ("ckpt_ep", "ckpt_edp_tp")
-            self._shard_mesh = DeviceMesh(self.ps.device.type, grid, mesh_dim_names=names, _init_backend=False)
-        return self._shard_mesh
-
-    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None
-                     ) -> tuple[dict, dict, list[tuple[set, set]], dict[str, Callable[[DTensor], torch.Tensor]]]:
+    @staticmethod
+    def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None
+                     ) -> tuple[dict, dict, list[tuple[set, set]]]:
         """Merged model and optimizer state dicts of all model parts (their keys are the full
-        model's names, so they do not collide), each part's key sets for loading back, and for
-        every expert tensor the function that turns its loaded global-layout DTensor back into
-        what the model or optimizer holds.
-
-        Expert tensors — this rank's [El, ...] experts — become DTensors of global shape
-        [E, ...] = [ep · El, ...] whatever the layout, viewing this rank's memory (no copy, no
-        communication; DCP loads into it in place):
-
-        * plain (no ZeRO): on the expert mesh (edp, ep, tp) with placements (Replicate,
-          Shard(0), Replicate) — the edp × tp ranks hold replicas, DCP writes one of them;
-        * under ZeRO (FSDP) the tensor is itself a DTensor holding a Shard(0) of [El, ...] over
-          ``edp_tp``: its local shard goes on the (ep, edp_tp) mesh with (Shard(0), Shard(0))
-          (:meth:`_fsdp_expert_mesh`), so it is saved as the shard it is;
-        * under expert-tensor parallelism the tp ranks hold column slices of the ffn width: tp
-          places Shard(2) for w1 / w3 ([E, D, F]) and Shard(1) for w2 ([E, F, D]) instead of
-          Replicate, and FSDP shards over edp only.
-
-        ``optimizers=None``: the model only (the optimizer state dict is empty; a fresh optimizer
-        is left untouched, whereas ``get_state_dict`` would initialise its states with a step).
-        """
+        model's names, so they do not collide) and each part's key sets for loading back. Every
+        tensor is a DTensor of the global shape placed as it lives (tp, ep and FSDP shards,
+        replicas), or a plain tensor in one process: DCP saves each piece once and reshards on
+        load. ``optimizers=None``: the model only (a fresh optimizer is left untouched, whereas
+        ``get_state_dict`` would initialise its states with a step)."""
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         msd, osd, keys = {}, {}, []
         for i, part in enumerate(parts):
@@ -236,53 +198,7 @@ class Checkpointer:
             keys.append((set(m), set(o)))
             msd.update(m)
             osd.update(o)
-        expert_names = {f"{n}.{p}" for part in parts for n, m in part.named_modules()
-                        if isinstance(m, GroupedExperts) for p in ("w1", "w2", "w3")}
-        unwrap: dict[str, Callable[[DTensor], torch.Tensor]] = {}
-        etp = self.ps.parallel.etp > 1
-
-        def to_global(key: str, fqn: str, value: torch.Tensor) -> DTensor:
-            ep, tp = self.ps.size(EP), self.ps.size(TP)
-            columns = Shard(1 if fqn.endswith(".w2") else 2)  # the ffn dim of [E, D, F] / [E, F, D]
-            if not isinstance(value, DTensor):
-                unwrap[key] = lambda t: t.to_local()
-                shape = torch.Size([value.shape[0] * ep, *value.shape[1:]])
-                if etp:
-                    d = columns.dim
-                    shape = torch.Size([*shape[:d], shape[d] * tp, *shape[d + 1:]])
-                return DTensor.from_local(value, self._expert_mesh,
-                                          (Replicate(), Shard(0), columns if etp else Replicate()),
-                                          run_check=False, shape=shape,
-                                          stride=torch.empty(shape, device="meta").stride())
-            if tuple(value.placements) != (Shard(0),):
-                raise NotImplementedError(f"{key}: expert tensor placed {value.placements} by FSDP; the "
-                                          f"checkpoint knows Shard(0) over its expert-data-parallel mesh")
-            mesh, placements, shape, stride = value.device_mesh, value.placements, value.shape, value.stride()
-            unwrap[key] = lambda t: DTensor.from_local(t.to_local(), mesh, placements, run_check=False, shape=shape,
-                                                       stride=stride)
-            full = [shape[0] * ep, *shape[1:]]
-            global_placements: tuple = (Shard(0), Shard(0))
-            if etp:
-                full[columns.dim] *= tp
-                global_placements = (Shard(0), Shard(0), columns)
-            full = torch.Size(full)
-            return DTensor.from_local(value.to_local(), self._fsdp_expert_mesh(), global_placements,
-                                      run_check=False, shape=full, stride=torch.empty(full, device="meta").stride())
-
-        for key, value in list(msd.items()):
-            if key in expert_names:
-                msd[key] = to_global(key, key, value)
-        for key, value in list(osd.items()):
-            # Flattened optimizer keys look like "state.<param fqn>.exp_avg".
-            if key.startswith("state.") and isinstance(value, torch.Tensor) and value.ndim > 0:
-                fqn = key[len("state."):].rsplit(".", 1)[0]
-                if fqn in expert_names:
-                    osd[key] = to_global(key, fqn, value)
-        return msd, osd, keys, unwrap
-
-    @staticmethod
-    def _unwrap(sd: dict, unwrap: dict[str, Callable[[DTensor], torch.Tensor]]) -> dict:
-        return {k: (unwrap[k](v) if k in unwrap else v) for k, v in sd.items()}
+        return msd, osd, keys
 
     # -- save ---------------------------------------------------------------------------------
 
@@ -313,7 +229,7 @@ class Checkpointer:
             (tmp / "rng").mkdir(parents=True)
             (tmp / "parts").mkdir()
         dist.barrier()
-        msd, osd, _, _ = self._state_dicts(parts, optimizers)
+        msd, osd, _ = self._state_dicts(parts, optimizers)
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
         meta = {"step": step, "world_size": self.ps.world_size, "layout": layout, "train_state": train_state,
@@ -460,12 +376,12 @@ class Checkpointer:
     def load(self, path: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
         """Load ``path`` into the model parts and optimizers in place; returns the train state."""
         t0 = time.time()
-        msd, osd, keys, unwrap = self._state_dicts(parts, optimizers)
+        msd, osd, keys = self._state_dicts(parts, optimizers)
         manifest = json.loads((path / "manifest.json").read_text())
         train_state = {k: v for k, v in manifest["train_state"].items()}
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         dcp.load(state, checkpoint_id=str(path))
-        loaded_m, loaded_o = self._unwrap(state["model"], unwrap), self._unwrap(state["optim"], unwrap)
+        loaded_m, loaded_o = state["model"], state["optim"]
         for part, opt, (mkeys, okeys) in zip(parts, optimizers, keys):
             set_state_dict(part, opt, model_state_dict={k: loaded_m[k] for k in mkeys},
                            optim_state_dict={k: loaded_o[k] for k in okeys},
@@ -483,10 +399,10 @@ class Checkpointer:
         """Load only the model weights of checkpoint ``path`` (any layout) into the model parts;
         optimizers, train state and RNG are not read or touched (``checkpoint.init_from``)."""
         t0 = time.time()
-        msd, _, keys, unwrap = self._state_dicts(parts, None)
+        msd, _, keys = self._state_dicts(parts, None)
         state = {"model": msd}
         dcp.load(state, checkpoint_id=str(path))
-        loaded = self._unwrap(state["model"], unwrap)
+        loaded = state["model"]
         for part, (mkeys, _) in zip(parts, keys):
             set_model_state_dict(part, {k: loaded[k] for k in mkeys})
         log.info("loaded the weights of checkpoint %s in %.1f s", path, time.time() - t0)

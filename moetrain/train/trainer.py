@@ -30,7 +30,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,9 @@ import torch.distributed as dist
 from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
 from moetrain.data.shards import TokenShards, verify_shards
-from moetrain.parallel.apply import SingleStageRunner, build_model_parts
+from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.context import cp_shard
-from moetrain.parallel.data_parallel import OverlappedGradReducer, clip_gradients, global_grad_norm
+from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
@@ -98,8 +98,9 @@ class Trainer:
         self.fence: Fence | None = None
         self.heartbeat: Heartbeat | None = None
         self.watchdog: Any = None  # set by the job (moetrain.launch.lifecycle.Watchdog)
-        self.hang_at_step: int | None = None  # fault injection for tests (set by the job)
-        self.step_delay_s = 0.0  # fault injection for tests: idle seconds before each step (set by the job)
+        # Called with the number of the step about to run: the one hook for fault injection and
+        # instrumentation, installed from outside (moetrain.launch.job's MOETRAIN_FAULT_HOOK).
+        self.before_step: Callable[[int], None] | None = None
         if write_files:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             seq = [Fence.advance(cfg.run_dir, job_id, restart) if self.ps.rank == 0 else None]
@@ -114,12 +115,6 @@ class Trainer:
         self.model_parts, self.runner = build_model_parts(cfg, self.ps)
         self.optimizers = [build_optimizer(part, cfg.train) for part in self.model_parts]
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
-        # Data-parallel gradient averaging, started during the last micro-batch's backward where
-        # the runner can say when that is (not under a pipeline schedule).
-        self.grad_reducer = OverlappedGradReducer(self.model_parts, self.ps,
-                                                  bucket_bytes=int(cfg.parallel.grad_bucket_mb * 2**20))
-        if isinstance(self.runner, SingleStageRunner):
-            self.runner.before_last_micro_batch = self.grad_reducer.arm
 
         self._verify_data()
         train_shards = TokenShards(cfg.data.path, "train", verify="none")
@@ -267,10 +262,10 @@ class Trainer:
             moe.aux_loss_scale = 1.0 / accum
             moe.stats_accum = {}
 
-        # Forward + backward of every micro-batch; each MoE layer sums its stats in stats_accum.
+        # Forward + backward of every micro-batch (FSDP2 reduces the gradients during the last
+        # one's backward); each MoE layer sums its stats in stats_accum.
         lm_sum = self.runner.forward_backward(micro_batches)
 
-        self.grad_reducer.finish()
         grad_norm = global_grad_norm(self.model_parts, self.ps)
         if self.cfg.train.grad_clip > 0:
             clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
@@ -283,31 +278,29 @@ class Trainer:
         for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
             if moe.expert_bias is not None:
                 moe.update_expert_bias(loads[name])
+        # The step's one host read, of named slots: the step's scalars, the gradient norm, the
+        # dispatch bytes (with ep) and every MoE layer's tokens per expert.
+        slots = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double()}
         a2a = self._a2a_bytes()
-        # The step's one host read: loss, aux, z, dropped fraction, grad norm, [dispatch bytes],
-        # expert loads.
-        names = list(loads)
-        head = [scalars, grad_norm.double().reshape(1)] + ([a2a] if a2a is not None else [])
-        flat = torch.cat(head + [loads[n] for n in names])
+        if a2a is not None:
+            slots.update(intra_node=a2a[0], inter_node=a2a[1])
+        slots.update({f"load.{n}": t for n, t in loads.items()})
         with waiting_on_peers():  # on GPU the read completes the step's queued collectives
-            host = flat.tolist()
-        lm, aux, z, dropped, norm = host[:5]
-        at = 7 if a2a is not None else 5
-        E = len(host[at:]) // max(1, len(names))
-        rows = {n: host[at + i * E: at + (i + 1) * E] for i, n in enumerate(names)}
+            host = read_to_host(slots)
+        rows = {n: host[f"load.{n}"] for n in loads}
         dt = time.perf_counter() - t0
         extra: dict[str, Any] = {
             "tokens_per_s": self.tokens_per_step / dt,
             "step_time_s": dt,
             "tflops_per_device": self.flops_per_token * self.tokens_per_step / dt / self.ps.world_size / 1e12,
-            "dropped_fraction": dropped,
+            "dropped_fraction": host["dropped"][0],
             "expert_load": {n: {"tokens": [int(x) for x in row],
                                 "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
                             for n, row in rows.items()},
         }
         if a2a is not None:
-            extra["dispatch_bytes"] = {"intra_node": int(host[5]), "inter_node": int(host[6])}
-        return StepResult(self.step, lm, aux, z, norm, lr, extra)
+            extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
+        return StepResult(self.step, host["lm"][0], host["aux"][0], host["z"][0], host["grad_norm"][0], lr, extra)
 
     def _a2a_bytes(self) -> torch.Tensor | None:
         """Bytes the forward dispatch all-to-alls of this step sent within and across NVLink
@@ -318,22 +311,22 @@ class Trainer:
         intra = inter = 0
         for moe in self.moe_layers.values():
             row_bytes = self.cfg.model.hidden * compute_dtype(self.cfg.train.precision).itemsize
-            intra += moe.dispatcher.rows_sent[0] * row_bytes
-            inter += moe.dispatcher.rows_sent[1] * row_bytes
-            moe.dispatcher.rows_sent = [0, 0]
+            intra += moe.parallel.dispatcher.rows_sent[0] * row_bytes
+            inter += moe.parallel.dispatcher.rows_sent[1] * row_bytes
+            moe.parallel.dispatcher.rows_sent = [0, 0]
         full = functools.partial(torch.full, (), dtype=torch.float64, device=self.device)  # fill kernels, no copy
         out = torch.stack([full(float(intra)), full(float(inter))])
         dist.all_reduce(out)
         return out
 
     def _reduce_metrics(self, lm_sum: torch.Tensor, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The step's metrics, reduced over the ranks, on the device: ([lm, aux, z, dropped] as
+        """The step's metrics, reduced over the ranks, on the device: (:data:`STEP_SCALARS` as
         means over micro-batches, data-parallel ranks and MoE layers; float64 [4]) and each local
         MoE layer's tokens per expert summed over the whole batch ([E] float64).
 
         Under pipeline parallelism the LM loss lives on the last stage and each stage holds its
         own MoE layers: sums over pp gather them (MoE-layer counts too). Each tp rank routes its
-        own 1/tp of the tokens: its aux / z parts (already scaled by ``configure_sequence_split``)
+        own 1/tp of the tokens: its aux / z parts (already scaled by ``sequence_split``)
         and expert loads add up over tp; the LM loss, the MoE-layer count and (as a mean) the
         dropped fraction are taken once."""
         dev = self.device
@@ -347,17 +340,19 @@ class Trainer:
             dropped += acc["dropped_fraction"]
             loads[name] = acc["tokens_per_expert"]
         n_moe = torch.full((), float(len(self.moe_layers)), dtype=torch.float64, device=dev)
-        scalars = torch.stack([lm_sum.to(dev, torch.float64), aux_sum, z_sum, dropped, n_moe])
+        sums = torch.stack([lm_sum.to(dev, torch.float64), aux_sum, z_sum, dropped, n_moe])
         if self.ps.size(PP) > 1:
-            dist.all_reduce(scalars, group=self.ps.group(PP))
+            dist.all_reduce(sums, group=self.ps.group(PP))
         # Under expert-tensor parallelism every tp rank routed the same tokens: nothing to add.
         tp = self.ps.size(TP) if self.cfg.parallel.etp == 1 else 1
         if tp > 1:
-            dist.all_reduce(scalars, group=self.ps.group(TP))
-            for i in (0, 3, 4):  # python scalars: no host-to-device copy (a sync on CUDA)
-                scalars[i] /= tp
-        n_layers = scalars[4].clamp(min=1.0)
-        scalars = torch.cat([scalars[:1], scalars[1:4] / n_layers]) / accum
+            dist.all_reduce(sums, group=self.ps.group(TP))
+        lm, aux, z, dropped, n_moe = sums
+        if tp > 1:
+            for once in (lm, dropped, n_moe):  # the same on every tp rank; python divisors: no copy
+                once /= tp
+        scalars = torch.stack([lm, aux / n_moe.clamp(min=1.0), z / n_moe.clamp(min=1.0),
+                               dropped / n_moe.clamp(min=1.0)]) / accum
         if self.ps.size(DP_CP) > 1:
             dist.all_reduce(scalars, group=self.ps.group(DP_CP))
             scalars /= self.ps.size(DP_CP)
@@ -438,12 +433,8 @@ class Trainer:
             append_event(cfg.run_dir, self.fence, "started", step=self.step, world_size=self.ps.world_size)
         while self.step < cfg.train.steps:
             self._beat("train")
-            if self.hang_at_step == self.step + 1:
-                log.warning("fault injection: hanging at step %d", self.step + 1)
-                while True:
-                    time.sleep(3600)
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
+            if self.before_step is not None:
+                self.before_step(self.step + 1)
             res = self.train_step()
             if self.watchdog is not None:
                 self.watchdog.step_done(res.extra["step_time_s"])
@@ -477,6 +468,19 @@ class Trainer:
     def _beat(self, phase: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.beat(self.step, phase)
+
+
+# The step's scalar metrics, in their slots of Trainer._reduce_metrics.
+STEP_SCALARS = ("lm", "aux", "z", "dropped")
+
+
+def read_to_host(slots: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """Named device tensors → their values on the host, read in one copy (one sync on a GPU)."""
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in slots.values()]).tolist()
+    out, at = {}, 0
+    for name, t in slots.items():
+        out[name], at = flat[at:at + t.numel()], at + t.numel()
+    return out
 
 
 def topology_mesh_ranks(cfg: Config) -> tuple[list, list[int]]:

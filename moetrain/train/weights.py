@@ -18,7 +18,7 @@ dict held in memory, so an importer would need the whole model at once. A safete
 be written tensor by tensor — and a stacked expert tensor expert by expert, its rows being
 contiguous — (:mod:`moetrain.train.safetensors_stream`), and read lazily: each rank reads only its piece of a
 tensor (``safe_open(...).get_slice``), located by :func:`moetrain.model.init.local_piece` from
-its tensor-parallel / FSDP placements and expert offset, the same rule that initialises
+its placements (tensor, expert and FSDP shards), the same rule that initialises
 parameters layout-independently. So a weights directory loads into any layout, as a DCP
 checkpoint does.
 
@@ -52,7 +52,6 @@ from tqdm import tqdm
 
 from moetrain.config import Config, ConfigError
 from moetrain.model.init import local_piece
-from moetrain.model.moe import GroupedExperts
 from moetrain.data.shards import sha256_file
 from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, dtype_name, plan_shards, torch_dtype
@@ -269,28 +268,15 @@ def canonical_name(name: str) -> str:
     return ".".join(seg for seg in name.split(".") if seg not in _WRAPPER_SEGMENTS)
 
 
-def model_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...], tuple[int, ...]]]:
-    """(single-process name, parameter, offset, single-process shape) of every parameter of
-    ``part``, shared (tied) ones once. For expert tensors ([El, ...] on this rank, under
-    expert-tensor parallelism [El, ...] with 1/tp of the ffn width) the offset is where the
-    module's tensor starts in the whole [E, ...] one — the first local expert
-    (``GroupedExperts.expert_offset``) and its ffn columns (``ffn_offset``) — and the shape has all
-    E experts at full width; otherwise the offset is zeros and the shape is the parameter's (a
-    DTensor's global shape)."""
+def model_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...]]]:
+    """(single-process name, parameter, single-process shape) of every parameter of ``part``,
+    shared (tied) ones once. The shape is a DTensor's global one: its placements say where this
+    rank's piece lies (:func:`moetrain.model.init.local_piece`)."""
     seen: set[int] = set()
-    for mod_name, module in part.named_modules():
-        experts = isinstance(module, GroupedExperts)
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
+    for name, p in part.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
             seen.add(id(p))
-            offset, shape = (0,) * p.ndim, tuple(p.shape)
-            if experts:
-                one, ffn_dim = module.expert_slice(pname)
-                starts = [module.expert_offset, 0, 0]
-                starts[1 + ffn_dim] = module.ffn_offset
-                offset, shape = tuple(starts), (module.num_experts,) + tuple(one)
-            yield canonical_name(f"{mod_name}.{pname}" if mod_name else pname), p, offset, shape
+            yield canonical_name(name), p, tuple(p.shape)
 
 
 def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
@@ -300,7 +286,7 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {name: shape for name, _, _, shape in model_parameters(model)}
+    return {name: shape for name, _, shape in model_parameters(model)}
 
 
 def _verify_on_rank0(check) -> None:
@@ -336,7 +322,7 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     tensors = read_manifest(path)["tensors"]
     handles: dict[str, object] = {}
     params = [item for part in parts for item in model_parameters(part)]
-    for name, p, offset, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
+    for name, p, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
         rec = tensors.get(name)
         if rec is None:
             raise WeightsError(f"{path}: has no tensor {name}, which the model has (are these the weights of "
@@ -345,7 +331,7 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
             raise WeightsError(f"{path}: tensor {name} is {tuple(rec['shape'])}, the model's is {shape}")
         if rec["file"] not in handles:
             handles[rec["file"]] = safe_open(str(path / rec["file"]), framework="pt")
-        local, slices = local_piece(p, offset)
+        local, slices = local_piece(p)
         local.copy_(handles[rec["file"]].get_slice(name)[slices].to(local.dtype))
 
 
