@@ -3,14 +3,16 @@
 A run is described by the sections ``run``, ``model``, ``moe``, ``parallel``, ``data``,
 ``train``, ``checkpoint``, ``launch`` and ``metrics``. ``load_config(path, overrides)`` reads the YAML,
 applies ``section.key=value`` overrides (values parsed as YAML scalars), checks every key and
-type, and runs every cross-field rule (world size, divisibility, batch arithmetic) before any
-process starts. Every failure raises :class:`ConfigError` whose message names the field, the
-value and the fix.
+type, and runs every rule of :func:`validate` (world size, divisibility, batch arithmetic): one
+function per section, each rule with the field its message names. :func:`check_supported` adds
+what this version cannot run on the device (backends, packages, pipeline layouts). Every failure
+raises :class:`ConfigError` whose message names the field, the value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -40,6 +42,8 @@ __all__ = [
     "config_from_dict",
     "apply_overrides",
     "save_config",
+    "validate",
+    "check_supported",
 ]
 
 
@@ -665,7 +669,7 @@ def config_to_json(cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cross-field rules
+# Rules: one function per section; a rule sits with the field its message names
 # ---------------------------------------------------------------------------------------------
 
 
@@ -717,216 +721,297 @@ def pipeline_stage_layers(layers: int, num_stages: int, first: int | None = None
     return [fixed.get(i, per) for i in range(num_stages)]
 
 
-def validate(cfg: Config) -> None:
-    """Check every cross-field rule; raises :class:`ConfigError` on the first violation."""
-    m, moe, par, tr, ln = cfg.model, cfg.moe, cfg.parallel, cfg.train, cfg.launch
+def validate(cfg: Config, device: str | None = None) -> None:
+    """Check every rule, one function per section; raises :class:`ConfigError` on the first violation.
 
-    def positive(name: str, value: int | float) -> None:
-        if value <= 0:
-            raise field_error(name, value, "must be positive", "use a value greater than 0")
+    Each rule sits in the function of the field its message names; the parallel sizes come first
+    (the other sections divide by them). ``device`` (``cpu`` or ``cuda``) adds what this version
+    cannot run there (:func:`check_supported`); without it no rule needs torch.
+    """
+    for check in (_check_parallel, _check_model, _check_moe, _check_train, _check_data, _check_checkpoint,
+                  _check_launch, _check_metrics):
+        check(cfg, device)
 
-    for name, value in [
-        ("model.layers", m.layers), ("model.hidden", m.hidden), ("model.heads", m.heads),
-        ("model.kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn_hidden), ("model.seq_len", m.seq_len),
-        ("model.vocab_multiple", m.vocab_multiple),
-        ("parallel.dp", par.dp), ("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.cp", par.cp),
-        ("parallel.ep", par.ep), ("parallel.virtual_stages", par.virtual_stages),
-        ("train.steps", tr.steps), ("train.micro_batch_size", tr.micro_batch_size),
-        ("train.global_batch_size", tr.global_batch_size), ("train.lr", tr.lr),
-        ("launch.nodes", ln.nodes), ("launch.time_min", ln.time_min),
-        ("checkpoint.keep", cfg.checkpoint.keep), ("train.log_every", tr.log_every),
-    ]:
-        positive(name, value)
-    for name, value in [("train.warmup_steps", tr.warmup_steps), ("train.val_every", tr.val_every),
-                        ("train.grad_clip", tr.grad_clip), ("checkpoint.every", cfg.checkpoint.every),
-                        ("moe.num_experts", moe.num_experts), ("moe.shared_experts", moe.shared_experts),
-                        ("launch.max_restarts", ln.max_restarts), ("launch.gpus_per_node", ln.gpus_per_node),
-                        ("moe.first_dense", moe.first_dense), ("train.min_lr", tr.min_lr),
-                        ("data.val_batches", cfg.data.val_batches)]:
-        if value < 0:
-            raise field_error(name, value, "must not be negative", "use 0 or a positive value")
-    if m.vocab_size is not None:
-        positive("model.vocab_size", m.vocab_size)
-    if tr.decay_steps is not None and tr.decay_steps <= tr.warmup_steps:
-        raise field_error("train.decay_steps", tr.decay_steps, f"must exceed train.warmup_steps = {tr.warmup_steps}",
-                          "use a larger value, or null for train.steps")
-    if ln.cpus_per_task is not None:
-        positive("launch.cpus_per_task", ln.cpus_per_task)
-    positive("parallel.grad_bucket_mb", par.grad_bucket_mb)
 
-    # Model shape.
-    if m.head_dim is None:
-        if m.hidden % m.heads:
-            raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}",
-                       f"choose heads among {_nearest(m.heads, _divisors(m.hidden))}, change hidden, "
-                       f"or set model.head_dim")
-        if (m.hidden // m.heads) % 2:
-            raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
-                       "choose heads so that hidden / heads is even, or set an even model.head_dim")
-    elif m.head_dim <= 0 or m.head_dim % 2:
-        raise field_error("model.head_dim", m.head_dim, "must be a positive even number (RoPE rotates pairs)",
-                   "use an even width such as 128, or null for hidden / heads")
-    if m.rope_scaling == "llama3":
-        for name, value in [("model.rope_scaling_factor", m.rope_scaling_factor),
-                            ("model.rope_low_freq_factor", m.rope_low_freq_factor),
-                            ("model.rope_original_max_positions", m.rope_original_max_positions)]:
-            positive(name, value)
-        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
-            raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor,
-                       f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} (the interpolated band "
-                       f"lies between them)", "use e.g. rope_low_freq_factor 1 and rope_high_freq_factor 4 (Llama 3.1)")
-    if m.heads % m.kv_heads:
-        raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
-                   f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
+def check_supported(cfg: Config, device_type: str | None = None) -> None:
+    """:func:`validate` plus what this version cannot run on ``device_type`` (default:
+    :func:`planned_device_type`): backends, packages, precision, pipeline layouts. Called by
+    ``moetrain.launch.preflight`` before any process starts, and by
+    :func:`moetrain.parallel.apply.build_model_parts` in every rank with the device it got, so a
+    layout built without the launcher (a test, a notebook) is refused the same way. GPU-only
+    backends are refused, never replaced silently: the message names what is missing."""
+    validate(cfg, device_type or planned_device_type(cfg))
 
-    # MoE.
-    if moe.num_experts:
-        positive("moe.top_k", moe.top_k)
-        positive("moe.every", moe.every)
-        positive("moe.ffn_hidden", moe.ffn_hidden)
-        if moe.top_k > moe.num_experts:
-            raise field_error("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
-                       f"use top_k <= {moe.num_experts}")
-        if moe.routed_scaling_factor <= 0:
-            raise field_error("moe.routed_scaling_factor", moe.routed_scaling_factor, "must be positive",
-                              "use 1.0 (no scaling) or e.g. 2.5 (DeepSeek-V3)")
-        if moe.bias_update_rate < 0:
-            raise field_error("moe.bias_update_rate", moe.bias_update_rate, "must not be negative",
-                              "use 0 (off) or a small rate such as 0.001")
-        if moe.max_nodes_per_token is not None and moe.max_nodes_per_token < 1:
-            raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "must be at least 1",
-                              "use null (no limit) or e.g. 4")
-        if moe.shared_ffn_hidden is not None and moe.shared_experts == 0:
-            raise field_error("moe.shared_ffn_hidden", moe.shared_ffn_hidden, "moe.shared_experts = 0: no shared "
-                       "experts to size", "set moe.shared_experts >= 1 or shared_ffn_hidden: null")
-        if moe.shared_ffn_hidden is not None:
-            positive("moe.shared_ffn_hidden", moe.shared_ffn_hidden)
-        if moe.shared_expert_gate and moe.shared_experts == 0:
-            raise field_error("moe.shared_expert_gate", True, "moe.shared_experts = 0: no shared experts to gate",
-                       "set moe.shared_experts >= 1 or shared_expert_gate: false")
-        if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-            raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
-                       "use null for dropless or a value such as 1.25")
-        if moe.num_experts % par.ep:
-            raise field_error("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
-                       f"choose ep among {_nearest(par.ep, [d for d in _divisors(moe.num_experts) if (par.dp * par.cp) % d == 0])}")
-    elif par.ep != 1:
+
+def planned_device_type(cfg: Config) -> str:
+    """``cuda`` where the ranks will train on GPUs (SLURM with ``launch.gpus_per_node`` > 0, or a
+    local run on a machine with CUDA and a backend other than gloo), else ``cpu``."""
+    if cfg.launch.cluster == "slurm":
+        return "cuda" if cfg.launch.gpus_per_node > 0 else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and cfg.parallel.backend != "gloo" else "cpu"
+
+
+def _bounds(cfg: Config, section: str, positive: str = "", non_negative: str = "") -> None:
+    """The fields of ``section`` named in ``positive`` must be > 0 (``null`` passes), those in
+    ``non_negative`` >= 0."""
+    values = getattr(cfg, section)
+    for name in positive.split():
+        if (value := getattr(values, name)) is not None and value <= 0:
+            raise field_error(f"{section}.{name}", value, "must be positive", "use a value greater than 0")
+    for name in non_negative.split():
+        if (value := getattr(values, name)) < 0:
+            raise field_error(f"{section}.{name}", value, "must not be negative", "use 0 or a positive value")
+
+
+def _check_parallel(cfg: Config, device: str | None) -> None:
+    m, moe, par = cfg.model, cfg.moe, cfg.parallel
+    _bounds(cfg, "parallel", positive="dp tp pp cp ep virtual_stages grad_bucket_mb")
+    ranks = par.dp * par.cp
+    if moe.num_experts % par.ep:
+        fit = [d for d in _divisors(moe.num_experts) if ranks % d == 0]
+        raise field_error("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
+                          f"choose ep among {_nearest(par.ep, fit)}")
+    if not moe.num_experts and par.ep != 1:
         raise field_error("parallel.ep", par.ep, "expert parallelism needs experts but moe.num_experts = 0",
-                   "set parallel.ep=1 or give moe.num_experts")
-    if (par.dp * par.cp) % par.ep:
-        raise field_error("parallel.ep", par.ep,
-                   f"ep is carved out of dp × cp = {par.dp} × {par.cp} = {par.dp * par.cp} ranks and must divide it",
-                   f"choose ep among {_nearest(par.ep, _divisors(par.dp * par.cp))} or raise dp/cp")
-
-    # Parallel layout.
+                          "set parallel.ep=1 or give moe.num_experts")
+    if ranks % par.ep:
+        raise field_error("parallel.ep", par.ep, f"ep is carved out of dp × cp = {par.dp} × {par.cp} = {ranks} ranks "
+                          "and must divide it", f"choose ep among {_nearest(par.ep, _divisors(ranks))} or raise dp/cp")
     if par.zero_stage not in (0, 1, 2, 3):
         raise field_error("parallel.zero_stage", par.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3")
+    if device and par.pp > 1 and par.zero_stage == 3 and par.pp_schedule == "zero_bubble":
+        # Measured: with parameters resharded after forward, the weight-gradient half of the split
+        # backward leaves the FSDP-managed gradients of every stage but the first at zero.
+        raise field_error("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' "
+                          "(torch 2.13)", "use zero_stage 1 or 2, or another pp_schedule")
     if m.heads % par.tp:
         raise field_error("parallel.tp", par.tp, f"model.heads={m.heads} is not divisible by it",
-                   f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
+                          f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
     if m.kv_heads % par.tp:
         raise field_error("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
-                   f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
+                          f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
     stages = par.pp * par.virtual_stages
-    uneven = par.pp_first_stage_layers is not None or par.pp_last_stage_layers is not None
-    if not uneven and m.layers % stages:
-        raise field_error("parallel.pp", par.pp,
-                   f"model.layers={m.layers} is not divisible by pp × virtual_stages = {stages}",
-                   f"choose pp × virtual_stages among {_nearest(stages, _divisors(m.layers))}, or set "
-                   f"parallel.pp_first_stage_layers / pp_last_stage_layers for an uneven split")
-    if uneven:
+    if par.pp_first_stage_layers is None and par.pp_last_stage_layers is None:
+        if m.layers % stages:
+            raise field_error("parallel.pp", par.pp, f"model.layers={m.layers} is not divisible by pp × "
+                              f"virtual_stages = {stages}", "choose pp × virtual_stages among "
+                              f"{_nearest(stages, _divisors(m.layers))}, or set parallel.pp_first_stage_layers / "
+                              "pp_last_stage_layers for an uneven split")
+    else:
         try:
             pipeline_stage_layers(m.layers, stages, par.pp_first_stage_layers, par.pp_last_stage_layers)
         except ValueError as e:
             field = "pp_first_stage_layers" if par.pp_first_stage_layers is not None else "pp_last_stage_layers"
-            raise field_error(f"parallel.{field}", getattr(par, field),
-                       f"{e} (model.layers={m.layers}, pp × virtual_stages={stages})",
-                       "choose end-stage block counts that leave a multiple of the other stages' count") from None
+            raise field_error(f"parallel.{field}", getattr(par, field), f"{e} (model.layers={m.layers}, pp × "
+                              f"virtual_stages={stages})", "choose end-stage block counts that leave a multiple of "
+                              "the other stages' count") from None
     if par.virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
-        raise field_error("parallel.virtual_stages", par.virtual_stages,
-                   f"pp_schedule={par.pp_schedule!r} runs one stage per rank",
-                   "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
+        raise field_error("parallel.virtual_stages", par.virtual_stages, f"pp_schedule={par.pp_schedule!r} runs one "
+                          "stage per rank", "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
     if par.etp not in (1, par.tp):
         raise field_error("parallel.etp", par.etp, f"expert-tensor parallelism splits experts over all tp "
                           f"ranks or none (tp = {par.tp})", f"use etp 1 or {par.tp}")
     if par.etp > 1 and moe.num_experts and moe.ffn_hidden % par.etp:
         raise field_error("parallel.etp", par.etp, f"moe.ffn_hidden={moe.ffn_hidden} is not divisible by it",
                           f"use etp=1 or an ffn_hidden that is a multiple of {par.etp}")
-    seq_div = 2 * par.cp if par.cp > 1 else 1
+    if par.sequence_parallel and par.tp == 1:
+        raise field_error("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
+                          "set parallel.sequence_parallel=false or tp >= 2")
+
+
+def _check_model(cfg: Config, device: str | None) -> None:
+    m, par = cfg.model, cfg.parallel
+    _bounds(cfg, "model", positive="layers hidden heads kv_heads ffn_hidden seq_len vocab_multiple vocab_size")
+    if m.head_dim is None:
+        if m.hidden % m.heads:
+            raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}", f"choose heads "
+                              f"among {_nearest(m.heads, _divisors(m.hidden))}, change hidden, or set model.head_dim")
+        if (m.hidden // m.heads) % 2:
+            raise field_error("model.heads", m.heads, f"head dim {m.hidden // m.heads} is odd; RoPE rotates pairs",
+                              "choose heads so that hidden / heads is even, or set an even model.head_dim")
+    elif m.head_dim <= 0 or m.head_dim % 2:
+        raise field_error("model.head_dim", m.head_dim, "must be a positive even number (RoPE rotates pairs)",
+                          "use an even width such as 128, or null for hidden / heads")
+    if m.rope_scaling == "llama3":
+        _bounds(cfg, "model", positive="rope_scaling_factor rope_low_freq_factor rope_original_max_positions")
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor, "must exceed model."
+                              f"rope_low_freq_factor={m.rope_low_freq_factor} (the interpolated band lies between "
+                              "them)", "use e.g. rope_low_freq_factor 1 and rope_high_freq_factor 4 (Llama 3.1)")
+    if m.heads % m.kv_heads:
+        raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
+                          f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
     # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence (with etp = 1), with
     # or without SP.
-    tp_splits_seq = par.tp > 1 and (par.sequence_parallel or (moe.num_experts > 0 and par.etp == 1))
-    if tp_splits_seq:
-        seq_div *= par.tp
+    tp_splits_seq = par.tp > 1 and (par.sequence_parallel or (cfg.moe.num_experts > 0 and par.etp == 1))
+    seq_div = (2 * par.cp if par.cp > 1 else 1) * (par.tp if tp_splits_seq else 1)
     if m.seq_len % seq_div:
         what = f"2 × cp ({2 * par.cp})" if par.cp > 1 else ""
         if tp_splits_seq:
             why = ("sequence parallelism" if par.sequence_parallel
                    else "MoE layers (each tp rank routes 1/tp of the sequence)")
             what = (what + " × " if what else "") + f"tp ({par.tp}) with {why}"
-        raise field_error("model.seq_len", m.seq_len, f"not divisible by {what}",
-                   f"use a seq_len that is a multiple of {seq_div}, e.g. {max(seq_div, m.seq_len // seq_div * seq_div)}")
-    if par.sequence_parallel and par.tp == 1:
-        raise field_error("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
-                   "set parallel.sequence_parallel=false or tp >= 2")
+        raise field_error("model.seq_len", m.seq_len, f"not divisible by {what}", f"use a seq_len that is a multiple "
+                          f"of {seq_div}, e.g. {max(seq_div, m.seq_len // seq_div * seq_div)}")
     if m.vocab_size is not None and m.vocab_size % par.tp:
-        raise field_error("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel embedding)",
-                   "pad the vocabulary to a multiple of tp or set vocab_size: null")
+        raise field_error("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel "
+                          "embedding)", "pad the vocabulary to a multiple of tp or set vocab_size: null")
+    if not device:
+        return
+    prec = cfg.train.precision
+    if m.attention_backend == "flash":  # moetrain.model.attention
+        if device != "cuda":
+            raise field_error("model.attention_backend", "flash", f"flash-attn runs on CUDA only and this run is on "
+                              f"{device}", "use attention_backend sdpa")
+        if importlib.util.find_spec("flash_attn") is None:
+            raise field_error("model.attention_backend", "flash", "the flash-attn package is not installed",
+                              "pip install flash-attn (README: GPU backends), or use attention_backend sdpa")
+        if prec != "bf16":
+            raise field_error("model.attention_backend", "flash", f"flash-attn takes bf16/fp16, train.precision is "
+                              f"{prec!r}", "set train.precision=bf16 or use attention_backend sdpa")
+    if m.attention_backend == "flex":
+        if device != "cuda":
+            raise field_error("model.attention_backend", "flex", "flex_attention has no backward on CPU in torch 2.13",
+                              "use attention_backend sdpa on CPU (document masks work there too)")
+        if par.cp > 1:
+            raise field_error("model.attention_backend", "flex", "under context parallelism the ring attention "
+                              "computes attention (its kernels are sdpa's and flash-attn's)",
+                              "use attention_backend sdpa or flash with cp > 1")
+    if m.tie_embeddings and par.pp > 1:
+        # The tied weight would live on the first and the last stage; summing its two gradients
+        # over pp (Megatron's embedding group) is not implemented.
+        raise field_error("model.tie_embeddings", True, f"not supported with parallel.pp = {par.pp} yet",
+                          "set model.tie_embeddings=false or pp=1")
 
-    # Batch arithmetic.
-    if tr.global_batch_size % (tr.micro_batch_size * par.dp):
-        q = tr.micro_batch_size * par.dp
-        raise field_error("train.global_batch_size", tr.global_batch_size,
-                   f"not divisible by micro_batch_size × dp = {tr.micro_batch_size} × {par.dp} = {q}",
-                   f"use a multiple of {q}, e.g. {max(q, tr.global_batch_size // q * q)}")
-    if par.pp > 1 and cfg.grad_accum_steps < par.pp and par.pp_schedule != "gpipe":
-        raise field_error("train.global_batch_size", tr.global_batch_size,
-                   f"gives {cfg.grad_accum_steps} micro-batches per step but pp_schedule={par.pp_schedule!r} "
-                   f"needs at least pp = {par.pp}",
-                   f"use global_batch_size >= {par.pp * tr.micro_batch_size * par.dp}")
+
+def _check_moe(cfg: Config, device: str | None) -> None:
+    moe, prec = cfg.moe, cfg.train.precision
+    _bounds(cfg, "moe", non_negative="num_experts shared_experts first_dense")
+    if not moe.num_experts:
+        return
+    _bounds(cfg, "moe", positive="top_k every ffn_hidden")
+    if moe.top_k > moe.num_experts:
+        raise field_error("moe.top_k", moe.top_k, f"more than moe.num_experts={moe.num_experts}",
+                          f"use top_k <= {moe.num_experts}")
+    if moe.routed_scaling_factor <= 0:
+        raise field_error("moe.routed_scaling_factor", moe.routed_scaling_factor, "must be positive",
+                          "use 1.0 (no scaling) or e.g. 2.5 (DeepSeek-V3)")
+    if moe.bias_update_rate < 0:
+        raise field_error("moe.bias_update_rate", moe.bias_update_rate, "must not be negative",
+                          "use 0 (off) or a small rate such as 0.001")
+    if moe.max_nodes_per_token is not None and moe.max_nodes_per_token < 1:
+        raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "must be at least 1",
+                          "use null (no limit) or e.g. 4")
+    if moe.shared_ffn_hidden is not None and moe.shared_experts == 0:
+        raise field_error("moe.shared_ffn_hidden", moe.shared_ffn_hidden, "moe.shared_experts = 0: no shared "
+                          "experts to size", "set moe.shared_experts >= 1 or shared_ffn_hidden: null")
+    _bounds(cfg, "moe", positive="shared_ffn_hidden")
+    if moe.shared_expert_gate and moe.shared_experts == 0:
+        raise field_error("moe.shared_expert_gate", True, "moe.shared_experts = 0: no shared experts to gate",
+                          "set moe.shared_experts >= 1 or shared_expert_gate: false")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
+                          "use null for dropless or a value such as 1.25")
+    # moetrain.model.moe's backends: megablocks and CUDA's grouped GEMM want CUDA and bf16.
+    if device and moe.expert_backend == "megablocks":
+        if device != "cuda":
+            raise field_error("moe.expert_backend", "megablocks", f"megablocks runs on CUDA only and this run is on "
+                              f"{device}", "use expert_backend auto, loop or grouped_mm")
+        if missing := [p for p in ("megablocks", "grouped_gemm") if importlib.util.find_spec(p) is None]:
+            raise field_error("moe.expert_backend", "megablocks", f"{', '.join(missing)} not installed",
+                              "install them in an environment that megablocks supports (README: GPU backends), "
+                              "or use expert_backend auto")
+        if prec != "bf16":
+            raise field_error("moe.expert_backend", "megablocks", f"its grouped GEMM takes bf16, train.precision is "
+                              f"{prec!r}", "set train.precision=bf16 or use expert_backend loop")
+    if moe.expert_backend == "grouped_mm" and device == "cuda" and prec != "bf16":
+        raise field_error("moe.expert_backend", "grouped_mm", f"torch's CUDA grouped GEMM takes bf16, train.precision "
+                          f"is {prec!r}", "set train.precision=bf16 or use expert_backend loop (auto picks it)")
+
+
+def _check_train(cfg: Config, device: str | None) -> None:
+    tr, par = cfg.train, cfg.parallel
+    _bounds(cfg, "train", positive="steps micro_batch_size global_batch_size lr log_every",
+            non_negative="warmup_steps val_every grad_clip min_lr")
+    if tr.decay_steps is not None and tr.decay_steps <= tr.warmup_steps:
+        raise field_error("train.decay_steps", tr.decay_steps, f"must exceed train.warmup_steps = {tr.warmup_steps}",
+                          "use a larger value, or null for train.steps")
+    if tr.global_batch_size % (q := tr.micro_batch_size * par.dp):
+        raise field_error("train.global_batch_size", tr.global_batch_size, f"not divisible by micro_batch_size × "
+                          f"dp = {tr.micro_batch_size} × {par.dp} = {q}",
+                          f"use a multiple of {q}, e.g. {max(q, tr.global_batch_size // q * q)}")
+    n = cfg.grad_accum_steps
+    if par.pp > 1 and n < par.pp and par.pp_schedule != "gpipe":
+        raise field_error("train.global_batch_size", tr.global_batch_size, f"gives {n} micro-batches per step but "
+                          f"pp_schedule={par.pp_schedule!r} needs at least pp = {par.pp}",
+                          f"use global_batch_size >= {par.pp * q}")
     if tr.min_lr > tr.lr:
         raise field_error("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
-    if cfg.data.reset_position_ids and not cfg.data.document_mask:
+    # torch's interleaved schedules run n in rounds of n // pp micro-batches (at least one round).
+    rounds = max(1, n // par.pp)
+    if device and par.pp > 1 and par.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n % rounds:
+        raise field_error("train.global_batch_size", tr.global_batch_size, f"gives {n} micro-batches per step; "
+                          f"pp_schedule={par.pp_schedule!r} needs a multiple of {rounds} (rounds of n // pp)",
+                          f"use a number of micro-batches that is < pp·2 or a multiple of pp, e.g. {par.pp * rounds}")
+
+
+def _check_data(cfg: Config, device: str | None) -> None:
+    data, pp = cfg.data, cfg.parallel.pp
+    _bounds(cfg, "data", non_negative="val_batches")
+    if data.reset_position_ids and not data.document_mask:
         raise field_error("data.reset_position_ids", True, "positions restart per document only with document masking",
                           "set data.document_mask=true as well, or reset_position_ids=false")
-    if cfg.checkpoint.init_from is not None and not cfg.checkpoint.init_from.strip():
-        raise field_error("checkpoint.init_from", cfg.checkpoint.init_from, "an empty path",
-                   "give a directory written by `python -m moetrain.hf import` or a checkpoint, or null")
+    if device and data.document_mask and pp > 1:
+        raise field_error("data.document_mask", True, f"not supported with parallel.pp = {pp} yet (the document ids "
+                          "would have to travel between stages)", "set document_mask=false or pp=1")
 
-    # Launch.
-    world = par.world_size
+
+def _check_checkpoint(cfg: Config, device: str | None) -> None:
+    ck = cfg.checkpoint
+    _bounds(cfg, "checkpoint", positive="keep", non_negative="every")
+    if ck.init_from is not None and not ck.init_from.strip():
+        raise field_error("checkpoint.init_from", ck.init_from, "an empty path",
+                          "give a directory written by `python -m moetrain.hf import` or a checkpoint, or null")
+    if ck.timeout_s <= 0:
+        raise field_error("checkpoint.timeout_s", ck.timeout_s, "must be positive",
+                          "use the seconds a checkpoint may take, e.g. 1800")
+
+
+def _check_launch(cfg: Config, device: str | None) -> None:
+    ln, par, world = cfg.launch, cfg.parallel, cfg.world_size
+    _bounds(cfg, "launch", positive="nodes time_min cpus_per_task", non_negative="max_restarts gpus_per_node")
     tpn = ln.resolved_tasks_per_node(world)
     if ln.tasks_per_node is None and world % ln.nodes:
-        raise field_error("launch.nodes", ln.nodes,
-                   f"world size pp·dp·cp·tp = {world} does not split evenly over the nodes",
-                   f"choose nodes among {_nearest(ln.nodes, _divisors(world))} or set launch.tasks_per_node")
+        raise field_error("launch.nodes", ln.nodes, f"world size pp·dp·cp·tp = {world} does not split evenly over "
+                          f"the nodes", f"choose nodes among {_nearest(ln.nodes, _divisors(world))} or set "
+                          "launch.tasks_per_node")
     if ln.nodes * tpn != world:
         raise field_error("launch.tasks_per_node", ln.tasks_per_node,
-                   f"nodes × tasks_per_node = {ln.nodes} × {tpn} = {ln.nodes * tpn} processes, but the world size "
-                   f"pp × dp × cp × tp = {par.pp} × {par.dp} × {par.cp} × {par.tp} = {world}",
-                   f"set launch.tasks_per_node={world // ln.nodes if world % ln.nodes == 0 else 'null'} "
-                   f"or change the parallel sizes so their product is {ln.nodes * tpn}")
+                          f"nodes × tasks_per_node = {ln.nodes} × {tpn} = {ln.nodes * tpn} processes, but the world "
+                          f"size pp × dp × cp × tp = {par.pp} × {par.dp} × {par.cp} × {par.tp} = {world}",
+                          f"set launch.tasks_per_node={world // ln.nodes if world % ln.nodes == 0 else 'null'} "
+                          f"or change the parallel sizes so their product is {ln.nodes * tpn}")
     if ln.cluster == "local" and ln.nodes != 1:
         raise field_error("launch.nodes", ln.nodes, "the local executor runs on this one machine",
-                   "use launch.nodes=1 or launch.cluster=slurm")
+                          "use launch.nodes=1 or launch.cluster=slurm")
     if ln.gpus_per_node and ln.gpus_per_node < tpn and ln.cluster == "slurm":
-        raise field_error("launch.gpus_per_node", ln.gpus_per_node,
-                   f"fewer GPUs than tasks per node ({tpn}); one task drives one GPU",
-                   f"set launch.gpus_per_node={tpn} or 0 for CPU runs")
-    # Checkpoints and metrics.
-    if cfg.checkpoint.timeout_s <= 0:
-        raise field_error("checkpoint.timeout_s", cfg.checkpoint.timeout_s, "must be positive",
-                   "use the seconds a checkpoint may take, e.g. 1800")
+        raise field_error("launch.gpus_per_node", ln.gpus_per_node, f"fewer GPUs than tasks per node ({tpn}); one "
+                          "task drives one GPU", f"set launch.gpus_per_node={tpn} or 0 for CPU runs")
+    if ln.heartbeat_timeout_factor <= 1:
+        raise field_error("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
+                          "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")
+
+
+def _check_metrics(cfg: Config, device: str | None) -> None:
     mt = cfg.metrics
     if mt.peak_tflops is not None and mt.peak_tflops <= 0:
         raise field_error("metrics.peak_tflops", mt.peak_tflops, "must be positive",
-                   "give the device's peak TFLOP/s (e.g. 989 for an H100 in bf16) or null")
+                          "give the device's peak TFLOP/s (e.g. 989 for an H100 in bf16) or null")
     if mt.wandb is not None and not mt.wandb.project.strip():
         raise field_error("metrics.wandb.project", mt.wandb.project, "a W&B run needs a project",
-                   "write `wandb: {project: NAME, mode: offline}` in the metrics section")
-    if ln.heartbeat_timeout_factor <= 1:
-        raise field_error("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
-                   "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")
+                          "write `wandb: {project: NAME, mode: offline}` in the metrics section")
 
 
 def padded_vocab(vocab: int, multiple: int, tp: int) -> int:

@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moetrain.config import ConfigError
+from moetrain.config import ConfigError, check_supported
 from moetrain.data.shards import TokenShards, write_shards
 from moetrain.model.attention import DocumentMask, FlexAttention, positions_in_document, sdpa_attention
 from moetrain.model.init import init_weights
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.context import cp_gather, cp_positions, cp_shard, ring_attention
-from moetrain.parallel.support import check_supported
 
 from conftest import ByteTokenizer, tiny_config
 from multiproc import run_distributed

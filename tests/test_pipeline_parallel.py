@@ -22,8 +22,7 @@ import pytest
 import torch
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-from moetrain.config import ConfigError
-from moetrain.parallel.support import check_supported
+from moetrain.config import ConfigError, check_supported
 from moetrain.parallel.pipeline import split_model, stage_blocks, stage_ids
 from moetrain.train.trainer import Trainer
 

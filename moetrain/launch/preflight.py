@@ -1,15 +1,16 @@
-"""Checks and resolution done once, before any process starts.
+"""Checks done once, before any process starts, that need more than the config itself.
 
-``preflight(cfg)`` returns the resolved config (vocabulary size taken from the data manifest)
-or raises :class:`moetrain.config.ConfigError` naming the field, the value and the fix. A
-``checkpoint.init_from`` must hold weights of the configured model's names and shapes.
+The config's rules, what this version runs on the planned device included, are
+:func:`moetrain.config.check_supported`'s; here is only what reads something outside it: the data
+manifest (vocabulary size), the rank map (node-limited routing, the hierarchical dispatcher), the
+``checkpoint.init_from`` weights (the model's names and shapes) and the SLURM cluster.
+``preflight(cfg)`` returns the resolved config or raises :class:`moetrain.config.ConfigError`.
 """
 
 from __future__ import annotations
 
-from moetrain.config import Config, ConfigError, field_error, padded_vocab
+from moetrain.config import Config, ConfigError, check_supported, field_error, padded_vocab
 from moetrain.data.shards import ShardError, read_manifest
-from moetrain.parallel.support import check_supported
 from moetrain.train.weights import check_init_from
 
 
@@ -74,9 +75,9 @@ def check_node_limited(cfg: Config) -> None:
 
 def preflight(cfg: Config, *, live: bool = True) -> Config:
     """The resolved config, or :class:`ConfigError` for anything wrong with it (see the module
-    docstring): what this version supports, the vocabulary, the SLURM request — against the
-    cluster that answers here when ``live`` (a SLURM run cannot be submitted where none does;
-    ``live=False``: a dry run checks what it can offline)."""
+    docstring): the config's rules on the planned device, the rank map, the vocabulary, the
+    weights, the SLURM request — against the cluster that answers here when ``live`` (a SLURM run
+    cannot be submitted where none does; ``live=False``: a dry run checks what it can offline)."""
     check_supported(cfg)
     check_node_limited(cfg)
     cfg = resolve_vocab(cfg)

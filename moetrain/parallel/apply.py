@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from moetrain.config import Config
+from moetrain.config import Config, check_supported
 from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.layers import set_compute_dtype
@@ -46,7 +46,6 @@ from moetrain.parallel.expert import apply_expert_parallel
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, PP, TP, ParallelState
-from moetrain.parallel.support import check_supported
 from moetrain.parallel.tensor import apply_tensor_parallel, loss_context
 
 

@@ -48,7 +48,7 @@ Composition with the other axes (each part goes through steps 3-8 of
   but keep them unsharded (and stage 3 its parameters re-gathered in backward) until the
   step's last backward instead of reduce-scattering after each micro-batch — ZeRO-1 memory
   for gradients during accumulation. ZeRO-3 with ``zero_bubble`` is refused (wrong gradients,
-  :func:`check_pipeline_layout`).
+  :func:`moetrain.config.check_supported`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from moetrain.config import Config, ConfigError, pipeline_stage_layers
+from moetrain.config import Config, pipeline_stage_layers
 from moetrain.data.loader import MicroBatch
 from moetrain.model.transformer import Transformer
 from moetrain.model.loss import lm_loss
@@ -75,8 +75,7 @@ from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, PP, TP, ParallelState
 from moetrain.parallel.tensor import loss_context
 
-__all__ = ["PipelineRunner", "SCHEDULES", "check_pipeline_layout", "pipeline_parts", "split_model", "stage_blocks",
-           "stage_ids"]
+__all__ = ["PipelineRunner", "SCHEDULES", "pipeline_parts", "split_model", "stage_blocks", "stage_ids"]
 
 # pp_schedule → (schedule class, runs several stages per rank)
 SCHEDULES: dict[str, tuple[type, bool]] = {
@@ -85,33 +84,6 @@ SCHEDULES: dict[str, tuple[type, bool]] = {
     "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
     "zero_bubble": (ScheduleInterleavedZeroBubble, True),
 }
-
-
-def check_pipeline_layout(cfg: Config) -> None:
-    """Refuse pipeline layouts this version cannot run (call only when ``parallel.pp > 1``).
-
-    Raises:
-        ConfigError: naming the field, the value and the fix.
-    """
-    p, n = cfg.parallel, cfg.grad_accum_steps
-    if cfg.model.tie_embeddings:
-        # The tied weight would live on the first and the last stage; summing its two gradients
-        # over pp (Megatron's embedding group) is not implemented.
-        raise ConfigError(f"model.tie_embeddings = True: not supported with parallel.pp = {p.pp} yet. "
-                          f"Fix: set model.tie_embeddings=false or pp=1")
-    if p.zero_stage == 3 and p.pp_schedule == "zero_bubble":
-        # Measured: with parameters resharded after forward, the weight-gradient half of the split
-        # backward leaves the FSDP-managed gradients of every stage but the first at zero.
-        raise ConfigError(f"parallel.zero_stage = 3: gives wrong gradients with pp_schedule='zero_bubble' "
-                          f"(torch 2.13). Fix: use zero_stage 1 or 2, or another pp_schedule")
-    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble"):
-        # torch's interleaved schedules run n in rounds of n // pp micro-batches (at least one round).
-        rounds = max(1, n // p.pp)
-        if n % rounds:
-            raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size}: gives {n} micro-batches per "
-                              f"step; pp_schedule={p.pp_schedule!r} needs a multiple of {rounds} "
-                              f"(rounds of n // pp). Fix: use a number of micro-batches that is < pp·2 or a "
-                              f"multiple of pp, e.g. {p.pp * rounds}")
 
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
