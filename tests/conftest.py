@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moetrain.config import Config, config_from_dict
-from moetrain.data.shards import write_shards
+from moetrain.data.writer import write_shards
 
 
 class ByteTokenizer:

@@ -8,7 +8,7 @@ or raises :class:`moetrain.config.ConfigError` naming the field, the value and t
 from __future__ import annotations
 
 from moetrain.config import Config, ConfigError, field_error, padded_vocab
-from moetrain.data.shards import ShardError, read_manifest
+from moetrain.data.format import ShardError, read_manifest
 from moetrain.parallel.support import check_supported
 from moetrain.train.weights import check_init_from
 
