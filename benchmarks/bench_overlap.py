@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from conftest import ByteTokenizer, _documents, tiny_config  # noqa: E402
-from moetrain.data.shards import write_shards  # noqa: E402
+from moetrain.data.writer import write_shards  # noqa: E402
 from multiproc import run_distributed  # noqa: E402
 
 MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn_hidden": 688, "vocab_size": 384,

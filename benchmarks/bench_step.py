@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from moetrain.config import load_config  # noqa: E402
 from moetrain.data.loader import BatchLoader  # noqa: E402
-from moetrain.data.shards import TokenShards  # noqa: E402
+from moetrain.data.reader import TokenShards  # noqa: E402
 from moetrain.launch.preflight import resolve_vocab  # noqa: E402
 from moetrain.model.init import init_weights  # noqa: E402
 from moetrain.model.layers import set_compute_dtype  # noqa: E402

@@ -24,6 +24,8 @@ from typing import Any, Callable, Literal
 
 import yaml
 
+from moetrain.utils import ConfigError, atomic_write, field_error  # the error shape every layer shares
+
 __all__ = [
     "ConfigError",
     "field_error",
@@ -45,15 +47,6 @@ __all__ = [
     "validate",
     "check_supported",
 ]
-
-
-class ConfigError(ValueError):
-    """A config field has a wrong name, type or value; the message says which and how to fix it."""
-
-
-def field_error(field_name: str, value: Any, problem: str, fix: str) -> ConfigError:
-    """The one shape of every config message: ``<field> = <value>: <problem>. Fix: <fix>``."""
-    return ConfigError(f"{field_name} = {value!r}: {problem}. Fix: {fix}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,12 +649,10 @@ def to_dict(obj: Any) -> Any:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (atomically: temp file + rename)."""
+    """Write the resolved config as YAML (atomically and durably: :func:`~moetrain.utils.atomic_write`)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    os.replace(tmp, p)
+    atomic_write(p, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def config_to_json(cfg: Config) -> str:

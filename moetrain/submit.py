@@ -31,6 +31,7 @@ from moetrain.config import Config, ConfigError, load_config, save_config, to_di
 from moetrain.monitor import collect, register_job, slurm_job_queued
 from moetrain.train.metrics import check_sinks_installed, format_duration
 from moetrain.train.records import Diagnosis, append_event, diagnose, read_failures
+from moetrain.utils import atomic_write
 
 
 def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentParser:
@@ -122,9 +123,7 @@ def record_submission(run_dir: Path, job_id: str, cfg: Config) -> None:
     path = run_dir / "submission.json"
     rec = json.loads(path.read_text()) if path.is_file() else {"jobs": []}
     rec["jobs"].append({"job_id": job_id, "cluster": cfg.launch.cluster, "time": time.time()})
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec, indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(rec, indent=1))
 
 
 def format_metrics(rec: dict, total: int) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moetrain.config import Config, config_from_dict
-from moetrain.data.shards import write_shards
+from moetrain.data.writer import write_shards
 
 # Every process the tests start (local runs, SLURM jobs) may inject faults (tests/faults.py).
 os.environ.setdefault("MOETRAIN_FAULT_HOOK", f"{Path(__file__).resolve().parent / 'faults.py'}:install")

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.config import ConfigError, check_supported
-from moetrain.data.shards import TokenShards, write_shards
+from moetrain.data.reader import TokenShards
+from moetrain.data.writer import write_shards
 from moetrain.model.attention import DocumentMask, FlexAttention, positions_in_document, sdpa_attention
 from moetrain.model.init import init_weights
 from moetrain.model.transformer import Transformer

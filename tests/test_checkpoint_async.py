@@ -17,10 +17,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-import moetrain.data.shards as shards
+import moetrain.data.verify as verify
 import moetrain.train.checkpoint as checkpoint
 from moetrain.train.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
 from moetrain.train.trainer import Trainer
+from moetrain.utils import sha256_file, split_by_bytes
 
 from conftest import tiny_config
 from multiproc import run_distributed
@@ -35,13 +36,13 @@ TRAIN = {"steps": STOP + MORE, "micro_batch_size": 1, "global_batch_size": 12}
 
 def record_hashes(calls: list[str]) -> None:
     """Count the files this process hashes (checkpoint and data alike)."""
-    original = shards.sha256_file
+    original = verify.sha256_file
 
     def counting(path, bar=None):
         calls.append(str(path))
         return original(path, bar)
 
-    shards.sha256_file = counting
+    verify.sha256_file = counting
     checkpoint.sha256_file = counting
 
 
@@ -163,9 +164,9 @@ def test_manifest_parts_and_verification_split(tmp_path):
     files = {}
     for i, size in enumerate([5000, 10, 3000, 3000, 20, 4000]):
         (ck / f"f{i}").write_bytes(bytes([i]) * size)
-        files[f"f{i}"] = {"bytes": size, "sha256": shards.sha256_file(ck / f"f{i}")}
+        files[f"f{i}"] = {"bytes": size, "sha256": sha256_file(ck / f"f{i}")}
     (ck / "manifest.json").write_text(json.dumps({"step": 1, "files": files}))
-    owners = shards.split_by_bytes([files[n]["bytes"] for n in sorted(files)], 3)
+    owners = split_by_bytes([files[n]["bytes"] for n in sorted(files)], 3)
     assert sorted(set(owners)) == [0, 1, 2]
     for r in range(3):
         verify_checkpoint(ck, rank=r, world=3)

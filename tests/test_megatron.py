@@ -17,9 +17,12 @@ from tokenize_helpers import tree, write_corpus
 
 from conftest import ByteTokenizer, _documents, tiny_config
 from moetrain.data.corpus import iter_documents
+from moetrain.data.format import ShardError, read_manifest
 from moetrain.data.megatron import MegatronFormatError, import_megatron, read_index
 from moetrain.data.pipeline import TokenizeJob
-from moetrain.data.shards import ShardError, TokenShards, read_manifest, verify_shards, write_shards
+from moetrain.data.reader import TokenShards
+from moetrain.data.verify import verify_shards
+from moetrain.data.writer import write_shards
 from multiproc import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]

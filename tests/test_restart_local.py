@@ -115,7 +115,7 @@ def test_rank_error_is_reported_in_a_few_lines_and_not_restarted(tiny_shards, tm
 
 
 def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
-    from moetrain.data.shards import ShardError
+    from moetrain.data.format import ShardError
     from moetrain.train.records import StaleAttemptError, diagnose, failure_kind
 
     def peer(rank, dead=()):

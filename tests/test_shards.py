@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from moetrain.data.corpus import build_demo_corpus, iter_documents
-from moetrain.data.shards import ShardError, TokenShards, token_dtype, verify_shards, write_shards
+from moetrain.data.format import ShardError, token_dtype
+from moetrain.data.reader import TokenShards
 from moetrain.data.tokenizer import train_bpe
+from moetrain.data.verify import verify_shards
+from moetrain.data.writer import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -252,11 +255,11 @@ def _verify_as_ranks(path, world: int, mode: str = "sha256", cache=None) -> list
     rank's manifest or exception, and records the files each rank hashed."""
     import threading
 
-    import moetrain.data.shards as shards
+    import moetrain.data.verify as verify
 
     barrier, slots = threading.Barrier(world), [None] * world
     hashed: dict[int, list[str]] = {r: [] for r in range(world)}
-    original, local = shards.sha256_file, threading.local()
+    original, local = verify.sha256_file, threading.local()
 
     def counting(f, bar=None):
         hashed[local.rank].append(Path(f).name)
@@ -275,7 +278,7 @@ def _verify_as_ranks(path, world: int, mode: str = "sha256", cache=None) -> list
             out[rank] = e
 
     out = [None] * world
-    shards.sha256_file = counting
+    verify.sha256_file = counting
     try:
         threads = [threading.Thread(target=run, args=(r, out)) for r in range(world)]
         for t in threads:
@@ -283,7 +286,7 @@ def _verify_as_ranks(path, world: int, mode: str = "sha256", cache=None) -> list
         for t in threads:
             t.join(60)
     finally:
-        shards.sha256_file = original
+        verify.sha256_file = original
     return out, hashed
 
 

@@ -19,7 +19,8 @@ from tokenize_helpers import SlowByteTokenizer, jsonl, tree, write_corpus
 from conftest import ByteTokenizer
 from moetrain.data.corpus import iter_documents, write_jsonl_zst
 from moetrain.data.pipeline import TokenizeJob, UnitsFailed
-from moetrain.data.shards import TokenShards, write_shards
+from moetrain.data.reader import TokenShards
+from moetrain.data.writer import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(shard_tokens=5000, val_fraction=0.05, unit_bytes=4000)

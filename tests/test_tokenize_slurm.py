@@ -17,8 +17,8 @@ import pytest
 from tokenize_helpers import tree, write_corpus
 
 from moetrain.data.corpus import iter_documents
-from moetrain.data.shards import verify_shards
 from moetrain.data.tokenizer import train_bpe
+from moetrain.data.verify import verify_shards
 
 from conftest import require_slurm_cluster
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
-from moetrain.data.shards import TokenShards, verify_shards  # noqa: E402
+from moetrain.data.reader import TokenShards  # noqa: E402
 from moetrain.data.tokenizer import load_tokenizer  # noqa: E402
+from moetrain.data.verify import verify_shards  # noqa: E402
 
 
 def main() -> None:

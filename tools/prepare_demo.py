@@ -22,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import zstandard  # noqa: E402
 
 from moetrain.data.corpus import build_demo_corpus, demo_corpus_complete, iter_documents  # noqa: E402
-from moetrain.data.shards import ShardError, verify_shards, write_shards  # noqa: E402
+from moetrain.data.format import ShardError  # noqa: E402
 from moetrain.data.tokenizer import TokenizerError, load_tokenizer, train_bpe  # noqa: E402
+from moetrain.data.verify import verify_shards  # noqa: E402
+from moetrain.data.writer import write_shards  # noqa: E402
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ per reason in the manifest, with a sample of their file:line in OUT/skipped_docu
 --on-bad-document fail stops at the first. A corrupt or truncated compressed file always fails,
 naming the file; the other inputs still finish and keep their records.
 
-Format: moetrain/data/shards.py (--format megatron: Megatron-LM .bin/.idx, moetrain/data/megatron.py).
+Format: moetrain/data/format.py (--format megatron: Megatron-LM .bin/.idx, moetrain/data/megatron.py).
 Pipeline: moetrain/data/pipeline.py. Check a result with tools/inspect_shards.py.
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
 
 from moetrain.data.corpus import DEFAULT_UNIT_BYTES  # noqa: E402
+from moetrain.data.format import DEFAULT_SHARD_TOKENS  # noqa: E402
 from moetrain.data.pipeline import TokenizeJob, available_cpus  # noqa: E402
-from moetrain.data.shards import DEFAULT_SHARD_TOKENS  # noqa: E402
 from moetrain.data.tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Text corpora: reading documents from disk (tolerating broken ones), and the offline demo corpus.
 
 A *document* is one unit of text that the tokenizer encodes on its own and follows with an EOS
-token (``moetrain.data.shards``). On disk a corpus is a file or a directory of files:
+token (``moetrain.data.writer``). On disk a corpus is a file or a directory of files:
 
 ========================  =====================================================================
 suffix                    documents
@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Literal
 
 import zstandard
+
+from moetrain.utils import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -601,9 +603,7 @@ def write_jsonl_zst(path: str | os.PathLike, records: list[dict], level: int = 1
     # The frame's content checksum lets a reader detect a flipped bit (zstd's default; the
     # library's is off).
     blob = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(data)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)
+    atomic_write(path, blob)
     return len(blob)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moetrain.data.shards import TokenShards
+from moetrain.data.reader import TokenShards
 
 
 @dataclass

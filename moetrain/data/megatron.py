@@ -33,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from moetrain.data.format import FORMAT_NAME, MANIFEST, MEGATRON_FORMAT_VERSION
+from moetrain.utils import atomic_write
+
 __all__ = ["MAGIC", "DTYPE_CODES", "MegatronIndex", "MegatronFormatError", "read_index",
            "megatron_dtype", "MegatronWriter", "import_megatron"]
 
@@ -178,6 +181,8 @@ class MegatronWriter:
 
     def close(self) -> dict:
         """Finish both files; returns ``{"bin", "idx", "bytes", "sha256", "index_bytes", "index_sha256"}``."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())  # both files durable before their rename (moetrain.utils.atomic_write)
         self._bin.close()
         self._lengths.close()
         n = self.documents
@@ -199,6 +204,8 @@ class MegatronWriter:
             for a in range(0, n + 1, _CHUNK):
                 put(np.arange(a, min(n + 1, a + _CHUNK), dtype="<i8").tobytes())
             del lengths
+            out.flush()
+            os.fsync(out.fileno())
         self._len_tmp.unlink()
         index_bytes = self._idx_tmp.stat().st_size
         os.replace(self._idx_tmp, self.prefix.with_name(self.prefix.name + ".idx"))
@@ -260,8 +267,6 @@ def import_megatron(train: list[str | os.PathLike], out_dir: str | os.PathLike, 
     """
     from tqdm import tqdm
 
-    from moetrain.data.shards import FORMAT_NAME, MANIFEST, MEGATRON_FORMAT_VERSION
-
     if val and val_last_docs:
         raise ValueError("give validation prefixes or val_last_docs, not both")
     out = Path(out_dir)
@@ -317,7 +322,5 @@ def import_megatron(train: list[str | os.PathLike], out_dir: str | os.PathLike, 
         "splits": {s: {"tokens": sum(sh["tokens"] for sh in v), "documents": sum(sh["documents"] for sh in v),
                        "shards": v} for s, v in splits.items()},
     }
-    tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    atomic_write(out / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest

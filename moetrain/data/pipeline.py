@@ -13,7 +13,7 @@ A :class:`TokenizeJob` runs in three phases:
    node, seconds) — written last, so a record means the unit is done. A rerun after a kill or a
    preemption skips the units that have a record and redoes the others.
 3. **merge** — once every unit has a record, the parts are read in plan order into a
-   :class:`~moetrain.data.shards.ShardWriter` (validation split by stream position, shards of
+   :class:`~moetrain.data.writer.ShardWriter` (validation split by stream position, shards of
    ``shard_tokens``, or Megatron ``.bin/.idx``), which writes the manifest; the skipped-document
    sample goes to ``<out>/skipped_documents.jsonl``. Then the parts are deleted (unless
    ``keep_parts``) and ``<out>/.tokenize/complete.json`` records the job's fingerprint, so that
@@ -21,7 +21,7 @@ A :class:`TokenizeJob` runs in three phases:
 
 A unit's tokens depend only on the unit and the settings, and the merge reads the units in plan
 order, so the result is the same, byte for byte, for any number of workers, any number of
-nodes, and any interruptions; and the same as :func:`~moetrain.data.shards.write_shards` over
+nodes, and any interruptions; and the same as :func:`~moetrain.data.writer.write_shards` over
 :func:`~moetrain.data.corpus.iter_documents` of the inputs when no document is skipped.
 
 Local parallelism (:meth:`TokenizeJob.run`): ``workers`` processes (spawned, so that no thread
@@ -60,18 +60,10 @@ from moetrain.data.corpus import (
     plan_units,
     read_unit,
 )
-from moetrain.data.shards import (
-    DEFAULT_SHARD_TOKENS,
-    Layout,
-    ShardError,
-    ShardWriter,
-    TokenizerLike,
-    batch_texts,
-    encode_documents,
-    read_manifest,
-    token_dtype,
-    verify_shards,
-)
+from moetrain.data.format import DEFAULT_SHARD_TOKENS, ShardError, TokenizerLike, read_manifest, token_dtype
+from moetrain.data.verify import verify_shards
+from moetrain.data.writer import Layout, ShardWriter, batch_texts, encode_documents
+from moetrain.utils import atomic_write
 
 __all__ = ["TokenizeJob", "RunSummary", "UnitsFailed", "IncompleteError", "available_cpus", "WORK_DIR",
            "SKIPPED_LOG"]
@@ -158,28 +150,22 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 class TokenizeJob:
     """Tokenize a corpus into a shard directory: plan at construction, then :meth:`run`
     (here, or as a SLURM array) and :meth:`merge` (module docstring).
 
     Args:
         inputs: corpus files or directories, in stream order.
-        tokenizer: a ``TextTokenizer`` (or anything :class:`~moetrain.data.shards.TokenizerLike`);
+        tokenizer: a ``TextTokenizer`` (or anything :class:`~moetrain.data.format.TokenizerLike`);
             it is pickled to worker processes and SLURM tasks.
         out_dir: the shard directory; the work files live in ``<out_dir>/.tokenize``.
         text_key: JSON key / parquet column of the text.
         on_bad_document: ``"skip"`` (count per reason in the manifest, a sample in
             ``skipped_documents.jsonl``) or ``"fail"`` (the first bad document stops the run,
             naming its file and line).
-        shard_tokens, val_fraction, val_docs, layout: as :class:`~moetrain.data.shards.ShardWriter`.
+        shard_tokens, val_fraction, val_docs, layout: as :class:`~moetrain.data.writer.ShardWriter`.
         unit_bytes: ``.jsonl`` / ``.parquet`` files larger than this (bytes) are split into units.
-        batch_docs, batch_chars: encode batches, as :func:`~moetrain.data.shards.write_shards`.
+        batch_docs, batch_chars: encode batches, as :func:`~moetrain.data.writer.write_shards`.
         keep_parts: keep the per-unit parts after the merge (a later run with other shard or
             split settings then re-merges without re-tokenizing).
 
@@ -300,6 +286,9 @@ class TokenizeJob:
                     if report is not None:
                         report(progress.raw_bytes - reported, len(lengths), len(ids))
                         reported = progress.raw_bytes
+                for f in (tok_f, len_f):  # durable before the rename (moetrain.utils.atomic_write)
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp_tokens, self._part(i, "tokens"))
             os.replace(tmp_lengths, self._part(i, "lengths"))
         except BaseException:
@@ -310,7 +299,7 @@ class TokenizeJob:
                "skipped": dict(sorted(skipped.counts.items())), "skipped_sample": skipped.sample,
                "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
                "seconds": round(time.perf_counter() - t0, 3)}
-        _write_atomic(self._part(i, "json"), (json.dumps(rec, indent=1) + "\n").encode())
+        atomic_write(self._part(i, "json"), json.dumps(rec, indent=1) + "\n")
         return rec
 
     # -- phase 2: many units ------------------------------------------------------------------
@@ -450,7 +439,7 @@ class TokenizeJob:
         finally:
             bar.close()
         if sample:
-            _write_atomic(self.out / SKIPPED_LOG, "".join(json.dumps(s) + "\n" for s in sample).encode())
+            atomic_write(self.out / SKIPPED_LOG, "".join(json.dumps(s) + "\n" for s in sample))
         else:
             (self.out / SKIPPED_LOG).unlink(missing_ok=True)
         if not self.keep_parts:
@@ -458,7 +447,7 @@ class TokenizeJob:
         else:  # temporary files of killed workers; nothing else runs once every unit is done
             for stale in self.parts.glob(".*.tmp-*"):
                 stale.unlink(missing_ok=True)
-        _write_atomic(self.work / "complete.json", json.dumps({"fingerprint": self.fingerprint()}).encode())
+        atomic_write(self.work / "complete.json", json.dumps({"fingerprint": self.fingerprint()}))
         return manifest
 
     def _merge_unit(self, i: int, writer: ShardWriter, bar: tqdm) -> None:

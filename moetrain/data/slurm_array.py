@@ -30,6 +30,7 @@ import submitit
 from tqdm import tqdm
 
 from moetrain.data.pipeline import TokenizeJob, UnitsFailed
+from moetrain.utils import check_sbatch_safe  # the same injection guard as the trainer's jobs
 
 __all__ = ["ArraySubmission", "submit_array", "wait_and_merge"]
 
@@ -75,15 +76,13 @@ def submit_array(job: TokenizeJob, *, tasks: int, folder: str | os.PathLike, cpu
         detach: also submit the merge as a SLURM job that runs after every task succeeded.
 
     Raises:
-        ValueError: ``tasks`` < 1. moetrain.config.ConfigError: an unsafe partition name.
+        ValueError: ``tasks`` < 1. moetrain.utils.ConfigError: an unsafe partition name.
         submitit errors: sbatch refused the job (the message is SLURM's).
     """
-    from moetrain.launch.slurm import _check_safe  # the same injection guard as the trainer's jobs
-
     if tasks < 1:
         raise ValueError(f"tasks={tasks}: must be >= 1")
     if partition is not None:
-        _check_safe("partition", "--slurm-partition", partition)
+        check_sbatch_safe("partition", "--slurm-partition", partition)
     tasks = min(tasks, max(1, len(job.units)))
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=max_requeues)
     params = dict(name="moetrain-tokenize", nodes=1, tasks_per_node=1, cpus_per_task=cpus_per_task,

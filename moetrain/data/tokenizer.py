@@ -28,6 +28,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from moetrain.utils import atomic_write
+
 __all__ = [
     "EOS_TOKEN",
     "GPT2_EOS_ID",
@@ -211,7 +213,5 @@ def train_bpe(
     hf.train_from_iterator(documents, trainer=trainer)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    hf.save(str(tmp), pretty=True)
-    os.replace(tmp, out)
+    atomic_write(out, hf.to_str(pretty=True))
     return load_tokenizer(out)

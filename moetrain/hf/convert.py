@@ -426,7 +426,7 @@ def run_tokenizer(cfg: Config) -> tuple[Path | str, int] | None:
     the data manifest names it and gives its sha256; the file is looked for beside the data
     (``data.path``, its parents, and the name relative to them) and must hash the same. None
     when the data or the file cannot be found."""
-    from moetrain.data.shards import ShardError, read_manifest
+    from moetrain.data.format import ShardError, read_manifest
     from moetrain.data.tokenizer import canonical_sha256
 
     try:

@@ -10,7 +10,7 @@ manifest (vocabulary size), the rank map (node-limited routing, the hierarchical
 from __future__ import annotations
 
 from moetrain.config import Config, ConfigError, check_supported, field_error, padded_vocab
-from moetrain.data.shards import ShardError, read_manifest
+from moetrain.data.format import ShardError, read_manifest
 from moetrain.train.weights import check_init_from
 
 

@@ -5,7 +5,8 @@ Three steps, in the order ``submit`` runs them:
 1. **map** — :func:`slurm_executor_params` turns the ``launch`` section into the keyword
    arguments of submitit's ``AutoExecutor.update_parameters``; every string that ends up in the
    batch script (partition, account, qos, constraint, exclude, job name) must match a strict
-   pattern first, so a config can never inject shell text into ``#SBATCH`` lines.
+   pattern first (:func:`~moetrain.utils.check_sbatch_safe`), so a config can never inject shell
+   text into ``#SBATCH`` lines.
 2. **check** — :func:`check_launch` (no cluster needed: strings and the cluster profile's GPUs per
    node) and :func:`check_against_cluster` (a live :class:`ClusterInfo` from
    :func:`query_cluster`: the partition exists, its nodes offer the GPUs and CPUs asked for);
@@ -32,7 +33,8 @@ import submitit
 import yaml
 from submitit.slurm.slurm import SlurmExecutor
 
-from moetrain.config import Config, ConfigError, field_error
+from moetrain.config import Config, field_error
+from moetrain.utils import check_sbatch_safe
 
 __all__ = [
     "ClusterInfo",
@@ -55,45 +57,7 @@ class SlurmUnavailableError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Safe strings. submitit shlex-quotes #SBATCH values, but a newline would still end the comment
-# line and start a command, and sbatch/scontrol parse these values again. So we accept only what
-# SLURM names are made of; anything else (spaces, ; $ ` ' " \ newlines, a leading -) is refused.
-# ---------------------------------------------------------------------------------------------
-
-_NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
-# field: (whole-value pattern, its characters, what they are in words, example for the fix)
-_SAFE: dict[str, tuple[str, str, str, str]] = {
-    "partition": (rf"{_NAME}(,{_NAME})*", r"[A-Za-z0-9_.,-]", "letters, digits, _ . - and commas between names",
-                  "a partition name such as gpu, or a list such as gpu,debug"),
-    "account": (_NAME, r"[A-Za-z0-9_.-]", "letters, digits and _ . -", "an account name such as proj123"),
-    "qos": (_NAME, r"[A-Za-z0-9_.-]", "letters, digits and _ . -", "a QOS name such as normal"),
-    # SLURM feature expressions: features joined by & | , with [ ] ( ) grouping and *N counts.
-    "constraint": (r"[A-Za-z0-9_\[(][A-Za-z0-9_.&|,*\[\]()-]*", r"[A-Za-z0-9_.&|,*\[\]()-]",
-                   "letters, digits, _ . - and the operators & | , * [ ] ( )", "a feature expression such as a100&ib"),
-    # Host lists: n1,n2 or gpu[01-04,07].
-    "exclude": (r"[A-Za-z0-9_][A-Za-z0-9_.,\[\]-]*", r"[A-Za-z0-9_.,\[\]-]", "letters, digits and _ . - , [ ]",
-                "a host list such as gpu[01-03],gpu07"),
-    "job_name": (r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", r"[A-Za-z0-9_.+-]", "letters, digits and _ . + -",
-                 "a run name such as moe-demo"),
-}
-_MAX_LEN = 200
-
-
-def _check_safe(kind: str, field_name: str, value: str) -> None:
-    pattern, chars, allowed, example = _SAFE[kind]
-    if len(value) <= _MAX_LEN and re.fullmatch(pattern, value):
-        return
-    if len(value) > _MAX_LEN:
-        problem = f"{len(value)} characters, more than {_MAX_LEN}"
-    else:
-        bad = sorted({c for c in value if not re.fullmatch(chars, c)})
-        problem = (f"may only contain {allowed} and must start with a letter, digit or _"
-                   + (f"; found {', '.join(repr(c) for c in bad)}" if bad else ""))
-    raise field_error(field_name, value, problem + " (it is written into the sbatch script)", f"use {example}")
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Mapping and offline checks
+# 1. Mapping and offline checks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -111,7 +75,7 @@ def slurm_executor_params(cfg: Config, *, job_name: str) -> dict[str, Any]:
         ConfigError: a string field (or ``job_name``) contains characters outside its safe pattern.
     """
     ln = cfg.launch
-    _check_safe("job_name", "run.name" if job_name == cfg.run.name else "job_name", job_name)
+    check_sbatch_safe("job_name", "run.name" if job_name == cfg.run.name else "job_name", job_name)
     params: dict[str, Any] = {
         "name": job_name,
         "nodes": ln.nodes,
@@ -131,7 +95,7 @@ def slurm_executor_params(cfg: Config, *, job_name: str) -> dict[str, Any]:
     for key in ("partition", "account", "qos", "constraint", "exclude"):
         value = getattr(ln, key)
         if value is not None:
-            _check_safe(key, f"launch.{key}", value)
+            check_sbatch_safe(key, f"launch.{key}", value)
             params[f"slurm_{key}"] = value
     return params
 
@@ -194,7 +158,7 @@ def check_launch(cfg: Config, *, job_name: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. The live cluster: what sinfo/scontrol say
+# 2. The live cluster: what sinfo/scontrol say
 # ---------------------------------------------------------------------------------------------
 
 
@@ -348,7 +312,7 @@ def validate_slurm(cfg: Config, *, timeout_s: float = 10.0, live: bool = True) -
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Executor and dry-run script
+# 3. Executor and dry-run script
 # ---------------------------------------------------------------------------------------------
 
 

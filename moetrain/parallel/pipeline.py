@@ -44,7 +44,7 @@ Composition with the other axes (each part goes through steps 3-8 of
   tp)), so its all-to-alls pair up in the same schedule order on all its ranks;
 * ZeRO / FSDP: the schedule's stages drive FSDP themselves (gradient sync and resharding after
   backward off for every micro-batch, one reduce-scatter per stage after the last one): that
-  is stage 1 of :mod:`moetrain.parallel.zero` exactly; stages 2 and 3 give the same gradients
+  is stage 1 of :mod:`moetrain.parallel.data_parallel` exactly; stages 2 and 3 give the same gradients
   but keep them unsharded (and stage 3 its parameters re-gathered in backward) until the
   step's last backward instead of reduce-scattering after each micro-batch — ZeRO-1 memory
   for gradients during accumulation. ZeRO-3 with ``zero_bubble`` is refused (wrong gradients,

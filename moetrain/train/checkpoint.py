@@ -62,8 +62,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
-from moetrain.data.shards import sha256_file, split_by_bytes
 from moetrain.parallel.state import ParallelState
+from moetrain.utils import atomic_write, fsync_dir, sha256_file, split_by_bytes
 
 log = logging.getLogger(__name__)
 
@@ -74,24 +74,6 @@ _POLL_S = 0.05  # rank 0's first poll interval for the other ranks' parts (doubl
 class CheckpointError(RuntimeError):
     """A checkpoint is missing files or its contents do not match its manifest, or it could not
     be written (the message names the rank and its error)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_durably(path: Path, obj: object) -> None:
-    """Write ``obj`` to ``path`` through a temporary file, fsync, rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -110,7 +92,7 @@ def verify_checkpoint(path: Path, progress: bool = False, *, rank: int = 0, worl
     """Check the files listed in ``manifest.json`` (size and sha256); returns the manifest.
 
     ``rank`` / ``world``: check only this rank's share of the files, about 1/``world`` of the
-    bytes (:func:`moetrain.data.shards.split_by_bytes`; the same split on every rank), so that
+    bytes (:func:`moetrain.utils.split_by_bytes`; the same split on every rank), so that
     ``world`` ranks together check everything once. Defaults: every file.
 
     Raises:
@@ -284,10 +266,11 @@ class Checkpointer:
             torch.save(rng, tmp / "rng" / f"rank{self.ps.rank:05d}.pt")
             files = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                      for f in self._own_files(tmp)}
-            _write_json_durably(part_path, {"rank": self.ps.rank, "files": files})
+            atomic_write(part_path, json.dumps({"rank": self.ps.rank, "files": files}, indent=1))
         except BaseException as e:
             try:
-                _write_json_durably(part_path, {"rank": self.ps.rank, "error": f"{type(e).__name__}: {e}"})
+                error = {"rank": self.ps.rank, "error": f"{type(e).__name__}: {e}"}
+                atomic_write(part_path, json.dumps(error, indent=1))
             except OSError:
                 pass  # rank 0 then times out waiting for this part, and says so
             raise
@@ -325,13 +308,14 @@ class Checkpointer:
         if unclaimed:
             raise CheckpointError(f"checkpoint step {step} not committed: files no rank reported, "
                                   f"{[str(f) for f in unclaimed[:4]]} (DCP's file names changed?)")
-        _write_json_durably(tmp / "manifest.json", {**meta, "time": time.time(), "files": files, "ranks": ranks})
+        manifest = {**meta, "time": time.time(), "files": files, "ranks": ranks}
+        atomic_write(tmp / "manifest.json", json.dumps(manifest, indent=1))
         if self.fence is not None:
             self.fence.check()
         if final.exists():  # the same step saved by an earlier attempt
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._prune()
         size = sum(f["bytes"] for f in files.values())
         log.info("checkpoint step %d committed to %s: %.2f GB, written and hashed in %.1f s", step, final,

@@ -29,16 +29,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetrain.utils import atomic_write
+
 
 class StaleAttemptError(RuntimeError):
     """This process belongs to an attempt that a newer one has replaced; it must not write."""
 
 
-def atomic_write_json(path: Path, obj: object) -> None:
+def atomic_write_json(path: Path, obj: object, fsync: bool = True) -> None:
+    """``obj`` as JSON through :func:`~moetrain.utils.atomic_write` (parent directories made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj), fsync=fsync)
 
 
 def node_name() -> str:
@@ -121,8 +122,8 @@ class Heartbeat:
     def beat(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
         self.fence.check()
-        atomic_write_json(self.path, {"rank": self.rank, "host": self.host, "pid": self.pid,
-                                      "attempt": self.fence.seq, "step": step, "phase": phase, "time": time.time()})
+        atomic_write_json(self.path, {"rank": self.rank, "host": self.host, "pid": self.pid, "attempt": self.fence.seq,
+                                      "step": step, "phase": phase, "time": time.time()}, fsync=False)
 
 
 def read_heartbeats(run_dir: Path) -> list[dict]:

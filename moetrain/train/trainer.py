@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
-from moetrain.data.shards import TokenShards, verify_shards
+from moetrain.data.reader import TokenShards
+from moetrain.data.verify import verify_shards
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
@@ -50,6 +51,7 @@ from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, schedule_fields, set_lr
 from moetrain.train.records import Fence, Heartbeat, append_event
 from moetrain.train.weights import load_initial_weights
+from moetrain.utils import atomic_write
 
 log = logging.getLogger("moetrain")
 
@@ -147,7 +149,7 @@ class Trainer:
         """Check the data shards against their manifest before training (``data.verify``): each
         rank checks its own ~1/ranks of the bytes, skipping contents already verified (the cache
         beside the data, or in the run directory when the data directory is read-only); one
-        collective agrees, so every rank raises the same :class:`~moetrain.data.shards.ShardError`."""
+        collective agrees, so every rank raises the same :class:`~moetrain.data.format.ShardError`."""
         cfg, t0 = self.cfg, time.time()
         data_dir = Path(cfg.data.path)
         cache = data_dir / ".moetrain-verified.json" if os.access(data_dir, os.W_OK) \
@@ -513,9 +515,7 @@ def truncate_metrics(path: Path, last_step: int, fence: Fence | None) -> None:
             continue
     if fence is not None:
         fence.check()
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(k + "\n" for k in keep))
 
 
 def _memory_gib(device: torch.device) -> float:

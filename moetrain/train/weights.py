@@ -52,9 +52,9 @@ from tqdm import tqdm
 
 from moetrain.config import Config, ConfigError
 from moetrain.model.init import local_piece
-from moetrain.data.shards import sha256_file
 from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, dtype_name, plan_shards, torch_dtype
+from moetrain.utils import atomic_write, fsync_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +110,7 @@ def write_weights_dir(out_dir: str | os.PathLike, cfg: Config, tensors: Iterable
                     "tensors": {name: {"file": writer.weight_map[name], "dtype": dtype_name(dtype),
                                        "shape": list(shape)} for name, dtype, shape in entries},
                     **(extra or {}), "files": files}
-        with open(tmp / MANIFEST, "w") as fh:
-            json.dump(manifest, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
+        atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=1))
     return out
 
 
@@ -137,6 +134,7 @@ def atomic_dir(out: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 # ---------------------------------------------------------------------------------------------
