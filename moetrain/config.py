@@ -204,10 +204,7 @@ class ParallelConfig:
     and the loss); the other blocks split evenly over the remaining stages (Megatron-Core's
     ``decoder_first/last_pipeline_num_layers``). ``None`` splits evenly; giving the end stages
     fewer blocks balances the embedding and, above all, the head: see
-    :func:`pipeline_stage_layers`. ``grad_bucket_mb``: MiB per bucket of the data-parallel
-    gradient all-reduce (without ZeRO); buckets start during the last micro-batch's backward as
-    soon as their gradients exist, so smaller ones start earlier at the cost of more collectives
-    (PyTorch DDP's default is 25, Megatron-Core's about 40M parameters). ``etp``:
+    :func:`pipeline_stage_layers`. ``etp``:
     expert-tensor-parallel size, 1 or tp. With 1 (default) experts stay whole on every rank and
     under tp each tp rank routes its own 1/tp of the sequence; with tp, every tp rank routes the
     whole sequence and each expert's ffn width is split over the tp ranks (w1/w3 by columns, w2
@@ -229,7 +226,6 @@ class ParallelConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
-    grad_bucket_mb: float = 32.0
 
     @property
     def world_size(self) -> int:
@@ -551,6 +547,9 @@ def _removed_dtype(value: Any) -> tuple[str, str]:
 # Keys of earlier versions: (value) -> (problem, fix), so an old config fails with the way forward.
 REMOVED_KEYS: dict[str, Callable[[Any], tuple[str, str]]] = {
     "train.dtype": _removed_dtype,
+    "parallel.grad_bucket_mb": lambda value: (
+        "removed: FSDP2 reduces the gradients of each block as one group (stage 0 too), as soon as its "
+        "backward is done", "delete the key"),
 }
 
 
@@ -758,7 +757,7 @@ def _bounds(cfg: Config, section: str, positive: str = "", non_negative: str = "
 
 def _check_parallel(cfg: Config, device: str | None) -> None:
     m, moe, par = cfg.model, cfg.moe, cfg.parallel
-    _bounds(cfg, "parallel", positive="dp tp pp cp ep virtual_stages grad_bucket_mb")
+    _bounds(cfg, "parallel", positive="dp tp pp cp ep virtual_stages")
     ranks = par.dp * par.cp
     if moe.num_experts % par.ep:
         fit = [d for d in _divisors(moe.num_experts) if ranks % d == 0]

@@ -85,3 +85,35 @@ def test_checkpoints_move_between_etp_layouts(first, second, tiny_shards, tmp_pa
     assert (a["start"], b["start"]) == (0, 3)
     for step, (x, y) in enumerate(zip(a["losses"] + b["losses"], full["losses"]), 1):
         assert abs(x - y) <= 1e-5 * y, f"step {step}: {x} across the etp change vs {y} uninterrupted"
+
+
+LONG = 20
+
+
+def long_run(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE,
+                      train={"steps": LONG, "grad_clip": 1.0})
+    trainer = Trainer(cfg, write_files=False)
+    results = [trainer.train_step() for _ in range(LONG)]
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results]}
+
+
+LONG_CASES = [
+    {"tp": 2, "sequence_parallel": True},
+    {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
+    {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "zero_stage": 2},
+]
+
+
+@pytest.mark.parametrize("parallel", LONG_CASES, ids=["-".join(f"{k}{v}" for k, v in p.items()) for p in LONG_CASES])
+def test_twenty_clipped_steps_with_tp_and_etp_equal_one_process(parallel, tiny_shards, tmp_path):
+    """Over 20 steps, gradient clipping on: a clip factor taken from a layout-dependent norm (as
+    moetrain 0.1's fp32 norm was) made tp × etp layouts depart from one process after ~10 steps."""
+    ref = run_distributed(long_run, 1, str(tiny_shards), str(tmp_path / "ref"), {})[0]
+    got = run_distributed(long_run, parallel.get("dp", 1) * parallel["tp"], str(tiny_shards), str(tmp_path / "run"),
+                          parallel)[0]
+    assert max(ref["norms"]) > 1.0, "the test must clip"
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs single-process {b}"
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"

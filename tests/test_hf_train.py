@@ -154,3 +154,37 @@ def test_layouts_train_alike(arch, runs):
 
 def test_resume_wins_over_init_from(runs):
     assert runs["reloaded"]["resumed_step"] == STEPS
+
+
+def save_after(rank: int, world: int, cfg, steps: int) -> None:
+    trainer = Trainer(cfg, write_files=False)
+    for _ in range(steps):
+        trainer.train_step()
+    trainer.save_checkpoint()
+
+
+def test_export_of_a_dp_tp_ep_etp_checkpoint_equals_the_one_process_export(tiny_shards, tmp_path):
+    """Every expert tensor of a checkpoint trained under dp2 × tp2 × ep2 × etp2 (each rank holds
+    1/2 of the experts and 1/2 of each one's width) is gathered by the export: it equals, bit for
+    bit, the export of the same weights loaded into one process and saved from there."""
+    from safetensors.torch import load_file
+
+    build_hf_model("mixtral", tmp_path / "hf", seed=21)
+    imported = import_hf(tmp_path / "hf", tmp_path / "weights", progress=False)
+    sections = {"model": to_dict(imported.model), "moe": to_dict(imported.moe)}
+    parallel = {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "sequence_parallel": True}
+    cfg = train_config(str(tiny_shards), tmp_path / "run", sections, parallel, init_from=str(tmp_path / "weights"))
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    run_distributed(save_after, 4, cfg, 3, timeout=600)
+    one = train_config(str(tiny_shards), tmp_path / "one", sections, {}, init_from=str(tmp_path / "run" / "checkpoints"))
+    save_config(one, tmp_path / "one" / "config.yaml")
+    run_distributed(save_after, 1, one, 0)
+    for run in ("run", "one"):
+        export_hf(tmp_path / run / "checkpoints", tmp_path / f"export-{run}", progress=False)
+    load = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    sharded, whole = load(tmp_path / "export-run"), load(tmp_path / "export-one")
+    assert sharded.keys() == whole.keys() and any(".experts." in k for k in whole)
+    assert [k for k in whole if not torch.equal(sharded[k], whole[k])] == []
+    original = load(tmp_path / "hf")
+    assert any(not torch.equal(whole[k], original[k]) for k in whole if ".experts." in k and k in original), \
+        "the experts were not trained"

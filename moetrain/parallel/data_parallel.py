@@ -109,27 +109,30 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
         wrapped.extend(group)
         return group[0]
 
-    blocks = list(model.layers.values())
-    units: list[list[FSDPModule]] = []  # per block: its FSDP modules, the block's own last
-    for i, block in enumerate(blocks):
-        # ZeRO-3 keeps the last block's parameters after its forward: its backward comes next
-        # (after the head's), and resharding would only all-gather them again at once.
-        after = reshard and i < len(blocks) - 1
-        unit = []
+    # Per block, its groups: (modules, replica axis, policy).
+    per_block: list[list[tuple[list[nn.Module], str, MixedPrecisionPolicy]]] = []
+    for block in model.layers.values():
+        groups = []
         moe = block.moe
         if moe is not None:  # 1. experts
-            unit.append(wrap(moe.experts, EDP if ps.parallel.etp > 1 else EDP_TP, reshard_after=after))
+            groups.append(([moe.experts], EDP if ps.parallel.etp > 1 else EDP_TP, policy))
         # 2. parameters that see different tokens (router) or heads (q/k norms) on each tp rank;
         #    the router in fp32 whatever the precision
         if moe is not None and (tp_split or policy.param_dtype != FP32_POLICY.param_dtype):
-            unit.append(wrap(moe.router, DP_CP_TP if tp_split else DP_CP, FP32_POLICY, reshard_after=after))
+            groups.append(([moe.router], DP_CP_TP if tp_split else DP_CP, FP32_POLICY))
         split = [m for m in (moe.shared, moe.shared_gate) if m is not None] if tp_split and moe is not None else []
         split += [m for m in block.attention.modules() if isinstance(m, QKNorm)] if tp else []
         if split:
-            unit.append(wrap(split, DP_CP_TP, reshard_after=after))
-        # 3. the rest of the block
-        unit.append(wrap(block, DP_CP, reshard_after=after))
-        units.append(unit)
+            groups.append((split, DP_CP_TP, policy))
+        groups.append(([block], DP_CP, policy))  # 3. the rest of the block
+        per_block.append(groups)
+    units: list[list[FSDPModule]] = []  # per block: its FSDP modules, the block's own last
+    for i, groups in enumerate(per_block):
+        # ZeRO-3 keeps the last block's parameters after its forward: its backward comes next
+        # (after the head's), and resharding would only all-gather them again at once.
+        after = reshard and i < len(per_block) - 1
+        units.append([wrap(modules if len(modules) > 1 else modules[0], axis, mp, after)
+                      for modules, axis, mp in groups])
     if stage:
         # Explicit prefetch, one block ahead: block i's forward starts block i+1's all-gathers,
         # block i's backward block i-1's (FSDP2's own prefetching waits for the next hooks).
