@@ -9,8 +9,8 @@ measured alone in the same run:
   block's gradients once per step, during the last micro-batch's backward) and the same
   all-reduces alone; no "off" variant (FSDP2 has no switch to defer them), so ``step_off_s`` is
   absent. Compared with moetrain 0.1's hand-written bucketed reducer in docs/performance.md.
-* ``ep_shared_expert`` — one MoE layer under dp = 2 × ep = 2 (8 192 tokens per rank, a shared
-  expert 4× the routed width), forward and backward: the shared expert computed while the
+* ``ep_shared_expert`` — one MoE block (attention + MoE) under dp = 2 × ep = 2 (8 192 tokens
+  per rank, a shared expert 4× the routed width), forward and backward: the shared expert computed while the
   dispatch all-to-all is in flight vs after it; communication = that layer's dispatch
   all-to-all alone (a step's are too small against its noise at the tiny model's size).
 * ``fsdp_prefetch`` — dp = 2, ZeRO-3: one-block-ahead forward/backward prefetch vs FSDP2's own
@@ -115,7 +115,13 @@ def worker(rank: int, world: int, data: str, run_dir: str, case: str, rounds: in
     trainer.train_step()  # warm-up
     run = lambda: _timed(trainer, steps)  # noqa: E731
     if case == "ep_shared_expert":
-        moe_layer, x = moes[0], torch.randn(4, 2048, cfg.model.hidden, generator=torch.Generator().manual_seed(rank))
+        from moetrain.model.layers import rope_cos_sin
+
+        # The MoE layer's block (its FSDP2 hooks gather the parameters): attention + MoE.
+        name = next(iter(trainer.moe_layers))
+        block, x = part.layers[name], torch.randn(4, 2048, cfg.model.hidden, generator=torch.Generator().manual_seed(rank))
+        cos, sin = rope_cos_sin(torch.arange(2048), cfg.model.resolved_head_dim, cfg.model.rope_theta)
+        moe_layer = lambda h: block(h, cos, sin)  # noqa: E731
 
         def run() -> float:
             dist.barrier()

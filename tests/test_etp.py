@@ -1,5 +1,5 @@
 """Expert-tensor parallelism (``parallel.etp`` = tp, moetrain.parallel.expert
-.apply_expert_tensor_parallel): each expert's ffn width split over the tp ranks gives the
+._expert_tensor_parallel): each expert's ffn width split over the tp ranks gives the
 one-process losses and gradients (the test_equivalence tolerances), with and without sequence
 parallelism, with expert parallelism and with ZeRO; the experts hold 1/tp of their weights.
 """

@@ -180,7 +180,7 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
         if block.moe is not None:
             # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
             # routes the whole sequence; its experts hold 1/tp of the ffn width and reduce their
-            # output over tp themselves (moetrain.parallel.expert.apply_expert_tensor_parallel).
+            # output over tp themselves (moetrain.parallel.expert._expert_tensor_parallel).
             local = Replicate() if expert_tensor_parallel else Shard(1)
             plan[f"{prefix}.moe"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(local,), use_local_input=True,

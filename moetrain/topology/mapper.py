@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moetrain.axes import CP, CP_TP, DENSE_AXES, DP, DP_CP, EDP, EDP_TP, EP, PP, TP
 from moetrain.topology.cluster import (
     TIERS,
     Allocation,
@@ -68,10 +69,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["MESH_AXES", "GROUP_AXES", "Rule", "RankMap", "build_rank_map", "map_ranks", "check_mesh",
            "resolve_profile", "resolve_allocation"]
 
-MESH_AXES = ("pp", "dp", "cp", "tp")
+MESH_AXES = DENSE_AXES
 """Mesh axes in mesh order: world = pp × dp × cp × tp, tp fastest."""
 
-GROUP_AXES = ("pp", "dp", "cp", "tp", "dp_cp", "cp_tp", "ep", "edp", "edp_tp")
+GROUP_AXES = (PP, DP, CP, TP, DP_CP, CP_TP, EP, EDP, EDP_TP)
 """Every group kind the map reports, named as ``moetrain.parallel.state`` names them: the mesh
 axes; ``dp_cp`` (dense gradients, dp outer), ``cp_tp`` (the ranks sharing one sequence, cp
 outer); the expert axes ``ep`` and ``edp`` (replicas of the same experts with the same tp
@@ -174,7 +175,7 @@ class RankMap:
         node = self.node_of(rank)
         out: dict[str, Any] = {"rank": rank, "node": node, "node_name": self.allocation.nodes[node].name,
                                "local_rank": self.local_of(rank)}
-        for axis in ("pp", "dp", "cp", "tp", "ep", "edp"):
+        for axis in (*DENSE_AXES, EP, EDP):
             out[axis] = int(self._coord[axis][rank])
         return out
 
@@ -258,7 +259,7 @@ class RankMap:
         node_of = np.arange(self.world) // self.tasks_per_node
         ranks = []
         names = self.allocation.names
-        cols = {a: self._coord[a].tolist() for a in ("pp", "dp", "cp", "tp", "ep", "edp")}
+        cols = {a: self._coord[a].tolist() for a in (*DENSE_AXES, EP, EDP)}
         for r in range(self.world):
             n = int(node_of[r])
             ranks.append({"rank": r, "node": n, "node_name": names[n], "local_rank": r % self.tasks_per_node,
