@@ -92,7 +92,35 @@ class ModelConfig:
       et al. 2024 §3.3.1; Meta's reference ``apply_scaling``): wavelengths longer than
       ``rope_original_max_positions / rope_low_freq_factor`` tokens are divided by
       ``rope_scaling_factor``, those shorter than ``rope_original_max_positions /
-      rope_high_freq_factor`` are kept, the ones between interpolated; ``none`` keeps them all."""
+      rope_high_freq_factor`` are kept, the ones between interpolated; ``yarn`` is YaRN (Peng et
+      al. 2023, "YaRN", §3.2-3.4, as DeepSeek-V3 and GPT-OSS use it): frequencies blended between
+      interpolated (÷ ``rope_scaling_factor``) and kept by a linear ramp over the dimensions whose
+      wavelength lies between ``rope_beta_fast`` and ``rope_beta_slow`` rotations in
+      ``rope_original_max_positions`` tokens (``rope_truncate`` rounds the ramp's ends out), and
+      cos/sin multiplied by the attention factor 0.1·ln(factor) + 1 — or, when
+      ``rope_mscale`` and ``rope_mscale_all_dim`` are both set, by the ratio of their two such
+      factors (DeepSeek-V3); ``none`` keeps them all.
+    * ``partial_rotary_factor``: RoPE on the first fraction of each head's dimensions only, the
+      rest passing unrotated (GLM-4.5: 0.5).
+    * ``attention_out_bias``: a bias on the output projection (GPT-OSS; ``qkv_bias`` covers q/k/v).
+    * ``attention_sinks``: one learned logit per head that joins every query's softmax (its value
+      is zero: a place for attention to go when no key fits; GPT-OSS, Xiao et al. 2023).
+    * ``sliding_window``: each query sees at most this many keys, itself included, in the blocks
+      i with i % ``window_every`` == 0 (GPT-OSS: 128, every other block); ``null``: none.
+    * ``attention``: ``gqa`` (grouped-query attention, the blocks above) or ``mla``, DeepSeek's
+      multi-head latent attention (DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1): queries through an
+      optional low-rank bottleneck of ``q_lora_rank`` (``null``: one projection), keys and
+      values from a compressed latent of ``kv_lora_rank`` (RMS-normed) expanded per head to
+      ``qk_nope_head_dim`` (keys) and ``v_head_dim`` (values), plus a RoPE key of
+      ``qk_rope_head_dim`` shared by all heads; the softmax scale is (qk_nope + qk_rope)^-1/2,
+      times mscale² under YaRN with ``rope_mscale_all_dim``. ``kv_heads`` and ``head_dim`` do not
+      apply.
+    * ``mtp_depth``: multi-token prediction (DeepSeek-V3 §2.2): that many sequential modules after
+      the last block, module k predicting the token k + 1 further from the previous module's
+      hidden state and the embedding of the token k ahead, through one block of the model's kind;
+      they share the embedding and the output head with the model. Their mean loss, weighted by
+      ``mtp_loss_coef``, adds to the objective and is logged as ``mtp_loss``; validation and
+      exports to architectures without MTP leave them out."""
 
     layers: int = 4
     hidden: int = 256
@@ -110,16 +138,48 @@ class ModelConfig:
     head_dim: int | None = None
     qk_norm: Literal["none", "head", "projection"] = "none"
     qkv_bias: bool = False
-    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling: Literal["none", "llama3", "yarn"] = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True
+    partial_rotary_factor: float = 1.0
+    attention_out_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    window_every: int = 1
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mtp_depth: int = 0
+    mtp_loss_coef: float = 0.3
 
     @property
     def resolved_head_dim(self) -> int:
-        """Width of one attention head: ``head_dim``, or hidden / heads when it is ``null``."""
+        """Width of one attention head: ``head_dim``, or hidden / heads when it is ``null``
+        (under MLA, a query/key head: qk_nope_head_dim + qk_rope_head_dim)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of a head that RoPE rotates (the RoPE key's under MLA)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (None: full causal attention)."""
+        return self.sliding_window if self.sliding_window is not None and layer % self.window_every == 0 else None
 
 
 @dataclass(frozen=True)
@@ -157,7 +217,19 @@ class MoEConfig:
     SwiGLU (they are fused into one); ``null`` is shared_experts × ffn_hidden (Qwen1.5-MoE's
     shared expert is wider than its routed ones). ``shared_expert_gate``: scale the shared
     experts' output per token by sigmoid(w · x), w a learned [hidden] vector (Qwen1.5-MoE /
-    Qwen2-MoE); ``false`` adds it as it is (DeepSeekMoE)."""
+    Qwen2-MoE); ``false`` adds it as it is (DeepSeekMoE).
+
+    The routing of the models of 2025-26: ``n_group`` / ``topk_group`` — group-limited routing
+    with fixed groups: the experts fall into ``n_group`` equal groups by id, each group is scored
+    by the sum of its two best choice scores, and a token picks its experts within the
+    ``topk_group`` best groups (DeepSeek-V3's and GLM-4.5's router; independent of the layout,
+    unlike ``max_nodes_per_token``). ``routing_bias``: a per-expert score-correction bias added
+    to the choice scores (DeepSeek-V3's ``e_score_correction_bias``; ``bias_update_rate`` > 0
+    trains it, else it stays as imported). ``router_bias``: a learned bias of the router's
+    projection (GPT-OSS). ``expert_biases``: biases on every expert's projections (GPT-OSS).
+    ``activation``: ``swiglu`` silu(x w1)·(x w3), or ``clamped_swiglu`` (GPT-OSS):
+    g = min(x w1, limit), u = clamp(x w3, ±limit), g·sigmoid(``swiglu_alpha``·g)·(u + 1) with
+    limit = ``swiglu_limit``."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -177,6 +249,14 @@ class MoEConfig:
     token_dispatcher: Literal["alltoall", "hierarchical"] = "alltoall"
     shared_ffn_hidden: int | None = None
     shared_expert_gate: bool = False
+    n_group: int | None = None
+    topk_group: int | None = None
+    routing_bias: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def shared_hidden(self) -> int:
@@ -209,7 +289,9 @@ class ParallelConfig:
     under tp each tp rank routes its own 1/tp of the sequence; with tp, every tp rank routes the
     whole sequence and each expert's ffn width is split over the tp ranks (w1/w3 by columns, w2
     by rows, Megatron-Core's ``expert_tensor_parallel_size``): a 1/tp of every expert's weights
-    per rank, for experts too large to hold whole."""
+    per rank, for experts too large to hold whole. ``activation_checkpointing``: ``full`` (whole
+    blocks), ``selective`` (core attention), ``mla_up_proj`` (MLA's up-projections and the core
+    attention; Megatron-Core's recompute module of that name), ``none``."""
 
     dp: int = 1
     tp: int = 1
@@ -223,7 +305,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     pp_first_stage_layers: int | None = None
     pp_last_stage_layers: int | None = None
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: Literal["none", "full", "selective", "mla_up_proj"] = "none"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
 
@@ -830,7 +912,32 @@ def _check_model(cfg: Config, device: str | None) -> None:
             raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor, "must exceed model."
                               f"rope_low_freq_factor={m.rope_low_freq_factor} (the interpolated band lies between "
                               "them)", "use e.g. rope_low_freq_factor 1 and rope_high_freq_factor 4 (Llama 3.1)")
-    if m.heads % m.kv_heads:
+    if m.rope_scaling == "yarn":
+        _bounds(cfg, "model", positive="rope_scaling_factor rope_original_max_positions rope_beta_fast rope_beta_slow")
+        if m.rope_beta_fast <= m.rope_beta_slow:
+            raise field_error("model.rope_beta_fast", m.rope_beta_fast, f"must exceed model.rope_beta_slow="
+                              f"{m.rope_beta_slow} (rotations at the ramp's two ends)",
+                              "use YaRN's 32 and 1")
+    if not 0 < m.partial_rotary_factor <= 1 or m.rotary_dim % 2:
+        raise field_error("model.partial_rotary_factor", m.partial_rotary_factor, f"rotates {m.rotary_dim} of a head's "
+                          f"{m.resolved_head_dim} dimensions: needs a fraction in (0, 1] giving an even count",
+                          "use 1.0 or e.g. 0.5 (GLM-4.5)")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise field_error("model.sliding_window", m.sliding_window, "must be at least 1", "use null or e.g. 128")
+    _bounds(cfg, "model", positive="window_every", non_negative="mtp_depth mtp_loss_coef")
+    if m.attention == "mla":
+        _bounds(cfg, "model", positive="kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim q_lora_rank")
+        if m.qk_rope_head_dim % 2:
+            raise field_error("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even (RoPE rotates pairs)",
+                              "use e.g. 64 (DeepSeek-V3)")
+        for name in ("qk_norm", "partial_rotary_factor"):
+            if getattr(m, name) != ModelConfig.__dataclass_fields__[name].default:
+                raise field_error(f"model.{name}", getattr(m, name), "does not apply to model.attention = 'mla'",
+                                  f"remove it, or use attention: gqa")
+        if m.heads % par.tp:
+            raise field_error("model.heads", m.heads, f"not divisible by parallel.tp = {par.tp} (MLA splits heads)",
+                              f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
+    elif m.heads % m.kv_heads:
         raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                           f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
     # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence (with etp = 1), with
@@ -904,6 +1011,23 @@ def _check_moe(cfg: Config, device: str | None) -> None:
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
         raise field_error("moe.capacity_factor", moe.capacity_factor, "must be positive",
                           "use null for dropless or a value such as 1.25")
+    if (moe.n_group is None) != (moe.topk_group is None):
+        which = "moe.n_group" if moe.n_group is not None else "moe.topk_group"
+        raise field_error(which, getattr(moe, which.split(".")[1]), "group-limited routing needs both moe.n_group and "
+                          "moe.topk_group", "set both (DeepSeek-V3: 8 and 4), or neither")
+    if moe.n_group is not None:
+        if moe.n_group < 1 or moe.num_experts % moe.n_group:
+            raise field_error("moe.n_group", moe.n_group, f"must divide moe.num_experts={moe.num_experts} (equal "
+                              f"groups)", f"choose n_group among {_nearest(moe.n_group, _divisors(moe.num_experts))}")
+        if not 1 <= moe.topk_group <= moe.n_group or moe.top_k > moe.topk_group * (moe.num_experts // moe.n_group):
+            raise field_error("moe.topk_group", moe.topk_group, f"must lie in 1..n_group={moe.n_group} and its groups "
+                              f"must hold top_k={moe.top_k} experts",
+                              f"use topk_group >= {-(-moe.top_k // (moe.num_experts // moe.n_group))}")
+        if moe.max_nodes_per_token is not None:
+            raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "node-limited routing and "
+                              "moe.n_group both limit the groups a token may use", "use one of them")
+    if moe.swiglu_limit <= 0:
+        raise field_error("moe.swiglu_limit", moe.swiglu_limit, "must be positive", "use e.g. 7.0 (GPT-OSS)")
     # moetrain.model.moe's backends: megablocks and CUDA's grouped GEMM want CUDA and bf16.
     if device and moe.expert_backend == "megablocks":
         if device != "cuda":

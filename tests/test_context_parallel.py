@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moetrain.parallel import context
+from moetrain.model import attention
 from moetrain.parallel.context import cp_gather, cp_positions, cp_shard, cp_unshard, ring_attention
 from multiproc import run_distributed
 
@@ -169,15 +169,15 @@ def test_block_kernels(monkeypatch, causal, native_gqa):
     equals SDPA, lse equals the kernels'. Backward of a sub-block (the first half of K/V; the
     top-left causal mask of a [32 × 16] block is the global one) given the full rows' out/lse:
     its dk/dv are exactly that half of the full gradients."""
-    monkeypatch.setattr(context, "_cpu_flash_native_gqa", lambda: native_gqa)
+    monkeypatch.setattr(attention, "_cpu_flash_native_gqa", lambda: native_gqa)
     q, k, v, dout = _inputs(32)
     ref_out, ref_grads = _reference(q, k, v, dout, causal)
     scale = D ** -0.5
     lses = []
     for kernel in ("cpu_flash", "math"):
-        out, lse = context._block_fwd(kernel, q, k, v, causal, scale)
+        out, lse = attention.block_forward(kernel, q, k, v, causal, scale)
         assert (out - ref_out).abs().max() < TOL, kernel
-        _, dk, dv = context._block_bwd(kernel, dout, q, k[:, :, :16], v[:, :, :16], out, lse, causal, scale)
+        _, dk, dv = attention.block_backward(kernel, dout, q, k[:, :, :16], v[:, :, :16], out, lse, causal, scale)
         assert (dk - ref_grads[1][:, :, :16]).abs().max() < TOL, kernel
         assert (dv - ref_grads[2][:, :, :16]).abs().max() < TOL, kernel
         lses.append(lse)

@@ -63,7 +63,7 @@ def test_activation_checkpointing_recomputes_without_double_counting(mode):
         target.attention.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
     else:
         inner = target.kernel.kernel
-        target.kernel.kernel = lambda q, k, v, doc: (calls.__setitem__("n", calls["n"] + 1), inner(q, k, v, doc))[1]
+        target.kernel.kernel = lambda q, k, v, doc, **kw: (calls.__setitem__("n", calls["n"] + 1), inner(q, k, v, doc, **kw))[1]
     tokens = torch.randint(0, 257, (2, 16))
     for m in (ref, model):
         for moe in m.moe_layers().values():

@@ -15,8 +15,9 @@ import zlib
 import torch
 from torch import nn
 
+from moetrain.model.layers import Attention, RMSNorm
+from moetrain.model.mla import MLAttention
 from moetrain.model.moe import GroupedExperts, MoE
-from moetrain.model.layers import RMSNorm
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -45,6 +46,9 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
         elif isinstance(module, MoE) and module.expert_bias is not None:
             module.expert_bias.zero_()  # aux-loss-free balancing starts unbiased
         elif isinstance(module, GroupedExperts):
+            for b in (module.b1, module.b3, module.b2):
+                if b is not None:
+                    b.zero_()
             for pname in ("w1", "w3", "w2"):
                 p = getattr(module, pname)
                 s = out_std if pname == "w2" else std
@@ -56,7 +60,9 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
                     for dim, (first, size) in enumerate(zip(offset[1:], local.shape[1:])):
                         one = one.narrow(dim, first, size)
                     local[e].copy_(one.to(local.dtype))
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, (Attention, MLAttention)) and module.sinks is not None:
+            module.sinks.zero_()  # no mass on the sink to begin with beyond e^0 (GPT-OSS trains them)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             leaf = mod_name.rsplit(".", 1)[-1]
             s = out_std if leaf in ("wo", "w2") else std
             _fill_normal(module.weight, s, seed, f"{full}.weight")

@@ -105,40 +105,95 @@ class Llama3RopeScaling:
     high_freq_factor: float
     original_max_positions: int
 
-    def __call__(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Rescaled frequencies: inv_freq [Dh/2] fp32 → [Dh/2] fp32."""
+    def __call__(self, inv_freq: torch.Tensor, theta: float) -> tuple[torch.Tensor, float]:
+        """Rescaled frequencies: inv_freq [Dr/2] fp32 → ([Dr/2] fp32, attention factor 1)."""
         L = self.original_max_positions
         wavelen = 2 * math.pi / inv_freq
         s = (L / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
         blended = (1 - s) * inv_freq / self.factor + s * inv_freq
         out = torch.where(wavelen > L / self.low_freq_factor, inv_freq / self.factor, blended)
-        return torch.where(wavelen < L / self.high_freq_factor, inv_freq, out)
+        return torch.where(wavelen < L / self.high_freq_factor, inv_freq, out), 1.0
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 scaling: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1 · mscale · ln(factor) + 1 (1 for factor ≤ 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (``model.rope_scaling: yarn``; Peng et al. 2023 §3.2-3.4, the form DeepSeek-V3 and
+    GPT-OSS use). For rotary width Dr and L = ``original_max_positions`` the dimension pair i
+    rotating ``r`` times in L tokens sits at d(r) = Dr·ln(L / (2π r)) / (2 ln θ); between
+    d(``beta_fast``) and d(``beta_slow``) (floored / ceiled with ``truncate``) a linear ramp
+    blends the frequency from kept (high frequencies) to interpolated (÷ ``factor``). cos/sin
+    are multiplied by the attention factor ``mscale(factor)`` = 0.1 ln(factor) + 1, or
+    mscale(factor, ``mscale``) / mscale(factor, ``mscale_all_dim``) when both are set."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    def __call__(self, inv_freq: torch.Tensor, theta: float) -> tuple[torch.Tensor, float]:
+        dim = 2 * inv_freq.shape[0]
+
+        def at(rotations: float) -> float:
+            return dim * math.log(self.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = at(self.beta_fast), at(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+                / ((high + 0.001 if low == high else high) - low)).clamp(0, 1)
+        kept = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
+        out = inv_freq / self.factor * (1 - kept) + inv_freq * kept
+        if self.mscale and self.mscale_all_dim:
+            factor = yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        else:
+            factor = yarn_mscale(self.factor)
+        return out, factor
+
+
+RopeScaling = Callable[[torch.Tensor, float], tuple[torch.Tensor, float]]
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, scaling: RopeScaling | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding tables (Su et al. 2021, RoFormer eq. 34).
 
     positions: [S] integer positions (global positions under context parallelism), or [B, S]
-    when they differ per sample (positions restarting at every document). ``scaling`` rescales
-    the frequencies (e.g. :class:`Llama3RopeScaling`); ``None`` keeps θ^(−2i/Dh).
-    Returns cos, sin: [S, Dh/2] (or [B, S, Dh/2]) in fp32.
+    when they differ per sample (positions restarting at every document). ``rotary_dim``: the
+    dimensions rotated (a head's, or part of it). ``scaling`` rescales the frequencies and
+    returns an attention factor that multiplies cos/sin (e.g. :class:`Llama3RopeScaling`,
+    :class:`YarnRopeScaling`); ``None`` keeps θ^(−2i/Dr). Returns cos, sin: [S, Dr/2] (or
+    [B, S, Dr/2]) in fp32.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32)
+                                / rotary_dim))
+    factor = 1.0
     if scaling is not None:
-        inv_freq = scaling(inv_freq)
+        inv_freq, factor = scaling(inv_freq, theta)
     angles = positions.to(torch.float32)[..., None] * inv_freq
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by the position angle. x: [B, S, heads, Dh]; cos/sin:
-    [S, Dh/2] or [B, S, Dh/2]."""
-    xf = x.float().unflatten(-1, (-1, 2))
+    """Rotate pairs (x[2i], x[2i+1]) of the first 2·len(cos) dimensions by the position angle;
+    the remaining ones pass (partial rotary). x: [B, S, heads, D]; cos/sin: [S, Dr/2] or
+    [B, S, Dr/2]."""
+    rot = 2 * cos.shape[-1]
+    xf = x[..., :rot].float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    return out.to(x.dtype)
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 # An attention kernel: (q [B,H,S,Dh], k [B,G,S,Dh], v [B,G,S,Dh], doc) -> [B,H,S,Dh], causal,
@@ -183,24 +238,28 @@ class Attention(nn.Module):
     ``n_heads``/``n_kv_heads`` are the heads held by this module (divided by tp after tensor
     parallelism). ``kernel`` computes the core attention (:mod:`moetrain.model.attention`); it is
     SDPA by default, set from ``model.attention_backend``, and replaced by ring attention under
-    context parallelism. ``qkv_bias``: biases on wq/wk/wv. ``qk_norm``: ``none``, ``head`` or
-    ``projection`` (:class:`QKNorm`, ``model.qk_norm``).
+    context parallelism. ``qkv_bias``: biases on wq/wk/wv; ``out_bias``: on wo. ``qk_norm``:
+    ``none``, ``head`` or ``projection`` (:class:`QKNorm`, ``model.qk_norm``). ``sinks``: one
+    learned logit per head joining the softmax. ``window``: a sliding window of that many keys.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
-                 qk_norm: str = "none", norm_eps: float = 1e-5):
+                 qk_norm: str = "none", norm_eps: float = 1e-5, out_bias: bool = False, sinks: bool = False,
+                 window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.wq = Linear(dim, n_heads * head_dim, bias=qkv_bias)
         self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
-        self.wo = Linear(n_heads * head_dim, dim, bias=False)
+        self.wo = Linear(n_heads * head_dim, dim, bias=out_bias)
         self.q_norm: QKNorm | None = None
         self.k_norm: QKNorm | None = None
         if qk_norm != "none":
             per_head = qk_norm == "head"
             self.q_norm = QKNorm(head_dim if per_head else n_heads * head_dim, norm_eps, per_head)
             self.k_norm = QKNorm(head_dim if per_head else n_kv_heads * head_dim, norm_eps, per_head)
+        self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
+        self.window = window
         self.kernel: AttentionKernel = sdpa_attention
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -221,7 +280,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc)  # [B, H, S, Dh]
+        sinks = local(self.sinks, None) if self.sinks is not None else None
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc, window=self.window,
+                          sinks=sinks)  # [B, H, S, Dh]
         return out.transpose(1, 2).reshape(B, S, -1)
 
 

@@ -12,3 +12,25 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     ``torch.distributed.tensor.parallel.loss_parallel()`` so the full logits are never gathered
     (Megatron's vocabulary-parallel cross-entropy); targets: [B, S] int64. Returns a scalar."""
     return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
+
+
+def model_loss(logits: torch.Tensor, targets: torch.Tensor, mtp_coef: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(objective, LM loss, MTP loss or None) of the model's output.
+
+    Without multi-token prediction: logits [B, S, V], targets [B, S]; the objective is
+    :func:`lm_loss`. With it (DeepSeek-V3 §2.2, eq. 24-25): logits [B, S, 1 + D, V] and targets
+    [B, S, 1 + D] (:func:`moetrain.model.transformer.future_tokens`); the LM loss is module 0's,
+    module k's loss is the cross-entropy summed over the positions that have a token k + 1 ahead,
+    divided by all B·S positions (so that it adds up the same however a sample is split over
+    ranks), and the objective is LM + ``mtp_coef`` · mean over k of them.
+    """
+    if logits.dim() == 3:
+        lm = lm_loss(logits, targets)
+        return lm, lm, None
+    lm = lm_loss(logits[:, :, 0], targets[..., 0])
+    B, S, K = targets.shape
+    per = [F.cross_entropy(logits[:, :, k].flatten(0, 1), targets[..., k].flatten(), ignore_index=-100,
+                           reduction="sum") / (B * S) for k in range(1, K)]
+    mtp = torch.stack(per).mean()
+    return lm + mtp_coef * mtp, lm, mtp

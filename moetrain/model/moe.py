@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Protocol
 
 import torch
@@ -207,43 +208,73 @@ class GroupedExperts(nn.Module):
 
     compute_dtype: torch.dtype | None = None
 
-    def __init__(self, dim: int, hidden: int, num_experts: int, backend: str = "loop"):
+    def __init__(self, dim: int, hidden: int, num_experts: int, backend: str = "loop", biases: bool = False,
+                 activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         self.backend = backend
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        # GPT-OSS: b1, b3 [E, F], b2 [E, D].
+        self.b1 = nn.Parameter(torch.empty(num_experts, hidden)) if biases else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, hidden)) if biases else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if biases else None
+        self.act = partial(clamped_swiglu, alpha=alpha, limit=limit) if activation == "clamped_swiglu" else swiglu
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None
                 ) -> torch.Tensor:
         """x_ND: rows grouped by local expert, ``counts_El[e]`` rows for expert e ([El] int64 on
         x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D]."""
         w1, w3, w2 = (local(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
+        b1, b3, b2 = (local(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
         x_ND = x_ND.to(w1.dtype)
         if self.backend == "grouped_mm":
             # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
             offs = torch.cumsum(counts_El, 0, dtype=torch.int32)
-            h_NF = F.silu(F.grouped_mm(x_ND, w1, offs=offs)) * F.grouped_mm(x_ND, w3, offs=offs)
-            return F.grouped_mm(h_NF, w2, offs=offs)
+            gate, up = F.grouped_mm(x_ND, w1, offs=offs), F.grouped_mm(x_ND, w3, offs=offs)
+            if b1 is not None:  # each row's expert's biases
+                row = torch.repeat_interleave(torch.arange(len(counts_El), device=x_ND.device), counts_El,
+                                              output_size=x_ND.shape[0])
+                gate, up = gate + b1[row], up + b3[row]
+            out = F.grouped_mm(self.act(gate, up), w2, offs=offs)
+            return out + b2[row] if b2 is not None else out
         if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
         if self.backend == "megablocks":
             return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
-        return _loop_swiglu(x_ND, w1, w3, w2, sizes)
+        return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up (Shazeer 2020)."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation (OpenAI's reference ``swiglu``): min(gate, limit) ·
+    sigmoid(alpha · min(gate, limit)) · (clamp(up, ±limit) + 1)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
 @torch.compiler.disable  # per-expert GEMMs of data-dependent sizes: nothing to fuse, endless recompiles
-def _loop_swiglu(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, sizes: list[int]
-                 ) -> torch.Tensor:
-    """The reference expert computation: one SwiGLU per expert on its ``sizes[e]`` rows."""
+def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, sizes: list[int],
+                  act: Callable = swiglu, b1: torch.Tensor | None = None, b3: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference expert computation: one gated MLP per expert on its ``sizes[e]`` rows."""
     outs = []
+    biases = (b1.unbind(0), b3.unbind(0), b2.unbind(0)) if b1 is not None else ((None,) * len(sizes),) * 3
     # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate and
     # zero-fill a whole [El, ...] gradient per expert).
-    for x, w1_e, w3_e, w2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0), w2.unbind(0)):
+    for x, w1_e, w3_e, w2_e, b1_e, b3_e, b2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0),
+                                                     w2.unbind(0), *biases):
         # Empty groups still touch the weights so every expert gets a (zero) gradient.
-        h = F.silu(x @ w1_e) * (x @ w3_e)
-        outs.append(h @ w2_e)
+        gate, up = x @ w1_e, x @ w3_e
+        if b1_e is not None:
+            gate, up = gate + b1_e, up + b3_e
+        out = act(gate, up) @ w2_e
+        outs.append(out + b2_e if b2_e is not None else out)
     return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 
 
@@ -276,10 +307,11 @@ def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: 
 
 class Router(nn.Linear):
     """The routing projection, always in fp32 (logits, softmax and top-k decide which expert a
-    token goes to; bf16 rounding flips close choices): x [T, D] → logits [T, E] fp32."""
+    token goes to; bf16 rounding flips close choices): x [T, D] → logits [T, E] fp32; with a
+    bias (GPT-OSS) when built with one."""
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TD.float(), self.weight.float())
+        return F.linear(x_TD.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 class MoE(nn.Module):
@@ -303,22 +335,27 @@ class MoE(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int = 0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, capacity_factor: float | None = None,
                  norm_topk_prob: bool = True, score_function: str = "softmax", routed_scaling_factor: float = 1.0,
-                 bias_update_rate: float = 0.0, shared_hidden: int | None = None, shared_gate: bool = False):
+                 bias_update_rate: float = 0.0, shared_hidden: int | None = None, shared_gate: bool = False,
+                 n_group: int | None = None, topk_group: int | None = None, routing_bias: bool = False,
+                 router_bias: bool = False, expert_biases: bool = False, activation: str = "swiglu",
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.routed_scaling_factor = score_function, routed_scaling_factor
         # Aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores
         # for the top-k choice only, moved by bias_update_rate after every optimizer step
-        # (update_expert_bias). A buffer, so checkpoints carry it.
+        # (update_expert_bias), or kept as imported (routing_bias). A buffer, so checkpoints carry it.
         self.bias_update_rate = bias_update_rate
-        if bias_update_rate > 0:
+        if bias_update_rate > 0 or routing_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         else:
             self.expert_bias = None
+        self.n_group, self.topk_group = n_group, topk_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
-        self.router = Router(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.router = Router(dim, num_experts, bias=router_bias)
+        self.experts = GroupedExperts(dim, hidden, num_experts, biases=expert_biases, activation=activation,
+                                      alpha=swiglu_alpha, limit=swiglu_limit)
         width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
         self.shared = FeedForward(dim, width) if width else None
         self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
@@ -351,6 +388,8 @@ class MoE(nn.Module):
            per expert (DeepSeek-V3 §2.1.2 eq. 15);
         2. the choice uses scores + ``expert_bias`` when aux-loss-free balancing is on (the bias
            never enters the weights);
+        2a. group-limited routing with fixed groups (``n_group`` / ``topk_group``):
+           :func:`limit_to_fixed_groups`;
         3. node-limited routing (DeepSeek-V3 §2.2 "node-limited routing", Megatron-Core's
            group-limited top-k): with ``parallel.max_groups`` M, each group of experts (the
            experts of one NVLink domain's ranks) is scored by the sum of its top ⌈K / M⌉ choice
@@ -360,6 +399,8 @@ class MoE(nn.Module):
         """
         scores_TE = logits_TE.softmax(-1) if self.score_function == "softmax" else logits_TE.sigmoid()
         choice_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+        if self.n_group is not None:
+            choice_TE = limit_to_fixed_groups(choice_TE, self.n_group, self.topk_group)
         if self.parallel.max_groups is not None:
             choice_TE = limit_to_groups(choice_TE, self.parallel.expert_groups, self.parallel.max_groups, self.top_k)
         topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
@@ -448,6 +489,19 @@ class MoE(nn.Module):
         if self.training and total_aux.requires_grad:
             out = AttachAuxLoss.apply(out, total_aux, self.aux_loss_scale)
         return out
+
+
+def limit_to_fixed_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Mask (−inf) the experts outside each token's ``topk_group`` best of ``n_group`` groups of
+    consecutive expert ids, a group scored by the sum of its two best choice scores (DeepSeek-V3's
+    and GLM-4.5's router: Hugging Face's ``DeepseekV3TopkRouter``; DeepSeek-V3 §2.1.2 with
+    K_r / M = 8 / 4 = 2). choice_TE: [T, E] → [T, E]."""
+    T, E = choice_TE.shape
+    per = E // n_group
+    group_scores_TG = choice_TE.view(T, n_group, per).topk(min(2, per), dim=-1).values.sum(-1)
+    keep_TG = torch.zeros(T, n_group, dtype=torch.bool, device=choice_TE.device)
+    keep_TG.scatter_(1, group_scores_TG.topk(topk_group, dim=-1).indices, True)
+    return choice_TE.masked_fill(~keep_TG.repeat_interleave(per, dim=1), float("-inf"))
 
 
 def limit_to_groups(choice_TE: torch.Tensor, groups: "ExpertGroups", max_groups: int, top_k: int) -> torch.Tensor:

@@ -22,7 +22,9 @@ from torch import nn
 
 from moetrain.config import Config
 from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
-from moetrain.model.layers import Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm, rope_cos_sin
+from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
+                                   YarnRopeScaling, rope_cos_sin, yarn_mscale)
+from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE
 from moetrain.model.recompute import recompute_context
 
@@ -35,8 +37,15 @@ class Block(nn.Module):
         m, moe = cfg.model, cfg.moe
         self.layer = layer
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
-        self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
-                                   m.norm_eps)
+        window = m.window_of(layer)
+        self.attention: Attention | MLAttention
+        if m.attention == "mla":
+            self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
+                                         m.qk_rope_head_dim, m.v_head_dim, mla_scale(cfg), m.norm_eps, window,
+                                         m.attention_sinks)
+        else:
+            self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
+                                       m.norm_eps, m.attention_out_bias, m.attention_sinks, window)
         self.attention.kernel = attention_kernel(m.attention_backend)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
         self.moe: MoE | None = None
@@ -45,7 +54,10 @@ class Block(nn.Module):
             self.moe = MoE(m.hidden, moe.ffn_hidden, moe.num_experts, moe.top_k, moe.shared_experts,
                            moe.aux_loss_coef, moe.z_loss_coef, moe.capacity_factor, moe.norm_topk_prob,
                            moe.score_function, moe.routed_scaling_factor, moe.bias_update_rate,
-                           shared_hidden=moe.shared_hidden, shared_gate=moe.shared_expert_gate)
+                           shared_hidden=moe.shared_hidden, shared_gate=moe.shared_expert_gate, n_group=moe.n_group,
+                           topk_group=moe.topk_group, routing_bias=moe.routing_bias, router_bias=moe.router_bias,
+                           expert_biases=moe.expert_biases, activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
+                           swiglu_limit=moe.swiglu_limit)
         else:
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 
@@ -64,6 +76,48 @@ class Block(nn.Module):
         h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
         mlp = self.moe if self.moe is not None else self.feed_forward
         return h + mlp(self.ffn_norm(h))
+
+
+def mla_scale(cfg: Config) -> float:
+    """MLA's softmax scale: (qk_nope + qk_rope)^-1/2, times mscale(factor, mscale_all_dim)² under
+    YaRN with ``rope_mscale_all_dim`` (DeepSeek-V3's reference code and Hugging Face's)."""
+    m = cfg.model
+    scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
+    if m.rope_scaling != "none" and m.rope_mscale_all_dim:
+        scale *= yarn_mscale(m.rope_scaling_factor, m.rope_mscale_all_dim) ** 2
+    return scale
+
+
+def rope_scaling(cfg: Config):
+    """The frequency rescaling of ``model.rope_scaling`` (None for ``none``)."""
+    m = cfg.model
+    if m.rope_scaling == "llama3":
+        return Llama3RopeScaling(m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
+                                 m.rope_original_max_positions)
+    if m.rope_scaling == "yarn":
+        return YarnRopeScaling(m.rope_scaling_factor, m.rope_original_max_positions, m.rope_beta_fast,
+                               m.rope_beta_slow, m.rope_mscale, m.rope_mscale_all_dim, m.rope_truncate)
+    return None
+
+
+class MTPModule(nn.Module):
+    """Multi-token prediction module k (DeepSeek-V3 §2.2, eq. 21-23): h' = W [RMSNorm(Emb(t_{i+k}));
+    RMSNorm(h_i^{k-1})] (Hugging Face's order), one block of the model's kind, and its own final
+    norm before the shared output head. x: [B, S, D] → [B, S, D]."""
+
+    def __init__(self, cfg: Config, layer: int):
+        super().__init__()
+        m = cfg.model
+        self.enorm = RMSNorm(m.hidden, m.norm_eps)
+        self.hnorm = RMSNorm(m.hidden, m.norm_eps)
+        self.eh_proj = Linear(2 * m.hidden, m.hidden, bias=False)
+        self.block = Block(cfg, layer)
+        self.norm = RMSNorm(m.hidden, m.norm_eps)
+
+    def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc: DocumentMask | None = None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
+        return self.norm(self.block(x, cos, sin, doc))
 
 
 class Transformer(nn.Module):
@@ -85,15 +139,16 @@ class Transformer(nn.Module):
             raise ValueError("model.vocab_size is unresolved; resolve it from the data manifest first "
                              "(moetrain.launch.preflight.resolve_vocab) or set it in the config")
         self.cfg = cfg
-        self.head_dim = m.resolved_head_dim
+        self.rotary_dim = m.rotary_dim
         self.rope_theta = m.rope_theta
-        self.rope_scaling = (Llama3RopeScaling(m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
-                                               m.rope_original_max_positions)
-                             if m.rope_scaling == "llama3" else None)
+        self.rope_scaling = rope_scaling(cfg)
         self.tok_embeddings: nn.Embedding | None = Embedding(m.vocab_size, m.hidden)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
+        # Multi-token prediction: keyed by their global index after the last block (the names
+        # DeepSeek-V3's checkpoints give them), on the last pipeline stage.
+        self.mtp = nn.ModuleDict({str(m.layers + k): MTPModule(cfg, m.layers + k) for k in range(m.mtp_depth)})
         self.reset_position_ids = cfg.data.reset_position_ids
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -110,7 +165,10 @@ class Transformer(nn.Module):
         return {name: blk.moe for name, blk in self.layers.items() if blk.moe is not None}
 
     def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V] (fp32); with multi-token prediction, in training and given ``future``
+        ([B, S, 1 + mtp_depth] int64, :func:`future_tokens`), [B, S, 1 + mtp_depth, V]: the main
+        head's and every MTP module's logits (:func:`moetrain.model.loss.model_loss`)."""
         h = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
         S = h.shape[1]
         if positions is None:
@@ -122,11 +180,27 @@ class Transformer(nn.Module):
             rope_positions = positions_in_document(doc_ids)[:, positions] if self.reset_position_ids else positions
         else:
             rope_positions = positions
-        cos, sin = rope_cos_sin(rope_positions, self.head_dim, self.rope_theta, self.rope_scaling)
+        cos, sin = rope_cos_sin(rope_positions, self.rotary_dim, self.rope_theta, self.rope_scaling)
         for block in self.layers.values():
             h = block(h, cos, sin, doc)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h).float()
-        return h
+        if self.output is None:
+            return self.norm(h) if self.norm is not None else h
+        logits = self.output(self.norm(h) if self.norm is not None else h).float()
+        if not len(self.mtp) or future is None or not self.training:
+            return logits
+        # Module k sees the previous module's hidden state and the embedding of the token k ahead
+        # (ids beyond the sample, -100, embed as token 0: their predictions are not scored).
+        out = [logits]
+        for k, module in enumerate(self.mtp.values(), start=1):
+            h = module(h, self.tok_embeddings(future[..., k - 1].clamp(min=0)), cos, sin, doc)
+            out.append(self.output(h).float())
+        return torch.stack(out, dim=2)
+
+
+def future_tokens(targets_BS: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, S, 1 + depth] int64: the target of position i and the next ``depth`` tokens after it
+    (t_{i+1}, …, t_{i+1+depth}), −100 (ignored) where they lie beyond the sample. Built on whole
+    samples (before context parallelism splits them)."""
+    B, S = targets_BS.shape
+    padded = torch.cat([targets_BS, targets_BS.new_full((B, depth), -100)], dim=1)
+    return torch.stack([padded[:, j:j + S] for j in range(depth + 1)], dim=-1)

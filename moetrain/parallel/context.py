@@ -29,20 +29,16 @@ Public API: :func:`cp_shard`, :func:`cp_unshard`, :func:`cp_positions`, :func:`c
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from moetrain.model.attention import DocumentMask
+from moetrain.model.attention import (DocumentMask, Kernel, _acc_dtype, block_backward, block_forward, merge_sinks,
+                                      pick_kernel, sink_grad, within_window)
 from moetrain.parallel.peers import waiting_on_peers
 
 __all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "apply_context_parallel"]
-
-Kernel = Literal["auto", "cpu_flash", "flash_attn", "math"]
 
 # ---------------------------------------------------------------------------------------------
 # 1. Load-balanced sharding of the sequence
@@ -113,168 +109,6 @@ def cp_gather(x_local: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Per-block attention kernels: (out, lse) forward; backward given the *global* out and lse
-# ---------------------------------------------------------------------------------------------
-# Why the backward takes the global out/lse: with P_blk = exp(S_blk·scale − lse_global) the
-# block's probabilities are exactly its slice of the full softmax, and
-# dS = P ∘ (dP − rowsum(dO ∘ O_global)), so each block's dq/dk/dv is its exact share of the full
-# gradient (FlashAttention-2 backward, Dao 2023, Algorithm 2). No per-block statistics are kept.
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-@functools.cache
-def _cpu_flash_native_gqa() -> bool:
-    """Whether the CPU flash op takes fewer K/V heads than Q heads (it does on torch 2.13; older
-    releases may not). Probed once on tiny tensors, without touching the global RNG."""
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 2, 4, 8, generator=gen)
-    k, v = torch.randn(2, 1, 1, 4, 8, generator=gen)
-    try:
-        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        out, lse = fwd(q, k, v, 0.0, False)
-        ref, _ = fwd(q, k.expand(1, 2, 4, 8).contiguous(), v.expand(1, 2, 4, 8).contiguous(), 0.0, False)
-        _, dk, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            torch.ones_like(out), q, k, v, out, lse, 0.0, False)
-    except RuntimeError:
-        return False
-    return bool(torch.allclose(out, ref)) and dk.shape == k.shape
-
-
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, Hkv, S, D] → [B, Hkv·groups, S, D], query head h reading K/V head h // groups (the
-    convention of SDPA's ``enable_gqa``)."""
-    return t.repeat_interleave(groups, dim=1)
-
-
-def _reduce_kv_grad(g: torch.Tensor, groups: int) -> torch.Tensor:
-    b, h, s, d = g.shape
-    return g.view(b, h // groups, groups, s, d).sum(dim=2)
-
-
-def _cpu_flash_fwd(q, k, v, causal, scale):
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1 and not _cpu_flash_native_gqa():
-        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse
-
-
-def _cpu_flash_bwd(dout, q, k, v, out, lse, causal, scale):
-    groups = q.shape[1] // k.shape[1]
-    expand = groups > 1 and not _cpu_flash_native_gqa()
-    if expand:
-        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if expand:
-        dk, dv = _reduce_kv_grad(dk, groups), _reduce_kv_grad(dv, groups)
-    return dq, dk, dv
-
-
-def _math_scores(q, k, causal, scale, mask=None):
-    """Scores as [B, Hkv, G, Sq, Sk] in the accumulation dtype; GQA by broadcasting (no copy of
-    K/V per query head). The causal mask is top-left aligned, as in the flash kernels; ``mask``
-    ([B, Sq, Sk] bool, True = visible; e.g. a document mask) applies on top."""
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    acc = _acc_dtype(q.dtype)
-    q5 = q.to(acc).reshape(b, hkv, hq // hkv, sq, d)
-    s = (q5 @ k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
-        visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~visible, float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    return q5, s
-
-
-def _math_fwd(q, k, v, causal, scale, mask=None):
-    b, hq, sq, d = q.shape
-    _, s = _math_scores(q, k, causal, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    # A row with no visible key in this block (a document mask can do that) has lse = -inf: its
-    # output is 0 and its lse stays -inf, which the log-sum-exp merge then ignores.
-    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
-    out = p @ v.to(s.dtype).unsqueeze(2)
-    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
-
-
-def _math_bwd(dout, q, k, v, out, lse, causal, scale, mask=None):
-    b, hq, sq, d = q.shape
-    hkv = k.shape[1]
-    q5, s = _math_scores(q, k, causal, scale, mask)
-    acc = s.dtype
-    shape5 = (b, hkv, hq // hkv, sq, d)
-    do5, o5 = dout.to(acc).reshape(shape5), out.to(acc).reshape(shape5)
-    k5, v5 = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
-    p = torch.exp(s - lse.to(acc).reshape(shape5[:-1]).unsqueeze(-1))
-    dv = (p.transpose(-1, -2) @ do5).sum(dim=2)
-    dp = do5 @ v5.transpose(-1, -2)
-    ds = p * (dp - (do5 * o5).sum(dim=-1, keepdim=True)) * scale
-    dq = (ds @ k5).reshape(b, hq, sq, d)
-    dk = (ds.transpose(-1, -2) @ q5).sum(dim=2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _flash_attn_fwd(q, k, v, causal, scale):
-    """CUDA only, when the optional ``flash-attn`` package is importable: its public
-    ``flash_attn_func`` returns the log-sum-exp with ``return_attn_probs=True``; layout
-    [B, S, H, D], GQA native. Not covered by the CPU test suite. Its causal mask is
-    bottom-right aligned when Sq != Sk; the ring only asks for causal blocks with Sq == Sk."""
-    from flash_attn import flash_attn_func
-
-    out, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                  softmax_scale=scale, causal=causal, return_attn_probs=True)
-    return out.transpose(1, 2), lse
-
-
-# kernel name → (forward, backward). flash-attn exposes no public backward that takes a given
-# (global) lse, so its blocks use the math backward, which is exact with any forward.
-_KERNELS = {
-    "cpu_flash": (_cpu_flash_fwd, _cpu_flash_bwd),
-    "math": (_math_fwd, _math_bwd),
-    "flash_attn": (_flash_attn_fwd, _math_bwd),
-}
-
-
-def _pick_kernel(kernel: Kernel, q: torch.Tensor) -> str:
-    if kernel != "auto":
-        if kernel not in _KERNELS:
-            raise ValueError(f"kernel={kernel!r}: choose one of 'auto', {', '.join(map(repr, _KERNELS))}")
-        return kernel
-    if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
-        return "cpu_flash"
-    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and importlib.util.find_spec("flash_attn") is not None):
-        return "flash_attn"
-    return "math"
-
-
-def _block_fwd(kernel, q, k, v, causal, scale, mask=None):
-    """Attention of queries ``q`` [B, Hq, Sq, D] over one K/V block [B, Hkv, Sk, D].
-    Returns ``out`` [B, Hq, Sq, D] (input dtype) and ``lse`` [B, Hq, Sq] (accumulation dtype).
-    With a ``mask`` ([B, Sq, Sk] bool) the math kernel runs (the flash kernels take none)."""
-    if mask is not None:
-        return _math_fwd(q, k, v, causal, scale, mask)
-    out, lse = _KERNELS[kernel][0](q, k, v, causal, scale)
-    return out, lse.to(_acc_dtype(q.dtype))
-
-
-def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale, mask=None):
-    """Gradients of one block given the global ``out`` and ``lse`` of these query rows."""
-    if mask is not None:
-        return _math_bwd(dout, q, k, v, out, lse, causal, scale, mask)
-    return _KERNELS[kernel][1](dout, q, k, v, out, lse, causal, scale)
-
-
-# ---------------------------------------------------------------------------------------------
 # 3. Ring communication and block visibility
 # ---------------------------------------------------------------------------------------------
 
@@ -336,28 +170,34 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse
 
 
 class _BlockMasks:
-    """Document masks of the (query, K/V block) pairs of the ring, restricted to the visible part
-    that :func:`_visible_part` selects; ``None`` everywhere without a document mask."""
+    """Masks of the (query, K/V block) pairs of the ring — document mask and sliding window —
+    restricted to the visible part that :func:`_visible_part` selects; ``None`` everywhere
+    without either."""
 
-    def __init__(self, doc: DocumentMask | None, ring: "_Ring", local_len: int):
-        self.doc, self.ring, self.c = doc, ring, local_len // 2
+    def __init__(self, doc: DocumentMask | None, window: int | None, ring: "_Ring", local_len: int, seq_len: int,
+                 device: torch.device):
+        self.doc, self.window, self.ring, self.c = doc, window, ring, local_len // 2
+        self.seq_len, self.device = seq_len, device
+        self.positions: dict[int, torch.Tensor] = {}
+
+    def _pos(self, rank: int) -> torch.Tensor:
+        if rank not in self.positions:
+            self.positions[rank] = cp_positions(self.seq_len, rank, self.ring.size, self.device)
+        return self.positions[rank]
 
     def __call__(self, src: int, part: str) -> torch.Tensor | None:
-        if self.doc is None:
+        if self.doc is None and self.window is None:
             return None
-        doc, c = self.doc, self.c
-        q_pos = doc.positions
-        key = ("ring_kv_positions", src)
-        if key not in doc.cache:
-            doc.cache[key] = cp_positions(doc.doc_ids.shape[1], src, self.ring.size, doc.doc_ids.device)
-        k_pos = doc.cache[key]
-        if part == _DIAGONAL:  # causal part: the kernel's own causal flag applies too
-            return doc.visible(q_pos, k_pos)
+        q_pos, k_pos, c = self._pos(self.ring.rank), self._pos(src), self.c
         if part == _KV_FIRST:
-            return doc.same_document(q_pos, k_pos[:c])
-        if part == _Q_SECOND:
-            return doc.same_document(q_pos[c:], k_pos)
-        return doc.same_document(q_pos, k_pos)
+            k_pos = k_pos[:c]
+        elif part == _Q_SECOND:
+            q_pos = q_pos[c:]
+        if self.doc is not None:  # the diagonal block's causal part: the kernel's causal flag applies too
+            mask = self.doc.visible(q_pos, k_pos) if part == _DIAGONAL else self.doc.same_document(q_pos, k_pos)
+        else:
+            mask = (k_pos[None, :] <= q_pos[:, None])[None]
+        return mask if self.window is None else mask & within_window(q_pos, k_pos, self.window)
 
 
 def _ring_forward(ring, kernel, q, k, v, causal, scale, masks):
@@ -375,12 +215,12 @@ def _ring_forward(ring, kernel, q, k, v, causal, scale, masks):
         mask = masks(src, part)
         rows = slice(None)
         if part in (_ALL, _DIAGONAL):
-            blk_out, blk_lse = _block_fwd(kernel, q, kv[0], kv[1], part == _DIAGONAL, scale, mask)
+            blk_out, blk_lse = block_forward(kernel, q, kv[0], kv[1], part == _DIAGONAL, scale, mask)
         elif part == _KV_FIRST:
-            blk_out, blk_lse = _block_fwd(kernel, q, kv[0, :, :, :c], kv[1, :, :, :c], False, scale, mask)
+            blk_out, blk_lse = block_forward(kernel, q, kv[0, :, :, :c], kv[1, :, :, :c], False, scale, mask)
         else:  # _Q_SECOND
             rows = slice(c, None)
-            blk_out, blk_lse = _block_fwd(kernel, q[:, :, rows], kv[0], kv[1], False, scale, mask)
+            blk_out, blk_lse = block_forward(kernel, q[:, :, rows], kv[0], kv[1], False, scale, mask)
         # 3. Merge by lse. Step 0 (own block) covers every row, so it initialises the accumulators.
         if out is None:
             out = blk_out.to(_acc_dtype(q.dtype), copy=True)
@@ -413,17 +253,17 @@ def _ring_backward(ring, kernel, dout, q, k, v, out, lse, causal, scale, masks):
         part = _visible_part(ring.rank, src, causal)
         mask = masks(src, part)
         if part in (_ALL, _DIAGONAL):
-            g = _block_bwd(kernel, dout, q, kv[0], kv[1], out, lse, part == _DIAGONAL, scale, mask)
+            g = block_backward(kernel, dout, q, kv[0], kv[1], out, lse, part == _DIAGONAL, scale, mask)
             dq += g[0]
             dkv[0] += g[1]
             dkv[1] += g[2]
         elif part == _KV_FIRST:
-            g = _block_bwd(kernel, dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, False, scale, mask)
+            g = block_backward(kernel, dout, q, kv[0, :, :, :c], kv[1, :, :, :c], out, lse, False, scale, mask)
             dq += g[0]
             dkv[0, :, :, :c] += g[1]
             dkv[1, :, :, :c] += g[2]
         else:  # _Q_SECOND
-            g = _block_bwd(kernel, dout[:, :, c:], q[:, :, c:], kv[0], kv[1], out[:, :, c:],
+            g = block_backward(kernel, dout[:, :, c:], q[:, :, c:], kv[0], kv[1], out[:, :, c:],
                            lse[:, :, c:].contiguous(), False, scale, mask)
             dq[:, :, c:] += g[0]
             dkv[0] += g[1]
@@ -454,31 +294,36 @@ class _RingAttention(torch.autograd.Function):
     owner after cp hops (Liu et al. 2023, §3). No autograd through the communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kernel, doc):
+    def forward(ctx, q, k, v, sinks, group, causal, scale, kernel, doc, window):
         ring = _Ring(group)
-        masks = _BlockMasks(doc, ring, q.shape[2])
+        masks = _BlockMasks(doc, window, ring, q.shape[2], q.shape[2] * ring.size, q.device)
         out, lse = _ring_forward(ring, kernel, q, k, v, causal, scale, masks)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # one more key per head, with a zero value (moetrain.model.attention)
+            out, lse = merge_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.kernel, ctx.causal, ctx.scale, ctx.masks = ring, kernel, causal, scale, masks
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, dout.contiguous(), q, k, v, out, lse,
-                                    ctx.causal, ctx.scale, ctx.masks)
-        return dq, dk, dv, None, None, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.masks)
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    causal: bool = True, scale: float | None = None, kernel: Kernel = "auto",
-                   doc: DocumentMask | None = None) -> torch.Tensor:
+                   doc: DocumentMask | None = None, window: int | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the sequence split across the ranks of ``group`` (ring attention).
 
     Args:
         q: [B, Hq, Sl, D], this rank's queries in the load-balanced layout of :func:`cp_shard`
             (after RoPE with :func:`cp_positions`).
-        k, v: [B, Hkv, Sl, D], same layout; ``Hq`` a multiple of ``Hkv`` (grouped-query
+        k, v: [B, Hkv, Sl, D] and [B, Hkv, Sl, Dv] (Dv ≤ D: MLA's values are narrower; they travel
+            padded with zeros), same layout; ``Hq`` a multiple of ``Hkv`` (grouped-query
             attention: query head h reads K/V head ``h // (Hq / Hkv)``). K/V travel the ring
             un-expanded; the CPU flash kernel takes GQA natively (older torch: the kernel's
             inputs are expanded locally per block, the messages stay small).
@@ -495,9 +340,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             query sees only keys of its own document. Its blocks run on the ``math`` kernel with
             the mask (the flash kernels take none); rows of a block that see no key there give
             nothing to the merge.
+        window: each query sees the last ``window`` positions only (sliding window, over global
+            positions; its blocks run on the ``math`` kernel with the mask).
+        sinks: [Hq] per-head sink logits joining every row's softmax, merged once after the ring
+            (:func:`moetrain.model.attention.merge_sinks`).
 
     Returns:
-        out [B, Hq, Sl, D] in q's dtype, the same layout; differentiable w.r.t. q, k, v.
+        out [B, Hq, Sl, Dv] in q's dtype, the same layout; differentiable w.r.t. q, k, v, sinks.
 
     Communication (every rank sends to rank + 1 and receives from rank − 1 at each hop): forward,
     ``cp − 1`` hops of one K/V block, ``2·B·Hkv·Sl·D`` elements in the input dtype; backward,
@@ -512,9 +361,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     """
     if group is None:
         raise ValueError("group is None: pass the cp process group explicitly")
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"expected q [B, Hq, Sl, D] and k, v [B, Hkv, Sl, D]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.dim() != 4 or k.shape[:3] != v.shape[:3] or k.dim() != 4 or v.shape[3] > k.shape[3]:
+        raise ValueError(f"expected q [B, Hq, Sl, D], k [B, Hkv, Sl, D] and v [B, Hkv, Sl, Dv <= D]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     b, hq, sl, d = q.shape
     if (k.shape[0], k.shape[2], k.shape[3]) != (b, sl, d) or hq % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} disagree: need the same B, Sl, D "
@@ -524,19 +373,25 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         raise ValueError(f"local sequence length {sl} is odd: the causal layout holds two equal chunks "
                          f"(shard with cp_shard; the full length must be divisible by 2 × cp = {2 * cp_size})")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, causal, scale, _pick_kernel(kernel, q), doc)
+    dv = v.shape[3]
+    if dv < d:  # K and V travel as one message of one width
+        v = torch.nn.functional.pad(v, (0, d - dv))
+    out = _RingAttention.apply(q, k, v, sinks, group, causal, scale, pick_kernel(kernel, q), doc, window)
+    return out[..., :dv] if dv < d else out
 
 
 class RingAttentionKernel:
-    """The attention kernel of :class:`moetrain.model.layers.Attention` under context
-    parallelism: (q [B, Hq, Sl, D], k/v [B, Hkv, Sl, D]) → [B, Hq, Sl, D], causal."""
+    """The attention kernel of :class:`moetrain.model.layers.Attention` (and MLA) under context
+    parallelism: (q [B, Hq, Sl, D], k [B, Hkv, Sl, D], v [B, Hkv, Sl, Dv]) → [B, Hq, Sl, Dv],
+    causal; the keyword arguments of :mod:`moetrain.model.attention`'s kernels."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
+                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None
                  ) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, causal=True, doc=doc)
+        return ring_attention(q, k, v, self.group, causal=True, doc=doc, scale=scale, window=window, sinks=sinks)
 
 
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:

@@ -1,0 +1,98 @@
+"""Multi-head latent attention (MLA): DeepSeek-V2 §2.1, DeepSeek-V3 §2.1.1.
+
+Shape legend: B batch, S sequence, D hidden, H heads (those this module holds: H / tp under
+tensor parallelism), Cq ``q_lora_rank``, Ckv ``kv_lora_rank``, Dn ``qk_nope_head_dim``, Dr
+``qk_rope_head_dim``, Dv ``v_head_dim``.
+
+Phases of :meth:`MLAttention.forward`:
+
+1. compress — queries through the low-rank bottleneck c_q = RMSNorm(x W_qa) [B, S, Cq] (or no
+   bottleneck), keys and values into the latent c_kv = RMSNorm(x W_kva) [B, S, Ckv]; the RoPE key
+   k_r = x W_kr [B, S, 1, Dr] is computed from x directly and shared by every head (DeepSeek-V2
+   eq. 9-19: RoPE cannot be folded into an up-projection);
+2. up-project (:meth:`MLAttention.up`) — q = c_q W_qb [B, S, H, Dn + Dr], [k_n; v] = c_kv W_kvb
+   [B, S, H, Dn + Dv]; RoPE on q's last Dr dimensions and on k_r; k = [k_n; k_r] per head;
+3. attend — the attention kernel with softmax scale (Dn + Dr)^-1/2 (× mscale² under YaRN with
+   ``mscale_all_dim``, as DeepSeek-V3's reference code), values of width Dv;
+4. project out — [B, S, H·Dv] W_o.
+
+Phase 2 can be recomputed in backward (``mla_up_proj``, as Megatron-Core's recompute module of
+that name): only the latents stay in memory.
+
+Hugging Face's ``kv_a_proj_with_mqa`` is [Ckv + Dr, D]: moetrain keeps its two parts as two
+projections (``wkv_a`` and ``wk_rope``), so that under tensor parallelism the RoPE key's
+gradient, which every tp rank computes for its own heads, can be summed over tp on its own
+(:mod:`moetrain.parallel.tensor`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from moetrain.model.attention import DocumentMask, sdpa_attention
+from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local
+from moetrain.model.recompute import recompute_context
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (module docstring). ``scale``: the softmax scale.
+    ``kernel`` as :class:`moetrain.model.layers.Attention`'s; ``recompute_up``: recompute phase 2
+    in backward."""
+
+    def __init__(self, dim: int, heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, scale: float, norm_eps: float = 1e-6,
+                 window: int | None = None, sinks: bool = False):
+        super().__init__()
+        self.heads, self.nope, self.rope, self.v_dim = heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        self.wq: Linear | None = None
+        self.wq_a: Linear | None = None
+        if q_lora_rank is None:
+            self.wq = Linear(dim, heads * qk, bias=False)
+        else:
+            self.wq_a = Linear(dim, q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
+            self.wq_b = Linear(q_lora_rank, heads * qk, bias=False)
+        self.wkv_a = Linear(dim, kv_lora_rank, bias=False)
+        self.wk_rope = Linear(dim, qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps)
+        self.wkv_b = Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = Linear(heads * v_head_dim, dim, bias=False)
+        self.scale, self.window = scale, window
+        self.sinks = nn.Parameter(torch.empty(heads)) if sinks else None
+        self.kernel: AttentionKernel = sdpa_attention
+        self.recompute_up = False
+
+    def up(self, c_q: torch.Tensor, c_kv: torch.Tensor, k_r: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Phase 2: latents → per-head q, k [B, H, S, Dn + Dr] and v [B, H, S, Dv]. c_q: the
+        compressed queries (or x without a bottleneck), c_kv [B, S, Ckv], k_r [B, S, Dr]."""
+        B, S = c_kv.shape[:2]
+        q = (self.wq(c_q) if self.wq is not None else self.wq_b(c_q)).view(B, S, -1, self.nope + self.rope)
+        kv = self.wkv_b(c_kv).view(B, S, -1, self.nope + self.v_dim)
+        k_n, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q[..., :self.nope], apply_rope(q[..., self.nope:], cos, sin)], dim=-1)
+        k_r = apply_rope(k_r.unsqueeze(2), cos, sin).expand(-1, -1, k_n.shape[2], -1)
+        k = torch.cat([k_n, k_r], dim=-1)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc: DocumentMask | None = None) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        # 1. compress
+        c_q = x_BSD if self.wq_a is None else self.q_a_norm(self.wq_a(x_BSD))
+        c_kv = self.kv_a_norm(self.wkv_a(x_BSD))
+        k_r = self.wk_rope(x_BSD)
+        # 2. up-project (recomputed in backward with mla_up_proj)
+        if self.recompute_up and torch.is_grad_enabled():
+            q, k, v = torch.utils.checkpoint.checkpoint(self.up, c_q, c_kv, k_r, cos, sin, use_reentrant=False,
+                                                        context_fn=recompute_context)
+        else:
+            q, k, v = self.up(c_q, c_kv, k_r, cos, sin)
+        # 3. attend
+        sinks = local(self.sinks, None) if self.sinks is not None else None
+        out = self.kernel(q, k, v, doc, scale=self.scale, window=self.window, sinks=sinks)  # [B, H, S, Dv]
+        # 4. project out
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
