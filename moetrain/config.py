@@ -896,7 +896,9 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
 def _check_model(cfg: Config, device: str | None) -> None:
     m, par = cfg.model, cfg.parallel
     _bounds(cfg, "model", positive="layers hidden heads kv_heads ffn_hidden seq_len vocab_multiple vocab_size")
-    if m.head_dim is None:
+    if m.attention == "mla":
+        pass  # MLA's head widths are its own fields (checked below)
+    elif m.head_dim is None:
         if m.hidden % m.heads:
             raise field_error("model.hidden", m.hidden, f"not divisible by model.heads={m.heads}", f"choose heads "
                               f"among {_nearest(m.heads, _divisors(m.hidden))}, change hidden, or set model.head_dim")
@@ -937,6 +939,12 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if m.heads % par.tp:
             raise field_error("model.heads", m.heads, f"not divisible by parallel.tp = {par.tp} (MLA splits heads)",
                               f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
+        if m.qkv_bias or m.attention_out_bias:
+            raise field_error("model.qkv_bias" if m.qkv_bias else "model.attention_out_bias", True,
+                              "MLA's projections have no biases in moetrain (nor in DeepSeek-V3)", "remove it")
+    if m.mtp_depth and par.pp > 1:
+        raise field_error("model.mtp_depth", m.mtp_depth, f"not supported with parallel.pp = {par.pp} yet (the MTP "
+                          "modules need the embedding on the last stage)", "use pp: 1, or mtp_depth: 0")
     elif m.heads % m.kv_heads:
         raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                           f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
@@ -955,6 +963,9 @@ def _check_model(cfg: Config, device: str | None) -> None:
     if m.vocab_size is not None and m.vocab_size % par.tp:
         raise field_error("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel "
                           "embedding)", "pad the vocabulary to a multiple of tp or set vocab_size: null")
+    if m.attention_sinks and m.attention_backend != "sdpa":
+        raise field_error("model.attention_backend", m.attention_backend, "takes no attention sinks",
+                          "use attention_backend sdpa (its blockwise kernel merges the sinks)")
     if not device:
         return
     prec = cfg.train.precision
@@ -1026,6 +1037,9 @@ def _check_moe(cfg: Config, device: str | None) -> None:
         if moe.max_nodes_per_token is not None:
             raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "node-limited routing and "
                               "moe.n_group both limit the groups a token may use", "use one of them")
+    if moe.expert_biases and cfg.parallel.etp > 1:
+        raise field_error("moe.expert_biases", True, f"not supported with parallel.etp = {cfg.parallel.etp} (the "
+                          "output bias would be added on every tp rank before their sum)", "use etp: 1")
     if moe.swiglu_limit <= 0:
         raise field_error("moe.swiglu_limit", moe.swiglu_limit, "must be positive", "use e.g. 7.0 (GPT-OSS)")
     # moetrain.model.moe's backends: megablocks and CUDA's grouped GEMM want CUDA and bf16.

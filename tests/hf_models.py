@@ -10,7 +10,10 @@ What each one exercises beyond the plain block: Mixtral the renormalised top-k; 
 per-head q/k norm and a head wider than hidden / heads; Qwen2-MoE the gated shared expert of
 another width, q/k/v biases, a dense first block (decoder_sparse_step 2) and renormalised top-k;
 OLMoE the q/k norm over the whole projection; Llama dense blocks and Llama 3.1 RoPE scaling in all
-three of its frequency bands.
+three of its frequency bands; DeepSeek-V3 MLA, YaRN with mscale, group-limited sigmoid routing
+with the score-correction bias (randomised: it is zero in transformers' init), shared experts;
+GLM-4.5 partial rotary, q/k/v bias and q/k norm; GPT-OSS sinks, a sliding window, biases, the
+clamped SwiGLU and YaRN.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
-ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama")
+ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 def hf_config(arch: str, **over):
@@ -47,6 +50,28 @@ def hf_config(arch: str, **over):
         cls, kw = tf.LlamaConfig, dict(intermediate_size=64, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif arch == "deepseek_v3":
+        # MLA with a query bottleneck, YaRN with DeepSeek's mscale (softmax scale × mscale²), 8 experts in
+        # 4 groups (2 kept), a shared expert, routed scaling, a dense first block.
+        cls, kw = tf.DeepseekV3Config, dict(
+            intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=1,
+            n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+            v_head_dim=6, qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+            first_k_dense_replace=1, num_key_value_heads=4,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0})
+    elif arch == "glm4_moe":
+        # Partial rotary (half of each head), q/k/v bias, per-head q/k norm, DeepSeek's routing.
+        cls, kw = tf.Glm4MoeConfig, dict(
+            intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, n_shared_experts=1,
+            n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            head_dim=16, attention_bias=True, use_qk_norm=True, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    elif arch == "gpt_oss":
+        # Sinks, a 4-token window on block 0 (of 16 tokens), biases everywhere, clamped SwiGLU, YaRN.
+        cls, kw = tf.GptOssConfig, dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                        head_dim=8, sliding_window=4)
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})
@@ -65,5 +90,8 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **over):
             p.copy_(1.0 + 0.3 * torch.randn_like(p))
         else:
             p.normal_(0.0, 0.15)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zero by default: a mapping error would not show
+            b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(out)
     return model.eval()

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--out", required=True, help="weights directory to create")
     imp.add_argument("--config", help="also write the moetrain config (model, moe, checkpoint.init_from) here")
     imp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file written (default 5GB)")
+    imp.add_argument("--mtp-depth", type=int, default=0,
+                     help="multi-token-prediction layers of a DeepSeek-V3 / GLM-4.5 checkpoint to bring in (default 0)")
     exp = sub.add_parser("export", help="moetrain checkpoint → HF model directory",
                          description="Export a weights directory, a training checkpoint (any layout) or a directory "
                                      "of them (its newest) to a Hugging Face model directory.")
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shard = parse_size(args.max_shard_size)
         if args.command == "import":
-            cfg = import_hf(args.hf_dir, args.out, args.config, max_shard_bytes=shard)
+            cfg = import_hf(args.hf_dir, args.out, args.config, max_shard_bytes=shard, mtp_depth=args.mtp_depth)
             m, moe = cfg.model, cfg.moe
             print(f"imported {args.hf_dir} → {args.out}: {m.layers} blocks, hidden {m.hidden}, "
                   f"{moe.num_experts} experts (top-{moe.top_k})" if moe.num_experts else

@@ -11,10 +11,23 @@ Qwen2MoeForCausalLM         qwen2_moe    one shared expert of shared_expert_inte
                                          sigmoid gate; q/k/v bias (qkv_bias); norm_topk_prob; dense blocks
 OlmoeForCausalLM            olmoe        qk_norm ``projection``; every block MoE; norm_topk_prob
 LlamaForCausalLM            llama        dense (moe.num_experts 0); rope scaling ``llama3``
+DeepseekV3ForCausalLM       deepseek_v3  MLA (q_lora_rank, kv_lora_rank, qk_nope/qk_rope/v head dims, YaRN with
+                                         mscale); sigmoid routing with the score-correction bias, n_group /
+                                         topk_group, routed_scaling_factor, n_shared_experts; dense first
+                                         blocks (first_k_dense_replace); the MTP layers after the last block
+                                         when asked for (``mtp_depth``)
+Glm4MoeForCausalLM          glm4_moe     partial rotary (partial_rotary_factor); q/k/v bias (attention_bias);
+                                         per-head q/k norm (use_qk_norm); DeepSeek-V3's routing and shared
+                                         experts; MTP as DeepSeek-V3
+GptOssForCausalLM           gpt_oss      attention sinks; sliding window on alternate blocks (layer_types);
+                                         q/k/v/o biases; router bias; expert biases; clamped SwiGLU
+                                         (swiglu_alpha, swiglu_limit); YaRN; MXFP4 experts dequantized on
+                                         import (bf16, exact)
 ==========================  ===========  ====================================================================
 
-All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention,
-RoPE (``default`` or ``llama3``), tied or separate embeddings (``tie_word_embeddings``).
+All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention
+(or MLA), RoPE (``default``, ``llama3`` or ``yarn``), tied or separate embeddings
+(``tie_word_embeddings``).
 
 Refused, naming the field (never converted approximately): any other architecture or
 ``model_type``; a config.json key this mapping does not know (a new field could change the
@@ -38,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import MIXTRAL_MOE, QWEN_MOE
+from moetrain.hf.tensors import DEEPSEEK_MOE, GPT_OSS_MOE, MIXTRAL_MOE, QWEN_MOE, Names
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -65,7 +78,7 @@ class Architecture:
 
     name: str
     model_type: str
-    moe_names: tuple[str, str, str, str, str]
+    moe_names: Names
     keys: frozenset
     default_theta: float = 10000.0
 
@@ -88,7 +101,20 @@ OLMOE = Architecture("OlmoeForCausalLM", "olmoe", QWEN_MOE, _COMMON | {
     "num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv", "attention_bias"})
 LLAMA = Architecture("LlamaForCausalLM", "llama", QWEN_MOE, _COMMON | {"attention_bias", "mlp_bias", "pretraining_tp"})
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA)}
+_DEEPSEEK = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                       "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
+                       "num_nextn_predict_layers", "attention_bias", "topk_method", "scoring_func", "moe_layer_freq",
+                       "ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp"})
+DEEPSEEK_V3 = Architecture("DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK_MOE, _COMMON | _DEEPSEEK | {
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
+    "rope_interleave"})
+GLM4_MOE = Architecture("Glm4MoeForCausalLM", "glm4_moe", DEEPSEEK_MOE, _COMMON | _DEEPSEEK | {"use_qk_norm"})
+GPT_OSS = Architecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_MOE, _COMMON | {
+    "num_local_experts", "num_experts_per_tok", "attention_bias", "layer_types", "sliding_window", "swiglu_alpha",
+    "swiglu_limit", "quantization_config"}, default_theta=150000.0)
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
+                                                                     DEEPSEEK_V3, GLM4_MOE, GPT_OSS)}
 
 
 def _supported() -> str:
@@ -154,11 +180,24 @@ def _read_rope(r: _Reader) -> dict:
     theta = float(params.pop("rope_theta", r.get("rope_theta", r.arch.default_theta)))
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise r.refuse("partial_rotary_factor", partial, "RoPE on part of each head is not implemented")
+    if partial != 1.0 and r.arch is not GLM4_MOE:
+        raise r.refuse("partial_rotary_factor", partial, f"{r.arch.name} rotates whole heads in moetrain's mapping")
     out: dict[str, Any] = {"rope_theta": theta}
+    if partial != 1.0:
+        out["partial_rotary_factor"] = float(partial)
     if kind == "default":
         known: tuple = ()
+    elif kind == "yarn":
+        known = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                 "truncate")
+        if "factor" not in params or "original_max_position_embeddings" not in params:
+            raise r.refuse(f"{field}.factor", params.get("factor"), "YaRN needs factor and "
+                           "original_max_position_embeddings")
+        out.update(rope_scaling="yarn", rope_scaling_factor=float(params["factor"]),
+                   rope_original_max_positions=int(params["original_max_position_embeddings"]),
+                   rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                   rope_mscale=float(params.get("mscale") or 0), rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+                   rope_truncate=bool(params.get("truncate", True)))
     elif kind == "llama3":
         known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in known if k not in params]
@@ -169,7 +208,7 @@ def _read_rope(r: _Reader) -> dict:
                    rope_high_freq_factor=float(params["high_freq_factor"]),
                    rope_original_max_positions=int(params["original_max_position_embeddings"]))
     else:
-        raise r.refuse(f"{field}.rope_type", kind, "only default and llama3 RoPE are implemented")
+        raise r.refuse(f"{field}.rope_type", kind, "only default, llama3 and yarn RoPE are implemented")
     extra = sorted(k for k in params if k not in known)
     if extra:
         raise r.refuse(f"{field}.{extra[0]}", params[extra[0]], f"not a parameter of {kind} RoPE in moetrain")
@@ -192,9 +231,11 @@ def _moe_layer_pattern(r: _Reader, layers: int, num_experts: int) -> dict:
                    f"a pattern of moe.every / moe.first_dense")
 
 
-def from_hf(hf: dict) -> tuple[Architecture, dict, dict]:
+def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
     """(architecture, moetrain ``model`` section, ``moe`` section) of a ``config.json`` dict.
     ``model.seq_len`` is min(max_position_embeddings, 4096): a training choice to adjust.
+    ``mtp_depth``: how many of the checkpoint's multi-token-prediction layers to bring in
+    (DeepSeek-V3, GLM-4.5; 0 leaves them out).
 
     Raises:
         UnsupportedModel: see the module docstring.
@@ -202,8 +243,9 @@ def from_hf(hf: dict) -> tuple[Architecture, dict, dict]:
     arch = architecture_for(hf)
     r = _Reader(arch, hf)
     r.check_keys()
-    if "quantization_config" in hf:
-        raise r.refuse("quantization_config", hf["quantization_config"], "quantized weights are not read")
+    quant = hf.get("quantization_config")
+    if quant is not None and not (arch is GPT_OSS and quant.get("quant_method") == "mxfp4"):
+        raise r.refuse("quantization_config", quant, "quantized weights are not read (GPT-OSS's MXFP4 experts are)")
     r.expect("hidden_act", lambda v: v == "silu", "silu", "moetrain's MLPs are SwiGLU (silu)")
     r.expect("attention_dropout", lambda v: not v, 0.0, "attention dropout is not implemented")
     hidden, heads = r.get("hidden_size"), r.get("num_attention_heads")
@@ -250,6 +292,40 @@ def from_hf(hf: dict) -> tuple[Architecture, dict, dict]:
         moe.update(num_experts=r.get("num_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
                    every=1, first_dense=0)
+    elif arch in (DEEPSEEK_V3, GLM4_MOE):
+        _read_deepseek_moe(r, model, moe, mtp_depth)
+        if arch is DEEPSEEK_V3:
+            r.expect("attention_bias", lambda v: not v, False, no_bias)
+            q_lora = r.get("q_lora_rank", None)
+            model.update(attention="mla", q_lora_rank=q_lora, kv_lora_rank=r.get("kv_lora_rank"),
+                         qk_nope_head_dim=r.get("qk_nope_head_dim"), qk_rope_head_dim=r.get("qk_rope_head_dim"),
+                         v_head_dim=r.get("v_head_dim"), kv_heads=heads, head_dim=None)
+        else:
+            model["qkv_bias"] = bool(r.get("attention_bias", False))
+            model["qk_norm"] = "head" if r.get("use_qk_norm", False) else "none"
+            if head_dim is not None:
+                model["head_dim"] = head_dim
+    elif arch is GPT_OSS:
+        r.expect("attention_bias", lambda v: v, True, "GPT-OSS without q/k/v/o biases is not a layout moetrain maps")
+        model.update(qkv_bias=True, attention_out_bias=True, attention_sinks=True)
+        if head_dim is not None:
+            model["head_dim"] = head_dim
+        types = r.get("layer_types", None) or ["full_attention"] * model["layers"]
+        window = r.get("sliding_window", None)
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if any(t not in ("sliding_attention", "full_attention") for t in types) or (sliding and window is None):
+            raise r.refuse("layer_types", types, "only sliding_attention and full_attention layers are mapped")
+        if sliding:
+            every = next((e for e in range(1, len(types) + 1)
+                          if sliding == [i for i in range(len(types)) if i % e == 0]), None)
+            if every is None:
+                raise r.refuse("layer_types", types, "sliding layers must be every n-th block from block 0 "
+                                                     "(model.window_every)")
+            model.update(sliding_window=int(window), window_every=every)
+        moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
+                   ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0,
+                   router_bias=True, expert_biases=True, activation="clamped_swiglu",
+                   swiglu_alpha=float(r.get("swiglu_alpha", 1.702)), swiglu_limit=float(r.get("swiglu_limit", 7.0)))
     else:  # LLAMA
         r.expect("attention_bias", lambda v: not v, False, no_bias)
         r.expect("mlp_bias", lambda v: not v, False, no_bias)
@@ -257,11 +333,40 @@ def from_hf(hf: dict) -> tuple[Architecture, dict, dict]:
     return arch, model, moe
 
 
+def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> None:
+    """DeepSeek-V3's (and GLM-4.5's) MoE: sigmoid scores with the score-correction bias,
+    group-limited top-k, routed scaling, shared experts of n_shared_experts × the routed width,
+    the first first_k_dense_replace blocks dense; MTP modules when asked for."""
+    r.expect("topk_method", lambda v: v in ("noaux_tc", None), None, "only DeepSeek-V3's noaux_tc routing is mapped")
+    r.expect("scoring_func", lambda v: v in ("sigmoid", None), None, "only sigmoid scores are mapped")
+    r.expect("moe_layer_freq", lambda v: v == 1, 1, "every block after the dense ones is MoE in moetrain's mapping")
+    available = int(r.get("num_nextn_predict_layers", 0) or 0)
+    if mtp_depth > available:
+        raise r.refuse("num_nextn_predict_layers", available, f"mtp_depth {mtp_depth} asks for more MTP layers")
+    n_group, topk_group = r.get("n_group", None), r.get("topk_group", None)
+    grouped = n_group is not None and n_group > 1
+    moe.update(num_experts=r.get("n_routed_experts"), top_k=r.get("num_experts_per_tok"),
+               ffn_hidden=r.get("moe_intermediate_size"), shared_experts=int(r.get("n_shared_experts", 0) or 0),
+               first_dense=int(r.get("first_k_dense_replace", 0) or 0), every=1, score_function="sigmoid",
+               routing_bias=True, norm_topk_prob=bool(r.get("norm_topk_prob", True)),
+               routed_scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
+               n_group=n_group if grouped else None, topk_group=topk_group if grouped else None)
+    model["mtp_depth"] = mtp_depth
+
+
 def choose_architecture(cfg: Config) -> Architecture:
-    """The architecture a moetrain model exports to when none is asked for: dense → Llama;
+    """The architecture a moetrain model exports to when none is asked for: MLA → DeepSeek-V3;
+    sinks or expert biases → GPT-OSS; a routing bias, fixed expert groups or partial rotary →
+    GLM-4.5; dense → Llama;
     per-head q/k norm → Qwen3-MoE; projection q/k norm → OLMoE; gated shared experts or q/k/v bias
     → Qwen2-MoE; otherwise Mixtral."""
     m, moe = cfg.model, cfg.moe
+    if m.attention == "mla":
+        return DEEPSEEK_V3
+    if m.attention_sinks or moe.expert_biases:
+        return GPT_OSS
+    if moe.routing_bias or moe.n_group is not None or m.partial_rotary_factor != 1.0:
+        return GLM4_MOE
     if moe.num_experts == 0:
         return LLAMA
     if m.qk_norm == "head":
@@ -294,9 +399,44 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         if not ok:
             raise _refuse_ours(arch, field, value, why)
 
-    need("model.qkv_bias", m.qkv_bias, not m.qkv_bias or arch is QWEN2_MOE, "has no q/k/v biases")
+    deepseek_like, gpt_oss = arch in (DEEPSEEK_V3, GLM4_MOE), arch is GPT_OSS
+    need("model.attention", m.attention, (m.attention == "mla") == (arch is DEEPSEEK_V3),
+         "has multi-head latent attention" if arch is DEEPSEEK_V3 else "has grouped-query attention, not MLA")
+    need("model.qkv_bias", m.qkv_bias, m.qkv_bias if gpt_oss else not m.qkv_bias or arch in (QWEN2_MOE, GLM4_MOE),
+         "has q/k/v biases" if gpt_oss else "has no q/k/v biases")
+    need("model.attention_out_bias", m.attention_out_bias, m.attention_out_bias == gpt_oss,
+         "has an output-projection bias" if gpt_oss else "has no output-projection bias")
+    need("model.attention_sinks", m.attention_sinks, m.attention_sinks == gpt_oss,
+         "has attention sinks" if gpt_oss else "has no attention sinks")
+    need("model.sliding_window", m.sliding_window, m.sliding_window is None or gpt_oss, "has no sliding window")
+    need("model.partial_rotary_factor", m.partial_rotary_factor, m.partial_rotary_factor == 1.0 or arch is GLM4_MOE,
+         "rotates whole heads")
+    need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like,
+         "has no multi-token prediction (leave it out: export with model.mtp_depth=0 in the config)")
+    need("moe.router_bias", moe.router_bias, moe.router_bias == gpt_oss and moe.expert_biases == gpt_oss,
+         "has router and expert biases" if gpt_oss else "has no router or expert biases")
+    need("moe.activation", moe.activation, (moe.activation == "clamped_swiglu") == gpt_oss,
+         "has the clamped SwiGLU" if gpt_oss else "has SwiGLU experts")
+    routing_bias = moe.routing_bias or moe.bias_update_rate > 0
+    need("moe.routing_bias", routing_bias, routing_bias == deepseek_like or not moe.num_experts,
+         "routes with a score-correction bias (sigmoid scores)" if deepseek_like else
+         "has no score-correction bias (export a model trained without moe.bias_update_rate / routing_bias)")
+    need("moe.n_group", moe.n_group, moe.n_group is None or deepseek_like, "has no group-limited routing")
+    if deepseek_like:
+        need("moe.score_function", moe.score_function, moe.score_function == "sigmoid", "scores with sigmoids")
+        need("moe.every", moe.every, moe.every == 1, "has an MoE in every block after the dense ones")
+        need("moe.shared_expert_gate", moe.shared_expert_gate, not moe.shared_expert_gate, "has ungated shared experts")
+        need("moe.shared_ffn_hidden", moe.shared_ffn_hidden, moe.shared_ffn_hidden is None,
+             "sizes its shared experts as n_shared_experts × moe_intermediate_size")
+    elif moe.num_experts:
+        need("moe.score_function", moe.score_function, moe.score_function == "softmax", "scores with a softmax")
+        need("moe.routed_scaling_factor", moe.routed_scaling_factor, moe.routed_scaling_factor == 1.0,
+             "does not scale the routed output")
     qk = {QWEN3_MOE: "head", OLMOE: "projection"}.get(arch, "none")
-    need("model.qk_norm", m.qk_norm, m.qk_norm == qk, f"has q/k norm {qk!r}")
+    if arch is GLM4_MOE:
+        need("model.qk_norm", m.qk_norm, m.qk_norm in ("none", "head"), "has q/k norm 'head' or none")
+    else:
+        need("model.qk_norm", m.qk_norm, m.qk_norm == qk, f"has q/k norm {qk!r}")
     if arch is LLAMA:
         need("moe.num_experts", moe.num_experts, moe.num_experts == 0, "is dense")
     else:
@@ -304,12 +444,12 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         if arch is QWEN2_MOE:
             need("moe.shared_experts", moe.shared_experts, moe.shared_experts > 0 and moe.shared_expert_gate,
                  "has one shared expert with a sigmoid gate (set moe.shared_expert_gate)")
-        else:
+        elif not deepseek_like:
             need("moe.shared_experts", moe.shared_experts, moe.shared_experts == 0, "has no shared experts")
-        if arch in (MIXTRAL, OLMOE):
+        if arch in (MIXTRAL, OLMOE, GPT_OSS):
             dense = [i for i in range(m.layers) if not moe.is_moe_layer(i)]
             need("moe.every", moe.every, not dense, f"has an MoE in every block (blocks {dense} are dense)")
-        if arch is MIXTRAL:
+        if arch in (MIXTRAL, GPT_OSS):
             need("moe.norm_topk_prob", moe.norm_topk_prob, moe.norm_topk_prob,
                  "renormalises the top-k probabilities")
     if arch is OLMOE:
@@ -322,10 +462,23 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
                rope_theta=m.rope_theta, torch_dtype=dtype)
     out.pop("rope_parameters", None)  # written the transformers-4 way below, which 5 reads too
     out.pop("dtype", None)
-    out["rope_scaling"] = None if m.rope_scaling == "none" else {
-        "rope_type": "llama3", "factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
-        "high_freq_factor": m.rope_high_freq_factor,
-        "original_max_position_embeddings": m.rope_original_max_positions}
+    out.pop("partial_rotary_factor", None)
+    if m.rope_scaling == "llama3":
+        out["rope_scaling"] = {
+            "rope_type": "llama3", "factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor,
+            "original_max_position_embeddings": m.rope_original_max_positions}
+    elif m.rope_scaling == "yarn":
+        out["rope_scaling"] = {
+            "rope_type": "yarn", "factor": m.rope_scaling_factor, "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow, "original_max_position_embeddings": m.rope_original_max_positions,
+            "truncate": m.rope_truncate, **({"mscale": m.rope_mscale, "mscale_all_dim": m.rope_mscale_all_dim}
+                                             if m.rope_mscale and m.rope_mscale_all_dim else {})}
+    else:
+        out["rope_scaling"] = None
+    if m.partial_rotary_factor != 1.0:
+        out["rope_scaling"] = {**(out["rope_scaling"] or {"rope_type": "default"}),
+                               "partial_rotary_factor": m.partial_rotary_factor}
     out.setdefault("max_position_embeddings", m.seq_len)
     if eos_token_id is not None and "eos_token_id" not in out:
         out["eos_token_id"] = eos_token_id
@@ -353,6 +506,29 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
             out["attention_bias"] = False
         else:
             out.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_hidden)
+    elif deepseek_like:
+        for k in ("num_local_experts", "num_experts"):
+            out.pop(k, None)
+        out.update(n_routed_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden,
+                   n_shared_experts=moe.shared_experts, first_k_dense_replace=moe.first_dense,
+                   routed_scaling_factor=moe.routed_scaling_factor, norm_topk_prob=moe.norm_topk_prob,
+                   n_group=moe.n_group or 1, topk_group=moe.topk_group or 1, num_nextn_predict_layers=m.mtp_depth)
+        if arch is DEEPSEEK_V3:
+            out.update(attention_bias=False, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                       qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                       v_head_dim=m.v_head_dim, num_key_value_heads=m.heads)
+            out.setdefault("rope_interleave", True)
+            out.pop("head_dim", None)
+            out.pop("qk_head_dim", None)
+        else:
+            out.update(attention_bias=m.qkv_bias, use_qk_norm=m.qk_norm == "head", head_dim=m.resolved_head_dim)
+    elif gpt_oss:
+        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, attention_bias=True,
+                   head_dim=m.resolved_head_dim, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+                   sliding_window=m.sliding_window,
+                   layer_types=["sliding_attention" if m.window_of(i) is not None else "full_attention"
+                                for i in range(m.layers)])
+        out.pop("quantization_config", None)  # export writes bf16 / fp32 experts
     else:
         out.update(attention_bias=False, mlp_bias=False)
     return out

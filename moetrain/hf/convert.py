@@ -103,21 +103,59 @@ class HFTensors:
                 if weight_map is None or weight_map.get(name) == f:
                     self.where[name] = f
 
+        # MXFP4 experts (GPT-OSS): X_blocks + X_scales stand for X, dequantized on read.
+        self.mxfp4 = {n[:-len("_blocks")] for n in self.where if n.endswith("_blocks")
+                      and n[:-len("_blocks")] + "_scales" in self.where}
+        if self.mxfp4:
+            log.info("%s: %d MXFP4 expert tensors, dequantized to bf16 (exact: every FP4 value times a power "
+                     "of two is a bf16 value)", hf_dir, len(self.mxfp4))
+
+    def names(self) -> set[str]:
+        """The tensor names, MXFP4 pairs as the tensor they stand for."""
+        quantized = {f"{n}_blocks" for n in self.mxfp4} | {f"{n}_scales" for n in self.mxfp4}
+        return (set(self.where) - quantized) | self.mxfp4
+
     def dtype(self, name: str) -> torch.dtype:
+        if name in self.mxfp4:
+            return torch.bfloat16
         return torch_dtype(self._handles[self.where[name]].get_slice(name).get_dtype())
 
     def __call__(self, name: str) -> torch.Tensor:
+        if name in self.mxfp4:
+            get = self.__call__
+            return dequantize_mxfp4(get(f"{name}_blocks"), get(f"{name}_scales"))
         if name not in self.where:
             raise WeightsError(f"{self.dir}: no tensor {name}")
         return self._handles[self.where[name]].get_tensor(name)
 
 
+# FP4 (E2M1) values of the 16 codes (OCP Microscaling Formats spec v1.0, §5.3.3).
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's MXFP4 expert tensor → bf16, exactly. blocks [E, R, G, 16] uint8 (two FP4 codes
+    per byte, low nibble first), scales [E, R, G] uint8 (E8M0: 2^(s − 127), one per 32 values) →
+    [E, G·32, R]: row r of the checkpoint's [E, R, G·32] layout transposed, as Hugging Face lays
+    the tensor out (``gate_up_proj`` [E, D, 2F], ``down_proj`` [E, F, D])."""
+    lut = torch.tensor(_FP4, dtype=torch.bfloat16)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, R, G, 32]
+    values = torch.ldexp(lut[codes], (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.bfloat16))
+    return values.flatten(-2).transpose(1, 2).contiguous()
+
+
 def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config) -> None:
     want = {n for m in maps for n in m.hf_names()}
-    missing = sorted(want - set(hf.where))
-    # Buffers some older checkpoints carry, and a tied head that transformers ignores.
-    ignorable = re.compile(r".*rotary_emb\.inv_freq$" + (r"|lm_head\.weight$" if cfg.model.tie_embeddings else ""))
-    unexpected = sorted(n for n in set(hf.where) - want if not ignorable.match(n))
+    optional = {n for m in maps for n in m.also}
+    have = hf.names()
+    missing = sorted(want - optional - have)
+    # Buffers some older checkpoints carry, a tied head that transformers ignores, and the MTP
+    # layers after the last block that model.mtp_depth leaves out.
+    mtp_left_out = "|".join(rf"model\.layers\.{i}\..*" for i in range(cfg.model.layers + cfg.model.mtp_depth,
+                                                                        cfg.model.layers + 16))
+    ignorable = re.compile(r".*rotary_emb\.inv_freq$" + (r"|lm_head\.weight$" if cfg.model.tie_embeddings else "")
+                           + (f"|{mtp_left_out}" if mtp_left_out else ""))
+    unexpected = sorted(n for n in have - want if not ignorable.match(n))
     if missing:
         raise WeightsError(f"{hf.dir}: {len(missing)} tensors of this architecture are missing, e.g. {missing[0]}")
     if unexpected:
@@ -125,9 +163,9 @@ def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config) -> None:
                            f"(refused rather than dropped)")
 
 
-def _maps_for(cfg: Config, arch: Architecture) -> list[TensorMap]:
+def _maps_for(cfg: Config, arch: Architecture, rope_interleaved: bool = False) -> list[TensorMap]:
     """The tensor maps, checked against the model moetrain builds from ``cfg``."""
-    maps = tensor_maps(cfg, arch.moe_names)
+    maps = tensor_maps(cfg, arch.moe_names, rope_interleaved)
     ours = {m.ours: m.shape for m in maps}
     model = expected_shapes(cfg)
     if ours != model:  # the map and the model must describe the same tensors
@@ -137,10 +175,11 @@ def _maps_for(cfg: Config, arch: Architecture) -> list[TensorMap]:
 
 
 def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str | os.PathLike | None = None,
-              max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> Config:
+              max_shard_bytes: int = 5 * 10**9, progress: bool = True, mtp_depth: int = 0) -> Config:
     """Convert the HF model in ``hf_dir`` (``config.json`` + ``*.safetensors``) into a weights
     directory ``out`` (see :mod:`moetrain.train.weights`); optionally write the moetrain config
-    to ``config_out``. Returns that config.
+    to ``config_out``. Returns that config. ``mtp_depth``: multi-token-prediction layers of a
+    DeepSeek-V3-family checkpoint to bring in (``model.layers.{num_hidden_layers + k}.*``).
 
     Raises:
         UnsupportedModel: an architecture or config field moetrain cannot represent.
@@ -152,14 +191,14 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
     if not cfg_path.is_file():
         raise WeightsError(f"{hf_dir}: no config.json (is it a Hugging Face model directory?)")
     hf_config = json.loads(cfg_path.read_text())
-    arch, model, moe = from_hf(hf_config)
+    arch, model, moe = from_hf(hf_config, mtp_depth)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", hf_dir.resolve().name) or "hf-model"
     cfg = config_from_dict({"run": {"name": name, "dir": f"runs/{name}"}, "model": model, "moe": moe,
                             "checkpoint": {"init_from": str(out)}})
-    maps = _maps_for(cfg, arch)
+    maps = _maps_for(cfg, arch, bool(hf_config.get("rope_interleave", False)))
     hf = HFTensors(hf_dir)
     _check_names(maps, hf, cfg)
-    entries = [(m.ours, hf.dtype(m.hf_names()[0]), m.shape) for m in maps]
+    entries = [(m.ours, hf.dtype((m.hf_names() or [m.hf])[0]), m.shape) for m in maps]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for m, (_, dtype, _) in zip(maps, entries):
@@ -213,7 +252,7 @@ def _layer_groups(maps: list[TensorMap]) -> list[list[TensorMap]]:
     groups: list[list[TensorMap]] = []
     key = None
     for m in maps:
-        k = m.ours.split(".")[1] if m.ours.startswith("layers.") else m.ours
+        k = ".".join(m.ours.split(".")[:2]) if m.ours.startswith(("layers.", "mtp.")) else m.ours
         if k != key:
             groups.append([])
             key = k
@@ -255,7 +294,10 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
     if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:
         log.warning("moe.capacity_factor = %s: the exported model routes dropless, as inference engines do",
                     cfg.moe.capacity_factor)
-    maps = _maps_for(cfg, arch)
+    # DeepSeek-V3's config says whether its checkpoint rotates interleaved pairs (moetrain's own
+    # layout, written unpermuted): kept as imported, true for a new export.
+    interleaved = arch.name == "DeepseekV3ForCausalLM" and bool((base or {}).get("rope_interleave", True))
+    maps = _maps_for(cfg, arch, interleaved)
     have = dict(reader.shapes)
     if cfg.model.tie_embeddings:
         have.pop("output.weight", None)
@@ -278,8 +320,9 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
                                desc=f"export {out.name}")
         for group in _layer_groups(maps):
             tensors = reader.read([m.ours for m in group])
+            parts = {m.ours: m.hf_layout(tensors[m.ours]) for m in group if m.part is not None}
             for m in group:
-                for name, t in m.to_hf(tensors.pop(m.ours)):
+                for name, t in m.to_hf(tensors.pop(m.ours), parts):
                     writer.write(name, t.to(out_dtype(m)))
         writer.close()
         total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in entries)

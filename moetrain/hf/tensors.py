@@ -18,10 +18,17 @@ occur:
   an RMS statistic does not depend on the order of what it sums). Permuting the weights rather than
   adding a second RoPE layout to the model keeps one RoPE path (and the ring attention's) and lets
   the permutation be checked bit-exactly by a round trip;
+  Only a head's rotary rows are permuted: all of them, the first ``partial_rotary_factor`` of
+  them (GLM-4.5), or the last ``qk_rope_head_dim`` of an MLA query head; none where the HF
+  checkpoint itself rotates interleaved pairs (DeepSeek's ``rope_interleave: true``);
 * ``experts`` — moetrain stacks the experts: w1, w3 [E, D, F] and w2 [E, F, D] (x @ w); HF keeps
   one [F, D] (w1/gate_proj, w3/up_proj) or [D, F] (w2/down_proj) matrix per expert (x @ wᵀ): expert
   e of moetrain's tensor is HF's e-th matrix transposed. Expert order is kept: moetrain expert e is
-  HF expert e (the router's row e).
+  HF expert e (the router's row e). GPT-OSS stores the experts stacked as moetrain does (x @ w),
+  with gate and up columns interleaved in one ``gate_up_proj`` [E, D, 2F];
+* a ``part`` — several moetrain tensors make one HF tensor, concatenated along a dim (MLA's
+  ``kv_a_proj_with_mqa`` = [latent rows; RoPE-key rows]) or interleaved (GPT-OSS's gate/up
+  columns): import selects this tensor's part, export assembles the HF tensor from all parts.
 
 Everything here works on tensors in memory, one tensor (or one expert) at a time; reading and
 writing files is :mod:`moetrain.hf.convert`'s.
@@ -36,33 +43,88 @@ import torch
 
 from moetrain.config import Config
 
-# HF names of the per-layer MoE tensors, by family: (MoE module, router, per-expert w1, w3, w2).
-MIXTRAL_MOE = ("block_sparse_moe", "gate", "w1", "w3", "w2")
-QWEN_MOE = ("mlp", "gate", "gate_proj", "up_proj", "down_proj")
+
+@dataclass(frozen=True)
+class Names:
+    """The HF tensor names of one architecture family's MoE and attention. ``experts``:
+    ``per_expert`` (one matrix per expert: ``{module}.experts.{e}.{w1|w3|w2}.weight``) or
+    ``fused`` (GPT-OSS: ``gate_up_proj`` [E, D, 2F] interleaved, ``down_proj`` [E, F, D], and
+    their biases)."""
+
+    module: str
+    router: str
+    w1: str = "gate_proj"
+    w3: str = "up_proj"
+    w2: str = "down_proj"
+    shared: str = "shared_expert"
+    experts: str = "per_expert"
+
+
+MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
+QWEN_MOE = Names("mlp", "gate")
+DEEPSEEK_MOE = Names("mlp", "gate", shared="shared_experts")
+GPT_OSS_MOE = Names("mlp", "router", experts="fused")
+
+
+@dataclass(frozen=True)
+class Part:
+    """This moetrain tensor is member ``index`` of ``members`` (moetrain names, in order) that
+    make up one HF tensor along ``dim``: concatenated (``how`` "cat", member i of ``sizes[i]``
+    along dim) or interleaved (``how`` "interleave": member i at positions i::len(members))."""
+
+    dim: int
+    how: str
+    members: tuple[str, ...]
+    index: int
+    sizes: tuple[int, ...] = ()
+
+    def select(self, t: torch.Tensor) -> torch.Tensor:
+        if self.how == "interleave":
+            n = len(self.members)
+            return t.narrow(self.dim, 0, t.shape[self.dim]).unflatten(self.dim, (-1, n)).select(self.dim + 1, self.index)
+        start = sum(self.sizes[:self.index])
+        return t.narrow(self.dim, start, self.sizes[self.index])
+
+    def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if self.how == "interleave":
+            return torch.stack(parts, dim=self.dim + 1).flatten(self.dim, self.dim + 1)
+        return torch.cat(parts, dim=self.dim)
 
 
 @dataclass(frozen=True)
 class TensorMap:
     """moetrain tensor ``ours`` (global shape ``shape``) ↔ HF tensors ``hf`` (one name; for
     ``experts`` a template with ``{e}``). ``heads``: heads of a ``rope`` tensor (its rows are
-    ``heads`` blocks of Dh)."""
+    ``heads`` blocks); ``rotary``: (first row, rows) of a head that RoPE rotates (None: all).
+    ``part``: this tensor is a part of the HF tensor (:class:`Part`)."""
 
     ours: str
     hf: str
     layout: str  # "copy", "rope" or "experts"
     shape: tuple[int, ...]
     heads: int = 1
+    rotary: tuple[int, int] | None = None
+    part: Part | None = None
+    also: tuple[str, ...] = ()  # HF copies written on export, optional on import (DeepSeek's MTP layers)
 
     def hf_names(self) -> list[str]:
-        """The HF tensor names, in order (E of them for ``experts``)."""
+        """The HF tensor names, in order (E of them for ``experts``; none for a part that another
+        map writes)."""
         if self.layout == "experts":
             return [self.hf.format(e=e) for e in range(self.shape[0])]
-        return [self.hf]
+        if self.part is not None and self.part.index:
+            return []
+        return [self.hf, *self.also]
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of each HF tensor."""
         if self.layout == "experts":
             return (self.shape[2], self.shape[1])
+        if self.part is not None:
+            shape = list(self.shape)
+            shape[self.part.dim] = (sum(self.part.sizes) if self.part.how == "cat"
+                                    else shape[self.part.dim] * len(self.part.members))
+            return tuple(shape)
         return self.shape
 
     def to_ours(self, get_hf: Callable[[str], torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -76,20 +138,32 @@ class TensorMap:
             for name in self.hf_names():
                 yield _checked(name, get_hf(name), self.hf_shape()).t().contiguous().unsqueeze(0)
             return
-        t = _checked(self.hf, get_hf(self.hf), self.shape)
-        yield rope_to_interleaved(t, self.heads) if self.layout == "rope" else t
+        t = _checked(self.hf, get_hf(self.hf), self.hf_shape())
+        if self.part is not None:
+            t = self.part.select(t).contiguous()
+        yield rope_to_interleaved(t, self.heads, self.rotary) if self.layout == "rope" else t
 
-    def to_hf(self, ours: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs from moetrain's whole tensor ``ours``, in :meth:`hf_names`
-        order. Raises ValueError on a wrong shape."""
+    def hf_layout(self, ours: torch.Tensor) -> torch.Tensor:
+        """moetrain's whole tensor in the HF row order (the RoPE permutation undone); for a part,
+        what it contributes to the HF tensor. Raises ValueError on a wrong shape."""
         ours = _checked(self.ours, ours, self.shape)
+        return interleaved_to_rope(ours, self.heads, self.rotary) if self.layout == "rope" else ours
+
+    def to_hf(self, ours: torch.Tensor, parts: dict[str, torch.Tensor] | None = None
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs from moetrain's whole tensor ``ours``, in :meth:`hf_names`
+        order; a part's first member assembles the HF tensor from ``parts`` (moetrain name → the
+        member's :meth:`hf_layout`). Raises ValueError on a wrong shape."""
         if self.layout == "experts":
+            ours = _checked(self.ours, ours, self.shape)
             for e, name in enumerate(self.hf_names()):
                 yield name, ours[e].t().contiguous()
-        elif self.layout == "rope":
-            yield self.hf, interleaved_to_rope(ours, self.heads)
-        else:
-            yield self.hf, ours
+        elif self.part is None:
+            t = self.hf_layout(ours)
+            for name in (self.hf, *self.also):
+                yield name, t
+        elif self.part.index == 0:
+            yield self.hf, self.part.assemble([parts[m] for m in self.part.members]).contiguous()
 
 
 def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -98,74 +172,134 @@ def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor
     return t
 
 
-def _half_to_interleaved_index(head_dim: int) -> torch.Tensor:
-    """perm with moetrain coordinate j = HF coordinate perm[j] inside a head: perm[2i] = i,
-    perm[2i + 1] = i + Dh/2."""
-    half = torch.arange(head_dim // 2)
-    return torch.stack((half, half + head_dim // 2), dim=1).reshape(-1)
+def _half_to_interleaved_index(head_dim: int, rotary: tuple[int, int] | None = None) -> torch.Tensor:
+    """perm with moetrain coordinate j = HF coordinate perm[j] inside a head: on the rotary rows
+    [a, a + r) perm[a + 2i] = a + i, perm[a + 2i + 1] = a + i + r/2; the others stay."""
+    a, r = rotary if rotary is not None else (0, head_dim)
+    perm = torch.arange(head_dim)
+    half = torch.arange(r // 2)
+    perm[a:a + r] = a + torch.stack((half, half + r // 2), dim=1).reshape(-1)
+    return perm
 
 
-def rope_to_interleaved(t: torch.Tensor, heads: int) -> torch.Tensor:
+def rope_to_interleaved(t: torch.Tensor, heads: int, rotary: tuple[int, int] | None = None) -> torch.Tensor:
     """HF rotate-half rows → moetrain interleaved rows, per head. t: [heads·Dh, ...] (or [Dh])."""
     head_dim = t.shape[0] // heads
-    perm = _half_to_interleaved_index(head_dim)
+    perm = _half_to_interleaved_index(head_dim, rotary)
     return t.reshape(heads, head_dim, *t.shape[1:])[:, perm].reshape(t.shape).contiguous()
 
 
-def interleaved_to_rope(t: torch.Tensor, heads: int) -> torch.Tensor:
+def interleaved_to_rope(t: torch.Tensor, heads: int, rotary: tuple[int, int] | None = None) -> torch.Tensor:
     """Inverse of :func:`rope_to_interleaved`."""
     head_dim = t.shape[0] // heads
-    inverse = torch.argsort(_half_to_interleaved_index(head_dim))
+    inverse = torch.argsort(_half_to_interleaved_index(head_dim, rotary))
     return t.reshape(heads, head_dim, *t.shape[1:])[:, inverse].reshape(t.shape).contiguous()
 
 
-def tensor_maps(cfg: Config, moe_names: tuple[str, str, str, str, str]) -> list[TensorMap]:
-    """Every tensor of the model ``cfg`` describes, layer by layer, with its HF
-    counterpart. ``moe_names``: the family's MoE names (:data:`MIXTRAL_MOE` or :data:`QWEN_MOE`).
-    The shared expert and its gate, when the config has them, use Qwen2-MoE's names."""
-    m, moe = cfg.model, cfg.moe
-    D, Dh, H, G = m.hidden, m.resolved_head_dim, m.heads, m.kv_heads
-    module, router, w1, w3, w2 = moe_names
-    maps = [TensorMap("tok_embeddings.weight", "model.embed_tokens.weight", "copy", (m.vocab_size, D))]
+def tensor_maps(cfg: Config, names: Names, rope_interleaved: bool = False) -> list[TensorMap]:
+    """Every tensor of the model ``cfg`` describes, block by block (then the MTP modules, saved by
+    DeepSeek-V3's checkpoints as blocks after the last), with its HF counterpart. ``names``: the
+    family's (:data:`MIXTRAL_MOE`, :data:`QWEN_MOE`, :data:`DEEPSEEK_MOE`, :data:`GPT_OSS_MOE`);
+    ``rope_interleaved``: the HF checkpoint rotates interleaved pairs already (DeepSeek's
+    ``rope_interleave``), so its rows are taken as they are."""
+    m = cfg.model
+    mtp = [f"model.layers.{m.layers + k}" for k in range(m.mtp_depth)]
+    maps = [TensorMap("tok_embeddings.weight", "model.embed_tokens.weight", "copy", (m.vocab_size, m.hidden),
+                      also=tuple(f"{L}.embed_tokens.weight" for L in mtp))]
     for i in range(m.layers):
-        ours, hf = f"layers.{i}", f"model.layers.{i}"
-        at = f"{hf}.self_attn"
-        maps.append(TensorMap(f"{ours}.attention_norm.weight", f"{hf}.input_layernorm.weight", "copy", (D,)))
-        maps += [TensorMap(f"{ours}.attention.wq.weight", f"{at}.q_proj.weight", "rope", (H * Dh, D), H),
-                 TensorMap(f"{ours}.attention.wk.weight", f"{at}.k_proj.weight", "rope", (G * Dh, D), G),
+        maps += _block_maps(cfg, f"layers.{i}", f"model.layers.{i}", i, names, rope_interleaved)
+    maps.append(TensorMap("norm.weight", "model.norm.weight", "copy", (m.hidden,)))
+    if not m.tie_embeddings:
+        maps.append(TensorMap("output.weight", "lm_head.weight", "copy", (m.vocab_size, m.hidden),
+                              also=tuple(f"{L}.shared_head.head.weight" for L in mtp)))
+    D = m.hidden
+    for k in range(m.mtp_depth):
+        L = m.layers + k
+        ours, hf = f"mtp.{L}", f"model.layers.{L}"
+        maps += [TensorMap(f"{ours}.enorm.weight", f"{hf}.enorm.weight", "copy", (D,)),
+                 TensorMap(f"{ours}.hnorm.weight", f"{hf}.hnorm.weight", "copy", (D,)),
+                 TensorMap(f"{ours}.eh_proj.weight", f"{hf}.eh_proj.weight", "copy", (D, 2 * D)),
+                 *_block_maps(cfg, f"{ours}.block", hf, L, names, rope_interleaved),
+                 TensorMap(f"{ours}.norm.weight", f"{hf}.shared_head.norm.weight", "copy", (D,))]
+    return maps
+
+
+def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_interleaved: bool
+                ) -> list[TensorMap]:
+    m, moe = cfg.model, cfg.moe
+    D, H, G, Dh = m.hidden, m.heads, m.kv_heads, m.resolved_head_dim
+    at = f"{hf}.self_attn"
+    rope = "copy" if rope_interleaved else "rope"
+    maps = [TensorMap(f"{ours}.attention_norm.weight", f"{hf}.input_layernorm.weight", "copy", (D,))]
+    if m.attention == "mla":
+        dn, dr, dv, ckv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        q_rows = (H * (dn + dr), m.q_lora_rank or D)
+        if m.q_lora_rank is None:
+            maps.append(TensorMap(f"{ours}.attention.wq.weight", f"{at}.q_proj.weight", rope, q_rows, H, (dn, dr)))
+        else:
+            maps += [TensorMap(f"{ours}.attention.wq_a.weight", f"{at}.q_a_proj.weight", "copy", (m.q_lora_rank, D)),
+                     TensorMap(f"{ours}.attention.q_a_norm.weight", f"{at}.q_a_layernorm.weight", "copy",
+                               (m.q_lora_rank,)),
+                     TensorMap(f"{ours}.attention.wq_b.weight", f"{at}.q_b_proj.weight", rope, q_rows, H, (dn, dr))]
+        kv_a = (f"{ours}.attention.wkv_a.weight", f"{ours}.attention.wk_rope.weight")
+        maps += [TensorMap(kv_a[0], f"{at}.kv_a_proj_with_mqa.weight", "copy", (ckv, D),
+                           part=Part(0, "cat", kv_a, 0, (ckv, dr))),
+                 TensorMap(kv_a[1], f"{at}.kv_a_proj_with_mqa.weight", rope, (dr, D), 1,
+                           part=Part(0, "cat", kv_a, 1, (ckv, dr))),
+                 TensorMap(f"{ours}.attention.kv_a_norm.weight", f"{at}.kv_a_layernorm.weight", "copy", (ckv,)),
+                 TensorMap(f"{ours}.attention.wkv_b.weight", f"{at}.kv_b_proj.weight", "copy", (H * (dn + dv), ckv)),
+                 TensorMap(f"{ours}.attention.wo.weight", f"{at}.o_proj.weight", "copy", (D, H * dv))]
+    else:
+        rot = (0, m.rotary_dim) if m.rotary_dim != Dh else None
+        maps += [TensorMap(f"{ours}.attention.wq.weight", f"{at}.q_proj.weight", rope, (H * Dh, D), H, rot),
+                 TensorMap(f"{ours}.attention.wk.weight", f"{at}.k_proj.weight", rope, (G * Dh, D), G, rot),
                  TensorMap(f"{ours}.attention.wv.weight", f"{at}.v_proj.weight", "copy", (G * Dh, D))]
         if m.qkv_bias:
-            maps += [TensorMap(f"{ours}.attention.wq.bias", f"{at}.q_proj.bias", "rope", (H * Dh,), H),
-                     TensorMap(f"{ours}.attention.wk.bias", f"{at}.k_proj.bias", "rope", (G * Dh,), G),
+            maps += [TensorMap(f"{ours}.attention.wq.bias", f"{at}.q_proj.bias", rope, (H * Dh,), H, rot),
+                     TensorMap(f"{ours}.attention.wk.bias", f"{at}.k_proj.bias", rope, (G * Dh,), G, rot),
                      TensorMap(f"{ours}.attention.wv.bias", f"{at}.v_proj.bias", "copy", (G * Dh,))]
         maps.append(TensorMap(f"{ours}.attention.wo.weight", f"{at}.o_proj.weight", "copy", (D, H * Dh)))
+        if m.attention_out_bias:
+            maps.append(TensorMap(f"{ours}.attention.wo.bias", f"{at}.o_proj.bias", "copy", (D,)))
         if m.qk_norm == "head":
-            maps += [TensorMap(f"{ours}.attention.q_norm.weight", f"{at}.q_norm.weight", "rope", (Dh,), 1),
-                     TensorMap(f"{ours}.attention.k_norm.weight", f"{at}.k_norm.weight", "rope", (Dh,), 1)]
+            maps += [TensorMap(f"{ours}.attention.q_norm.weight", f"{at}.q_norm.weight", rope, (Dh,), 1, rot),
+                     TensorMap(f"{ours}.attention.k_norm.weight", f"{at}.k_norm.weight", rope, (Dh,), 1, rot)]
         elif m.qk_norm == "projection":
-            maps += [TensorMap(f"{ours}.attention.q_norm.weight", f"{at}.q_norm.weight", "rope", (H * Dh,), H),
-                     TensorMap(f"{ours}.attention.k_norm.weight", f"{at}.k_norm.weight", "rope", (G * Dh,), G)]
-        maps.append(TensorMap(f"{ours}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", "copy", (D,)))
-        if moe.is_moe_layer(i):
-            E, F, mo = moe.num_experts, moe.ffn_hidden, f"{hf}.{module}"
-            maps.append(TensorMap(f"{ours}.moe.router.weight", f"{mo}.{router}.weight", "copy", (E, D)))
-            maps += [TensorMap(f"{ours}.moe.experts.w1", f"{mo}.experts.{{e}}.{w1}.weight", "experts", (E, D, F)),
-                     TensorMap(f"{ours}.moe.experts.w3", f"{mo}.experts.{{e}}.{w3}.weight", "experts", (E, D, F)),
-                     TensorMap(f"{ours}.moe.experts.w2", f"{mo}.experts.{{e}}.{w2}.weight", "experts", (E, F, D))]
-            if moe.shared_hidden:
-                S, sh = moe.shared_hidden, f"{mo}.shared_expert"
-                maps += [TensorMap(f"{ours}.moe.shared.w1.weight", f"{sh}.gate_proj.weight", "copy", (S, D)),
-                         TensorMap(f"{ours}.moe.shared.w3.weight", f"{sh}.up_proj.weight", "copy", (S, D)),
-                         TensorMap(f"{ours}.moe.shared.w2.weight", f"{sh}.down_proj.weight", "copy", (D, S))]
-                if moe.shared_expert_gate:
-                    maps.append(TensorMap(f"{ours}.moe.shared_gate.weight", f"{mo}.shared_expert_gate.weight", "copy",
-                                          (1, D)))
-        else:
-            F = m.ffn_hidden
-            maps += [TensorMap(f"{ours}.feed_forward.w1.weight", f"{hf}.mlp.gate_proj.weight", "copy", (F, D)),
-                     TensorMap(f"{ours}.feed_forward.w3.weight", f"{hf}.mlp.up_proj.weight", "copy", (F, D)),
-                     TensorMap(f"{ours}.feed_forward.w2.weight", f"{hf}.mlp.down_proj.weight", "copy", (D, F))]
-    maps.append(TensorMap("norm.weight", "model.norm.weight", "copy", (D,)))
-    if not m.tie_embeddings:
-        maps.append(TensorMap("output.weight", "lm_head.weight", "copy", (m.vocab_size, D)))
+            maps += [TensorMap(f"{ours}.attention.q_norm.weight", f"{at}.q_norm.weight", rope, (H * Dh,), H, rot),
+                     TensorMap(f"{ours}.attention.k_norm.weight", f"{at}.k_norm.weight", rope, (G * Dh,), G, rot)]
+    if m.attention_sinks:
+        maps.append(TensorMap(f"{ours}.attention.sinks", f"{at}.sinks", "copy", (H,)))
+    maps.append(TensorMap(f"{ours}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", "copy", (D,)))
+    if not moe.is_moe_layer(layer):
+        F = m.ffn_hidden
+        return maps + [TensorMap(f"{ours}.feed_forward.w1.weight", f"{hf}.mlp.gate_proj.weight", "copy", (F, D)),
+                       TensorMap(f"{ours}.feed_forward.w3.weight", f"{hf}.mlp.up_proj.weight", "copy", (F, D)),
+                       TensorMap(f"{ours}.feed_forward.w2.weight", f"{hf}.mlp.down_proj.weight", "copy", (D, F))]
+    E, F, mo, ex = moe.num_experts, moe.ffn_hidden, f"{hf}.{names.module}", f"{ours}.moe.experts"
+    maps.append(TensorMap(f"{ours}.moe.router.weight", f"{mo}.{names.router}.weight", "copy", (E, D)))
+    if moe.router_bias:
+        maps.append(TensorMap(f"{ours}.moe.router.bias", f"{mo}.{names.router}.bias", "copy", (E,)))
+    if moe.routing_bias or moe.bias_update_rate > 0:
+        maps.append(TensorMap(f"{ours}.moe.expert_bias", f"{mo}.{names.router}.e_score_correction_bias", "copy", (E,)))
+    if names.experts == "fused":
+        gate_up = (f"{ex}.w1", f"{ex}.w3")
+        maps += [TensorMap(gate_up[0], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, "interleave", gate_up, 0)),
+                 TensorMap(gate_up[1], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, "interleave", gate_up, 1)),
+                 TensorMap(f"{ex}.w2", f"{mo}.experts.down_proj", "copy", (E, F, D))]
+        if moe.expert_biases:
+            b = (f"{ex}.b1", f"{ex}.b3")
+            maps += [TensorMap(b[0], f"{mo}.experts.gate_up_proj_bias", "copy", (E, F), part=Part(1, "interleave", b, 0)),
+                     TensorMap(b[1], f"{mo}.experts.gate_up_proj_bias", "copy", (E, F), part=Part(1, "interleave", b, 1)),
+                     TensorMap(f"{ex}.b2", f"{mo}.experts.down_proj_bias", "copy", (E, D))]
+    else:
+        maps += [TensorMap(f"{ex}.w1", f"{mo}.experts.{{e}}.{names.w1}.weight", "experts", (E, D, F)),
+                 TensorMap(f"{ex}.w3", f"{mo}.experts.{{e}}.{names.w3}.weight", "experts", (E, D, F)),
+                 TensorMap(f"{ex}.w2", f"{mo}.experts.{{e}}.{names.w2}.weight", "experts", (E, F, D))]
+    if moe.shared_hidden:
+        S, sh = moe.shared_hidden, f"{mo}.{names.shared}"
+        maps += [TensorMap(f"{ours}.moe.shared.w1.weight", f"{sh}.gate_proj.weight", "copy", (S, D)),
+                 TensorMap(f"{ours}.moe.shared.w3.weight", f"{sh}.up_proj.weight", "copy", (S, D)),
+                 TensorMap(f"{ours}.moe.shared.w2.weight", f"{sh}.down_proj.weight", "copy", (D, S))]
+        if moe.shared_expert_gate:
+            maps.append(TensorMap(f"{ours}.moe.shared_gate.weight", f"{mo}.shared_expert_gate.weight", "copy", (1, D)))
     return maps

@@ -25,8 +25,8 @@ def model_loss(logits: torch.Tensor, targets: torch.Tensor, mtp_coef: float = 0.
     divided by all B·S positions (so that it adds up the same however a sample is split over
     ranks), and the objective is LM + ``mtp_coef`` · mean over k of them.
     """
-    if logits.dim() == 3:
-        lm = lm_loss(logits, targets)
+    if logits.dim() == 3:  # no MTP (also a model in eval mode given MTP targets: module 0's)
+        lm = lm_loss(logits, targets if targets.dim() == 2 else targets[..., 0])
         return lm, lm, None
     lm = lm_loss(logits[:, :, 0], targets[..., 0])
     B, S, K = targets.shape

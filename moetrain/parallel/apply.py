@@ -35,7 +35,7 @@ from moetrain.config import Config, check_supported
 from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.layers import set_compute_dtype
-from moetrain.model.loss import lm_loss
+from moetrain.model.loss import model_loss
 from moetrain.model.moe import GroupedExperts, resolve_expert_backend
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
@@ -53,9 +53,9 @@ class StepRunner(Protocol):
     """Runs forward and backward of one optimizer step's micro-batches over the model parts."""
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """Back-propagate mean(lm loss)/len(micro_batches) per micro-batch; return the sum of the
-        micro-batches' LM losses as a float64 scalar on the training device (0 on ranks that
-        compute no loss), without reading it to the host."""
+        """Back-propagate objective/len(micro_batches) per micro-batch; return the sums of the
+        micro-batches' LM and MTP losses as float64 [2] on the training device (0 on ranks that
+        compute no loss, and without MTP), without reading it to the host."""
 
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of LM losses without gradients (validation); same conventions."""
@@ -70,19 +70,26 @@ class SingleStageRunner:
         # resharding (MicroBatchSync); None in one process.
         self.before_micro_batch: Callable[[int, int], None] | None = None
 
-    def _loss(self, mb: MicroBatch) -> torch.Tensor:
+    def _loss(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(objective, LM loss, MTP loss or None); ``mb.targets`` [B, S, 1 + D] carries the MTP
+        targets (:func:`moetrain.model.transformer.future_tokens`)."""
         doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
-        return lm_loss(self.model(mb.inputs.to(self.device), doc_ids=doc_ids), mb.targets.to(self.device))
+        targets = mb.targets.to(self.device)
+        future = targets if targets.dim() == 3 else None
+        logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
+        return model_loss(logits, targets, self.model.cfg.model.mtp_loss_coef)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:
                 self.before_micro_batch(i, len(micro_batches))
             with loss_context(self.ps):
-                loss = self._loss(mb)
+                loss, lm, mtp = self._loss(mb)
                 (loss / len(micro_batches)).backward()
-            total += _plain(loss).detach()
+            total[0] += _plain(lm).detach()
+            if mtp is not None:
+                total[1] += _plain(mtp).detach()
         return total
 
     @torch.no_grad()
@@ -90,7 +97,7 @@ class SingleStageRunner:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             with loss_context(self.ps):
-                total += _plain(self._loss(mb))
+                total += _plain(self._loss(mb)[1])
         return total
 
 

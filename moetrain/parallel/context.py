@@ -400,10 +400,11 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq
     positions of this rank's two chunks. The data loader must hand this rank the same chunks
     (:func:`cp_shard` along the sequence)."""
     from moetrain.model.layers import Attention
+    from moetrain.model.mla import MLAttention
 
     kernel = RingAttentionKernel(group)
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MLAttention)):
             module.kernel = kernel
     cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     model.positions = cp_positions(seq_len, cp_rank, cp_size)

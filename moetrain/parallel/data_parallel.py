@@ -35,8 +35,9 @@ Replica groups (:func:`apply_data_parallel`):
 1. the experts: ``edp_tp`` — the ranks with the same ep coordinate; the tp ranks see different
    tokens of the same experts — or ``edp`` under expert-tensor parallelism (tp splits them);
 2. under tensor parallelism without expert-tensor parallelism, the MoE router, shared experts
-   and shared gate (each tp rank routes its own 1/tp of the tokens) and the q/k norm weights
-   (each tp rank normalises its own heads): ``dp_cp_tp``;
+   and shared gate (each tp rank routes its own 1/tp of the tokens), the q/k norm weights
+   (each tp rank normalises its own heads), and under sequence parallelism the MTP modules'
+   input projection (each tp rank projects its own sequence shard): ``dp_cp_tp``;
 3. the rest of each block (tensor-parallel DTensors on ``tp``, whose pieces FSDP keeps), then
    the root (embedding, final norm, head): ``dp_cp``.
 
@@ -109,9 +110,9 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
         wrapped.extend(group)
         return group[0]
 
-    # Per block, its groups: (modules, replica axis, policy).
+    # Per block, its groups: (modules, replica axis, policy). The MTP modules' blocks are blocks.
     per_block: list[list[tuple[list[nn.Module], str, MixedPrecisionPolicy]]] = []
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *(m.block for m in model.mtp.values())]:
         groups = []
         moe = block.moe
         if moe is not None:  # 1. experts
@@ -126,6 +127,9 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
             groups.append((split, DP_CP_TP, policy))
         groups.append(([block], DP_CP, policy))  # 3. the rest of the block
         per_block.append(groups)
+    if tp and ps.parallel.sequence_parallel and len(model.mtp):
+        # MTP's input projection works on this rank's sequence shard (plain, not tensor-parallel).
+        per_block[-1].insert(0, ([m.eh_proj for m in model.mtp.values()], DP_CP_TP, policy))
     units: list[list[FSDPModule]] = []  # per block: its FSDP modules, the block's own last
     for i, groups in enumerate(per_block):
         # ZeRO-3 keeps the last block's parameters after its forward: its backward comes next

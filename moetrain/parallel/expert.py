@@ -306,7 +306,8 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
         if ep > 1 or etp:
             mesh = ps.expert_mesh[(TP, EP)] if etp and ep > 1 else ps.expert_mesh[TP if etp else EP]
             for name, p in list(moe.experts.named_parameters()):
-                ffn = Shard(1 if name == "w2" else 2)  # F of w1 / w3 [E, D, F] and of w2 [E, F, D]
+                # F of w1 / w3 [E, D, F] and of w2 [E, F, D] (expert biases are refused with etp).
+                ffn = Shard(1 if name == "w2" else 2)
                 placements = ([ffn] if etp else []) + ([Shard(0)] if ep > 1 else [])
                 moe.experts.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, placements,
                                                                                   src_data_rank=None)))

@@ -209,9 +209,9 @@ class PipelineRunner:
         return total
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """Back-propagate mean(lm)/n per micro-batch through the pipeline; returns the sum of the
-        micro-batches' LM losses (float64, on the device) on the rank of the last stage, 0
-        elsewhere.
+        """Back-propagate mean(lm)/n per micro-batch through the pipeline; returns the sums of the
+        micro-batches' LM and MTP losses (float64 [2], on the device; the MTP sum 0) on the rank
+        of the last stage, 0 elsewhere.
 
         Raises:
             ValueError: not ``cfg.grad_accum_steps`` micro-batches, or of different sizes.
@@ -222,7 +222,8 @@ class PipelineRunner:
         self.train_loss.values.clear()
         with loss_context(self.ps):  # the vocabulary-parallel loss's forward and backward, under tp
             self.schedule.step(*args, target=target, return_outputs=False)
-        return self._total(self.train_loss, self.n_micro)
+        lm = self._total(self.train_loss, self.n_micro)
+        return torch.stack([lm, torch.zeros_like(lm)])  # no MTP under pp (moetrain.config refuses it)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:

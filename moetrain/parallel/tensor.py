@@ -81,7 +81,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+
 from moetrain.config import Config
+from moetrain.model.mla import MLAttention
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
 
@@ -166,16 +170,33 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
         plan["norm"] = SequenceParallel()
     if model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
-    for name, block in model.layers.items():
-        prefix = f"layers.{name}"
+    blocks = {f"layers.{name}": block for name, block in model.layers.items()}
+    for name, module in model.mtp.items():  # multi-token prediction: its norms and its block
+        blocks[f"mtp.{name}.block"] = module.block
+        if sequence_parallel:  # local outputs: the plain eh_proj takes them (replicated over dp_cp_tp)
+            for norm in ("enorm", "hnorm", "norm"):
+                plan[f"mtp.{name}.{norm}"] = SequenceParallel(use_local_output=True)
+    for prefix, block in blocks.items():
         if sequence_parallel:
             plan[f"{prefix}.attention_norm"] = SequenceParallel()
             plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-        # (x, cos, sin): only x is distributed; RoPE tables are plain and cover the full sequence.
-        plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                                         desired_input_layouts=(Replicate(), None, None))
-        for proj in ("wq", "wk", "wv"):
-            plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
+        if isinstance(block.attention, MLAttention):
+            # MLA: the latents and the RoPE key are computed from the whole (gathered) input on
+            # every tp rank; the up-projections split the heads. Local input, so that each
+            # up-projection sums its own input gradient over tp (the RoPE key's, which no
+            # projection takes, gets a CopyToTP in apply_tensor_parallel).
+            plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                                             desired_input_layouts=(Replicate(), None, None),
+                                                             use_local_input=True)
+            for proj in ("wq", "wq_b", "wkv_b"):
+                if getattr(block.attention, proj, None) is not None:
+                    plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
+        else:
+            # (x, cos, sin): only x is distributed; RoPE tables are plain and cover the full sequence.
+            plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                                             desired_input_layouts=(Replicate(), None, None))
+            for proj in ("wq", "wk", "wv"):
+                plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
         plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
         if block.moe is not None:
             # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
@@ -221,13 +242,19 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     parallelize_module(model, ps.submesh(TP), tensor_parallel_plan(model, sp, etp))
     if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
-    tp_rank = ps.coord(TP)
-    for block in model.layers.values():
-        for norm in (block.attention.q_norm, block.attention.k_norm):
+    tp_rank, group = ps.coord(TP), ps.group(TP)
+    for block in [*model.layers.values(), *(m.block for m in model.mtp.values())]:
+        attn = block.attention
+        if attn.sinks is not None:  # one logit per head: each tp rank holds its heads'
+            attn.sinks = nn.Parameter(distribute_tensor(attn.sinks, ps.submesh(TP), [Shard(0)], src_data_rank=None))
+        if isinstance(attn, MLAttention):  # every rank's heads read the RoPE key: sum its gradient
+            attn.wk_rope.register_forward_hook(lambda mod, args, out: CopyToTP.apply(out, group))
+            continue
+        for norm in (attn.q_norm, attn.k_norm):
             if norm is not None and not norm.per_head:
                 rows = norm.weight.shape[0] // tp
                 norm.tp_slice = (tp_rank * rows, rows)
-                norm.stat_reducer = _TPSum(ps.group(TP))
+                norm.stat_reducer = _TPSum(group)
     if sp:
         model.positions = torch.arange(m.seq_len)
 

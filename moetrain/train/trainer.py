@@ -39,6 +39,7 @@ from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
 from moetrain.data.reader import TokenShards
 from moetrain.data.verify import verify_shards
+from moetrain.model.transformer import future_tokens
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
@@ -228,11 +229,13 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def _to_device(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+    def _to_device(self, micro_batches: list[MicroBatch], mtp: bool = False) -> list[MicroBatch]:
         """This rank's part of the micro-batches on the training device: under context
         parallelism its two sequence chunks (:func:`moetrain.parallel.context.cp_shard`) of the
         inputs and targets (document ids stay whole: ring attention needs the other chunks'); on
-        CUDA copied from pinned memory without waiting."""
+        CUDA copied from pinned memory without waiting. ``mtp``: the targets become
+        [B, S, 1 + mtp_depth] (:func:`moetrain.model.transformer.future_tokens`), built on whole
+        samples before the split."""
         cp_rank, cp = self.ps.coord(CP), self.ps.size(CP)
         cuda = self.device.type == "cuda"
 
@@ -244,6 +247,8 @@ class Trainer:
         out = []
         for mb in micro_batches:
             inputs, targets = mb.inputs, mb.targets
+            if mtp:
+                targets = future_tokens(targets, self.cfg.model.mtp_depth)
             if cp > 1:
                 inputs, targets = cp_shard(inputs, cp_rank, cp, 1), cp_shard(targets, cp_rank, cp, 1)
             out.append(MicroBatch(move(inputs), move(targets), move(mb.doc_ids)))
@@ -255,7 +260,7 @@ class Trainer:
         t0 = time.perf_counter()
         for part in self.model_parts:
             part.train()
-        micro_batches = self._to_device(self.loader.next_batch())
+        micro_batches = self._to_device(self.loader.next_batch(), mtp=self.cfg.model.mtp_depth > 0)
         accum = len(micro_batches)
         lr = lr_at(self.step, self.cfg.train)
         for opt in self.optimizers:
@@ -266,7 +271,7 @@ class Trainer:
 
         # Forward + backward of every micro-batch (FSDP2 reduces the gradients during the last
         # one's backward); each MoE layer sums its stats in stats_accum.
-        lm_sum = self.runner.forward_backward(micro_batches)
+        loss_sums = self.runner.forward_backward(micro_batches)
 
         grad_norm = global_grad_norm(self.model_parts, self.ps)
         if self.cfg.train.grad_clip > 0:
@@ -276,7 +281,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         self.step += 1
 
-        scalars, loads = self._reduce_metrics(lm_sum, accum)
+        scalars, loads = self._reduce_metrics(loss_sums, accum)
         for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
             if moe.expert_bias is not None:
                 moe.update_expert_bias(loads[name])
@@ -296,6 +301,7 @@ class Trainer:
             "step_time_s": dt,
             "tflops_per_device": self.flops_per_token * self.tokens_per_step / dt / self.ps.world_size / 1e12,
             "dropped_fraction": host["dropped"][0],
+            **({"mtp_loss": host["mtp"][0]} if self.cfg.model.mtp_depth else {}),
             "expert_load": {n: {"tokens": [int(x) for x in row],
                                 "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
                             for n, row in rows.items()},
@@ -321,10 +327,11 @@ class Trainer:
         dist.all_reduce(out)
         return out
 
-    def _reduce_metrics(self, lm_sum: torch.Tensor, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _reduce_metrics(self, loss_sums: torch.Tensor, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's metrics, reduced over the ranks, on the device: (:data:`STEP_SCALARS` as
-        means over micro-batches, data-parallel ranks and MoE layers; float64 [4]) and each local
-        MoE layer's tokens per expert summed over the whole batch ([E] float64).
+        means over micro-batches, data-parallel ranks and MoE layers; float64 [5]) and each local
+        MoE layer's tokens per expert summed over the whole batch ([E] float64). ``loss_sums``:
+        the runner's LM and MTP loss sums ([2]).
 
         Under pipeline parallelism the LM loss lives on the last stage and each stage holds its
         own MoE layers: sums over pp gather them (MoE-layer counts too). Each tp rank routes its
@@ -342,18 +349,19 @@ class Trainer:
             dropped += acc["dropped_fraction"]
             loads[name] = acc["tokens_per_expert"]
         n_moe = torch.full((), float(len(self.moe_layers)), dtype=torch.float64, device=dev)
-        sums = torch.stack([lm_sum.to(dev, torch.float64), aux_sum, z_sum, dropped, n_moe])
+        lm_mtp = loss_sums.to(dev, torch.float64)
+        sums = torch.cat([lm_mtp, torch.stack([aux_sum, z_sum, dropped, n_moe])])
         if self.ps.size(PP) > 1:
             dist.all_reduce(sums, group=self.ps.group(PP))
         # Under expert-tensor parallelism every tp rank routed the same tokens: nothing to add.
         tp = self.ps.size(TP) if self.cfg.parallel.etp == 1 else 1
         if tp > 1:
             dist.all_reduce(sums, group=self.ps.group(TP))
-        lm, aux, z, dropped, n_moe = sums
+        lm, mtp, aux, z, dropped, n_moe = sums
         if tp > 1:
-            for once in (lm, dropped, n_moe):  # the same on every tp rank; python divisors: no copy
+            for once in (lm, mtp, dropped, n_moe):  # the same on every tp rank; python divisors: no copy
                 once /= tp
-        scalars = torch.stack([lm, aux / n_moe.clamp(min=1.0), z / n_moe.clamp(min=1.0),
+        scalars = torch.stack([lm, mtp, aux / n_moe.clamp(min=1.0), z / n_moe.clamp(min=1.0),
                                dropped / n_moe.clamp(min=1.0)]) / accum
         if self.ps.size(DP_CP) > 1:
             dist.all_reduce(scalars, group=self.ps.group(DP_CP))
@@ -473,7 +481,7 @@ class Trainer:
 
 
 # The step's scalar metrics, in their slots of Trainer._reduce_metrics.
-STEP_SCALARS = ("lm", "aux", "z", "dropped")
+STEP_SCALARS = ("lm", "mtp", "aux", "z", "dropped")
 
 
 def read_to_host(slots: dict[str, torch.Tensor]) -> dict[str, list[float]]:

@@ -266,25 +266,30 @@ def canonical_name(name: str) -> str:
     return ".".join(seg for seg in name.split(".") if seg not in _WRAPPER_SEGMENTS)
 
 
-def model_parameters(part: nn.Module) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...]]]:
+def model_parameters(part: nn.Module, buffers: bool = False) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(single-process name, parameter, single-process shape) of every parameter of ``part``,
-    shared (tied) ones once. The shape is a DTensor's global one: its placements say where this
-    rank's piece lies (:func:`moetrain.model.init.local_piece`)."""
+    shared (tied) ones once; with ``buffers`` also its persistent buffers (e.g. the MoE routing
+    bias). The shape is a DTensor's global one: its placements say where this rank's piece lies
+    (:func:`moetrain.model.init.local_piece`)."""
     seen: set[int] = set()
-    for name, p in part.named_parameters(remove_duplicate=False):
+    named = list(part.named_parameters(remove_duplicate=False))
+    if buffers:
+        persistent = set(part.state_dict(keep_vars=True))
+        named += [(n, b) for n, b in part.named_buffers() if n in persistent]
+    for name, p in named:
         if id(p) not in seen:
             seen.add(id(p))
             yield canonical_name(name), p, tuple(p.shape)
 
 
-def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Global shape of every parameter of the model ``cfg`` describes, by name (tied ones
-    once). Built on the meta device: no memory."""
+def expected_shapes(cfg: Config, buffers: bool = True) -> dict[str, tuple[int, ...]]:
+    """Global shape of every parameter (and, with ``buffers``, persistent buffer) of the model
+    ``cfg`` describes, by name (tied ones once). Built on the meta device: no memory."""
     from moetrain.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {name: shape for name, _, shape in model_parameters(model)}
+    return {name: shape for name, _, shape in model_parameters(model, buffers)}
 
 
 def _verify_on_rank0(check) -> None:
@@ -319,9 +324,11 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors = read_manifest(path)["tensors"]
     handles: dict[str, object] = {}
-    params = [item for part in parts for item in model_parameters(part)]
+    params = [item for part in parts for item in model_parameters(part, buffers=True)]
     for name, p, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
         rec = tensors.get(name)
+        if rec is None and not isinstance(p, nn.Parameter):
+            continue  # a buffer the weights do not carry (e.g. a routing bias to be trained from 0)
         if rec is None:
             raise WeightsError(f"{path}: has no tensor {name}, which the model has (are these the weights of "
                                f"another model config?)")
@@ -379,12 +386,12 @@ def check_init_from(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.init_from = {value!r}: {e}. Fix: give a directory written by "
                           f"`python -m moetrain.hf import`, a step_XXXXXXXX checkpoint or a directory of "
                           f"them") from None
-    want = expected_shapes(cfg)
+    want, allowed = expected_shapes(cfg, buffers=False), expected_shapes(cfg)
     if cfg.model.tie_embeddings:
         have.pop("output.weight", None)  # a training checkpoint lists the tied head too
     problems = [f"missing {n} {s}" for n, s in want.items() if n not in have]
-    problems += [f"{n} is {have[n]}, the model's is {s}" for n, s in want.items() if n in have and have[n] != s]
-    problems += [f"unexpected {n}" for n in have if n not in want]
+    problems += [f"{n} is {have[n]}, the model's is {s}" for n, s in allowed.items() if n in have and have[n] != s]
+    problems += [f"unexpected {n}" for n in have if n not in allowed]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ConfigError(f"checkpoint.init_from = {value!r}: its weights do not fit the configured model: "
