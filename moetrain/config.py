@@ -942,9 +942,6 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if m.qkv_bias or m.attention_out_bias:
             raise field_error("model.qkv_bias" if m.qkv_bias else "model.attention_out_bias", True,
                               "MLA's projections have no biases in moetrain (nor in DeepSeek-V3)", "remove it")
-    if m.mtp_depth and par.pp > 1:
-        raise field_error("model.mtp_depth", m.mtp_depth, f"not supported with parallel.pp = {par.pp} yet (the MTP "
-                          "modules need the embedding on the last stage)", "use pp: 1, or mtp_depth: 0")
     elif m.heads % m.kv_heads:
         raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                           f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")

@@ -45,6 +45,17 @@ def tiny_shards(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def short_doc_shards(tmp_path_factory) -> Path:
+    """Short documents (4-40 bytes + EOS), so a 64-token sample holds several."""
+    rng = np.random.default_rng(5)
+    words = "the king queen lord of and to my in that is not with you".split()
+    docs = [" ".join(rng.choice(words, size=int(rng.integers(1, 8)))) for _ in range(3000)]
+    out = tmp_path_factory.mktemp("short-docs")
+    write_shards(docs, ByteTokenizer(), out, shard_tokens=20_000, val_docs=20, progress=False)
+    return out
+
+
 def tiny_config(data_path: str | Path, run_dir: str | Path, **sections) -> Config:
     """A 2-layer MoE small enough to train a step in a few ms per rank."""
     base = {

@@ -129,7 +129,8 @@ class Transformer(nn.Module):
     see :class:`moetrain.model.attention.DocumentMask`) restricts attention to each token's
     document, and with ``data.reset_position_ids`` restarts RoPE positions at every document.
     ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` in a pipeline stage that does not
-    own them.
+    own them; ``embeds_input`` False: the input is the previous stage's hidden state [B, S, D]
+    (the last stage keeps a copy of the embedding for its MTP modules).
     """
 
     def __init__(self, cfg: Config):
@@ -143,6 +144,7 @@ class Transformer(nn.Module):
         self.rope_theta = m.rope_theta
         self.rope_scaling = rope_scaling(cfg)
         self.tok_embeddings: nn.Embedding | None = Embedding(m.vocab_size, m.hidden)
+        self.embeds_input = True
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
@@ -160,16 +162,22 @@ class Transformer(nn.Module):
     def from_config(cls, cfg: Config) -> "Transformer":
         return cls(cfg)
 
+    def blocks(self) -> dict[str, Block]:
+        """Every transformer block held by this (possibly partial) model, the MTP modules' too,
+        keyed by global block index."""
+        return {**self.layers, **{name: module.block for name, module in self.mtp.items()}}
+
     def moe_layers(self) -> dict[str, MoE]:
-        """The MoE modules held by this (possibly partial) model, keyed by block index."""
-        return {name: blk.moe for name, blk in self.layers.items() if blk.moe is not None}
+        """The MoE modules held by this (possibly partial) model, the MTP modules' included,
+        keyed by block index."""
+        return {name: blk.moe for name, blk in self.blocks().items() if blk.moe is not None}
 
     def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, V] (fp32); with multi-token prediction, in training and given ``future``
         ([B, S, 1 + mtp_depth] int64, :func:`future_tokens`), [B, S, 1 + mtp_depth, V]: the main
         head's and every MTP module's logits (:func:`moetrain.model.loss.model_loss`)."""
-        h = self.tok_embeddings(tokens_or_h) if self.tok_embeddings is not None else tokens_or_h
+        h = self.tok_embeddings(tokens_or_h) if self.embeds_input else tokens_or_h
         S = h.shape[1]
         if positions is None:
             positions = self.positions if self.positions is not None else torch.arange(S, device=h.device)

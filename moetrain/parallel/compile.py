@@ -38,7 +38,7 @@ from moetrain.model.transformer import Transformer
 def apply_compile(model: Transformer, tensor_parallel: bool = False) -> None:
     """Compile every block of ``model`` (a whole model or a pipeline part) in place: each block's
     ``_forward`` whole, or under ``tensor_parallel`` its regions free of DTensors (module doc)."""
-    for block in model.layers.values():
+    for block in model.blocks().values():
         if not tensor_parallel:
             block._forward = torch.compile(block._forward)
             continue

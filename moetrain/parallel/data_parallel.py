@@ -112,7 +112,7 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
 
     # Per block, its groups: (modules, replica axis, policy). The MTP modules' blocks are blocks.
     per_block: list[list[tuple[list[nn.Module], str, MixedPrecisionPolicy]]] = []
-    for block in [*model.layers.values(), *(m.block for m in model.mtp.values())]:
+    for block in model.blocks().values():
         groups = []
         moe = block.moe
         if moe is not None:  # 1. experts
@@ -177,7 +177,8 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
     Each gradient says where its pieces are: a DTensor's local piece is one of several along
     every mesh axis its placement shards (``Shard``, FSDP's ``_StridedShard``) and a copy along
     the others (``Replicate``). So the squares of the local pieces are summed over the sharding
-    axes only, and over pp (stages hold different parameters). The squares are taken and added
+    axes only, and over pp (stages hold different parameters; the last stage's copy of the
+    embedding under multi-token prediction is left to stage 0). The squares are taken and added
     in float64: CPU's fp32 norm kernels accumulate sequentially and lose 4e-4 relative on an
     8192 × 256 tensor, which made the clip factor, and then the training, depend on the layout.
 
@@ -185,9 +186,12 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
         RuntimeError: a gradient still ``Partial`` (not reduced over its replica group).
     """
     pieces: dict[tuple, tuple[list[torch.Tensor], object, tuple[int, ...]]] = {}
+    # The last pipeline stage's copy of the embedding (multi-token prediction) is stage 0's.
+    copies = {id(p) for part in parts if not getattr(part, "embeds_input", True)
+              and getattr(part, "tok_embeddings", None) is not None for p in part.tok_embeddings.parameters()}
     for p in {id(p): p for part in parts for p in part.parameters()}.values():
         g = p.grad
-        if g is None:
+        if g is None or id(p) in copies:
             continue
         mesh, axes = None, ()
         if isinstance(g, DTensor):

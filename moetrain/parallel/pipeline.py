@@ -6,7 +6,10 @@ V vocabulary, n micro-batches per optimizer step on this rank, P = pp, v = virtu
 Split and placement (``split_model``, ``stage_ids``):
 
 * the ``layers`` blocks are cut into P·v stages of ``layers / (P·v)`` consecutive blocks; stage 0
-  also holds the embedding, the last stage the final norm and the head;
+  also holds the embedding, the last stage the final norm and the head, and with multi-token
+  prediction the MTP modules and a copy of the embedding (its gradient summed with stage 0's
+  over :meth:`moetrain.parallel.state.ParallelState.stage_ends_group`, Megatron's embedding
+  group; the gradient norm counts it once);
 * the rank with pp coordinate r holds stages r, r + P, r + 2P, ... — the looped ("interleaved")
   placement of Narayanan et al. 2021, §2.2, which every schedule here uses (with v = 1 it is
   one stage per rank);
@@ -57,6 +60,7 @@ import copy
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -70,7 +74,7 @@ from torch.distributed.tensor import DTensor
 from moetrain.config import Config, pipeline_stage_layers
 from moetrain.data.loader import MicroBatch
 from moetrain.model.transformer import Transformer
-from moetrain.model.loss import lm_loss
+from moetrain.model.loss import model_loss
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, PP, TP, ParallelState
 from moetrain.parallel.tensor import loss_context
@@ -115,27 +119,34 @@ def split_model(model: Transformer, stages: list[int], num_stages: int, first: i
         keep = {str(i) for i in stage_blocks(s, num_stages, layers, first, last)}
         for name in [k for k in part.layers.keys() if k not in keep]:
             del part.layers[name]
+        last = s == num_stages - 1
         if s != 0:
-            part.tok_embeddings = None
-        if s != num_stages - 1:
+            part.embeds_input = False
+            if not (last and len(part.mtp)):  # the MTP modules' copy (PipelineRunner syncs it)
+                part.tok_embeddings = None
+        if not last:
             part.norm = None
             part.output = None
+            part.mtp = torch.nn.ModuleDict()
         parts.append(part)
     return parts
 
 
 class _LMLoss:
-    """The last stage's loss function: ``lm_loss / divisor`` is back-propagated (the division
-    the single-stage runner does); the undivided values are kept, in call order, for the step's
-    reported loss."""
+    """The last stage's loss function: objective / ``divisor`` is back-propagated (the division
+    the single-stage runner does; :func:`moetrain.model.loss.model_loss`); the undivided LM and
+    MTP losses are kept, in call order, for the step's reported losses."""
 
-    def __init__(self, divisor: int):
-        self.divisor = divisor
+    def __init__(self, divisor: int, mtp_coef: float):
+        self.divisor, self.mtp_coef = divisor, mtp_coef
         self.values: list[torch.Tensor] = []
+        self.mtp_values: list[torch.Tensor] = []
 
-    def __call__(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(logits_BSV, targets_BS)
-        self.values.append(loss.detach())
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss, lm, mtp = model_loss(logits, targets, self.mtp_coef)
+        self.values.append(lm.detach())
+        if mtp is not None:
+            self.mtp_values.append(mtp.detach())
         return loss / self.divisor
 
 
@@ -165,11 +176,18 @@ class PipelineRunner:
         # backward on the first micro-batch and count it in the MoE statistics). The last
         # stage's output (vocabulary-sharded under tp) is never sent; its entry only completes
         # the stage's description.
+        # Multi-token prediction: the last stage's MTP modules read the future tokens (a keyword
+        # argument, which the schedule hands every stage) and embed them with the last stage's
+        # copy of the embedding, whose gradient is summed with stage 0's after every step.
+        self.mtp = cfg.model.mtp_depth
+        self.mtp_coef = cfg.model.mtp_loss_coef
+        self.stage_ends = ps.stage_ends_group() if self.mtp else None
         with torch.device("meta"):
             self._tokens = torch.empty(B, S, dtype=torch.long)
             self._hidden = torch.empty(B, S_hidden, cfg.model.hidden, dtype=dtype, requires_grad=True)
-            self._logits = torch.empty(B, S, cfg.model.vocab_size, dtype=torch.float32, requires_grad=True)
-        self.train_loss = _LMLoss(self.n_micro)
+            heads = (1 + self.mtp,) if self.mtp else ()
+            self._logits = torch.empty(B, S, *heads, cfg.model.vocab_size, dtype=torch.float32, requires_grad=True)
+        self.train_loss = _LMLoss(self.n_micro, self.mtp_coef)
         self.schedule = self._build(self.schedule_cls, self.n_micro, self.train_loss)
         # forward_only: one fill-drain schedule per number of micro-batches (validation may use
         # another n than training), with its own stage objects (stages keep per-n buffers).
@@ -186,9 +204,10 @@ class PipelineRunner:
             return cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         return cls(stages, n, loss_fn=loss_fn, scale_grads=False)
 
-    def _batch(self, micro_batches: list[MicroBatch]) -> tuple[tuple, torch.Tensor | None]:
-        """Step arguments: the [n·B, S] inputs where stage 0 lives, the [n·B, S] targets where the
-        last stage lives."""
+    def _batch(self, micro_batches: list[MicroBatch]) -> tuple[tuple, torch.Tensor | None, dict]:
+        """Step arguments: the [n·B, S] inputs where stage 0 lives, the [n·B, S] targets (or
+        [n·B, S, 1 + mtp_depth] with the MTP targets) where the last stage lives, and then also
+        the keyword argument ``future`` for its MTP modules."""
         sizes = {mb.inputs.shape[0] for mb in micro_batches}
         if len(sizes) != 1:
             # tensor_split would cut unequal micro-batches at other boundaries.
@@ -196,34 +215,53 @@ class PipelineRunner:
         dev = self.ps.device
         args = (torch.cat([mb.inputs for mb in micro_batches]).to(dev),) if self.has_first else ()
         target = torch.cat([mb.targets for mb in micro_batches]).to(dev) if self.has_last else None
-        return args, target
+        kwargs = {"future": target} if target is not None and target.dim() == 3 else {}
+        return args, target, kwargs
 
-    def _total(self, loss_fn: _LMLoss, n: int) -> torch.Tensor:
+    def _total(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.ps.device)
-        if self.has_last:
-            if len(loss_fn.values) != n:
-                raise RuntimeError(f"the schedule computed {len(loss_fn.values)} losses for {n} micro-batches")
-            for v in loss_fn.values:
+        if self.has_last and n:
+            if len(values) != n:
+                raise RuntimeError(f"the schedule computed {len(values)} losses for {n} micro-batches")
+            for v in values:
                 total += v.full_tensor() if isinstance(v, DTensor) else v
-        loss_fn.values.clear()
+        values.clear()
         return total
 
+    def _sync_embedding_copies(self) -> None:
+        """Sum the gradient of the embedding over its two copies (stage 0's and the last stage's,
+        for the MTP modules), as Megatron sums tied embeddings over its embedding group: both
+        copies then take the same optimizer step and stay equal. The copies have the same
+        placement, so their local pieces line up."""
+        for part in self.parts:
+            if part.tok_embeddings is None:
+                continue
+            for p in part.tok_embeddings.parameters():
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                dist.all_reduce(local, group=self.stage_ends)
+                p.grad = grad
+
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """Back-propagate mean(lm)/n per micro-batch through the pipeline; returns the sums of the
-        micro-batches' LM and MTP losses (float64 [2], on the device; the MTP sum 0) on the rank
-        of the last stage, 0 elsewhere.
+        """Back-propagate objective/n per micro-batch through the pipeline; returns the sums of
+        the micro-batches' LM and MTP losses (float64 [2], on the device; the MTP sum 0 without
+        MTP) on the rank of the last stage, 0 elsewhere.
 
         Raises:
             ValueError: not ``cfg.grad_accum_steps`` micro-batches, or of different sizes.
         """
         if len(micro_batches) != self.n_micro:
             raise ValueError(f"{len(micro_batches)} micro-batches, the schedule was built for {self.n_micro}")
-        args, target = self._batch(micro_batches)
+        args, target, kwargs = self._batch(micro_batches)
         self.train_loss.values.clear()
+        self.train_loss.mtp_values.clear()
         with loss_context(self.ps):  # the vocabulary-parallel loss's forward and backward, under tp
-            self.schedule.step(*args, target=target, return_outputs=False)
-        lm = self._total(self.train_loss, self.n_micro)
-        return torch.stack([lm, torch.zeros_like(lm)])  # no MTP under pp (moetrain.config refuses it)
+            self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        if self.stage_ends is not None:
+            self._sync_embedding_copies()
+        lm = self._total(self.train_loss.values, self.n_micro)
+        mtp = self._total(self.train_loss.mtp_values, self.n_micro if self.mtp else 0)
+        return torch.stack([lm, mtp])
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
@@ -231,7 +269,7 @@ class PipelineRunner:
         BFS with several stages per rank: a fill-drain order, any n)."""
         n = len(micro_batches)
         if n not in self._eval:
-            loss_fn = _LMLoss(1)
+            loss_fn = _LMLoss(1, self.mtp_coef)
             cls = ScheduleLoopedBFS if self.multi else ScheduleGPipe
             schedule = self._build(cls, n, loss_fn)
             # What ``schedule.eval()`` does (a loss function but no backward), set once: eval()
@@ -240,11 +278,11 @@ class PipelineRunner:
             schedule._has_backward = False
             self._eval[n] = (schedule, loss_fn)
         schedule, loss_fn = self._eval[n]
-        args, target = self._batch(micro_batches)
+        args, target, _ = self._batch(micro_batches)
         loss_fn.values.clear()
         with loss_context(self.ps):
             schedule.step(*args, target=target, return_outputs=False)
-        return self._total(loss_fn, n)
+        return self._total(loss_fn.values, n)
 
 
 def pipeline_parts(model: Transformer, cfg: Config, ps: ParallelState) -> tuple[list[Transformer], list[int]]:

@@ -79,6 +79,7 @@ class ParallelState:
     # NVLink domain of every global rank (from the rank map), for node-limited routing; None: one
     domains: list[int] | None = None
     _axes: dict[str, tuple] = field(default_factory=dict, repr=False)  # see _axis
+    _stage_ends: dist.ProcessGroup | None = field(default=None, repr=False)  # see stage_ends_group
 
     @classmethod
     def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None,
@@ -144,6 +145,19 @@ class ParallelState:
     def group_ranks(self, axis: str) -> list[int]:
         """Global ranks of this process's group on ``axis``, in axis order."""
         return dist.get_process_group_ranks(self.group(axis))
+
+    def stage_ends_group(self) -> dist.ProcessGroup:
+        """The group of this rank and its peer at the other end of the pipeline (pp coordinates 0
+        and pp − 1, the same dp, cp and tp coordinates): Megatron's embedding group, which sums
+        the gradients of a weight both ends hold (the embedding under multi-token prediction).
+        Collective: every rank calls it, the first time, in the same order. Raises
+        ``ValueError`` with pp = 1."""
+        if self.size(PP) == 1:
+            raise ValueError("the stage-ends group needs pipeline parallelism (pp > 1)")
+        if self._stage_ends is None:
+            ends = self.mesh.mesh[[0, -1]].reshape(2, -1).T.tolist()  # [dp·cp·tp pairs, 2]
+            self._stage_ends, _ = dist.new_subgroups_by_enumeration(ends)
+        return self._stage_ends
 
     @property
     def is_logging_rank(self) -> bool:

@@ -187,7 +187,7 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
             # projection takes, gets a CopyToTP in apply_tensor_parallel).
             plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None, None),
                                                              desired_input_layouts=(Replicate(), None, None),
-                                                             use_local_input=True)
+                                                             use_local_output=True)
             for proj in ("wq", "wq_b", "wkv_b"):
                 if getattr(block.attention, proj, None) is not None:
                     plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
@@ -243,7 +243,7 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
     tp_rank, group = ps.coord(TP), ps.group(TP)
-    for block in [*model.layers.values(), *(m.block for m in model.mtp.values())]:
+    for block in model.blocks().values():
         attn = block.attention
         if attn.sinks is not None:  # one logit per head: each tp rank holds its heads'
             attn.sinks = nn.Parameter(distribute_tensor(attn.sinks, ps.submesh(TP), [Shard(0)], src_data_rank=None))

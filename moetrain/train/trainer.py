@@ -314,8 +314,8 @@ class Trainer:
         """Bytes the forward dispatch all-to-alls of this step sent within and across NVLink
         domains, summed over all ranks ([2] float64 on the device; None without expert
         parallelism). From the split sizes already on the host: no device read."""
-        if self.ps.size(EP) == 1 or not self.moe_layers:
-            return None
+        if self.ps.size(EP) == 1 or self.cfg.moe.num_experts == 0:
+            return None  # (a pipeline stage without MoE layers still joins the all-reduce)
         intra = inter = 0
         for moe in self.moe_layers.values():
             row_bytes = self.cfg.model.hidden * compute_dtype(self.cfg.train.precision).itemsize

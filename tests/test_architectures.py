@@ -1,0 +1,132 @@
+"""The architectures of 2025-26 — DeepSeek-V3 (MLA, multi-token prediction, group-limited
+routing with a score-correction bias), GLM-4.5 (partial RoPE, q/k norm, attention biases) and
+GPT-OSS (attention sinks, alternating sliding windows, router and expert biases, clamped SwiGLU,
+YaRN) — train in every layout as in one process.
+
+Each layout runs 20 steps with gradient clipping against one process: losses (and the MTP loss)
+within 1e-5 relative per step, gradient norms within 1e-5 relative, and the first step's
+gradients within the test_equivalence tolerance. 20 steps let a small error (a wrong scale on one
+rank's heads, a lost gradient on the last stage's copy of the embedding) grow visible.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moetrain.train.trainer import Trainer
+
+from conftest import tiny_config
+from multiproc import run_distributed
+from test_equivalence import assert_matches, full_grads
+
+STEPS = 20
+
+DEEPSEEK_V3 = {
+    "model": {"layers": 3, "attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 4, "v_head_dim": 6, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+              "rope_original_max_positions": 8, "rope_mscale": 1.0, "rope_mscale_all_dim": 1.0, "mtp_depth": 1,
+              "mtp_loss_coef": 0.3},
+    "moe": {"num_experts": 8, "top_k": 2, "first_dense": 1, "shared_experts": 1, "score_function": "sigmoid",
+            "n_group": 4, "topk_group": 2, "routing_bias": True, "bias_update_rate": 0.001,
+            "routed_scaling_factor": 2.5},
+}
+GLM4_MOE = {
+    "model": {"layers": 2, "partial_rotary_factor": 0.5, "qk_norm": "head", "qkv_bias": True},
+    "moe": {"num_experts": 4, "top_k": 2, "first_dense": 0, "shared_experts": 1, "score_function": "sigmoid",
+            "n_group": 2, "topk_group": 1, "routing_bias": True, "routed_scaling_factor": 1.5},
+}
+GPT_OSS = {
+    "model": {"layers": 2, "attention_sinks": True, "sliding_window": 5, "window_every": 2, "qkv_bias": True,
+              "attention_out_bias": True, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+              "rope_original_max_positions": 8},
+    "moe": {"num_experts": 4, "top_k": 2, "shared_experts": 0, "router_bias": True, "expert_biases": True,
+            "activation": "clamped_swiglu", "swiglu_limit": 0.05},
+}
+ARCHS = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS}
+
+
+def train(rank: int, world: int, data: str, run_dir: str, arch: str, parallel: dict, data_section: dict) -> dict:
+    spec = ARCHS[arch]
+    # A vocabulary that tp = 2 splits.
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260, **spec["model"]}, moe=spec["moe"],
+                      data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
+    trainer = Trainer(cfg, write_files=False)
+    captured: dict = {}
+
+    def hook(opt, args, kwargs):
+        if not captured:
+            captured.update(full_grads(trainer))
+
+    trainer.optimizers[0].register_step_pre_hook(hook)
+    results = [trainer.train_step() for _ in range(STEPS)]
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "mtp": [r.extra.get("mtp_loss") for r in results], "grads": captured}
+
+
+def world_of(parallel: dict) -> int:
+    return parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
+
+
+REFERENCES: dict = {}  # one-process runs, shared by the layouts of an architecture
+
+
+def reference(arch: str, data_section: dict, shards, tmp_path) -> dict:
+    key = (arch, str(shards), tuple(sorted(data_section.items())))
+    if key not in REFERENCES:
+        REFERENCES[key] = run_distributed(train, 1, str(shards), str(tmp_path / "ref"), arch, {}, data_section)[0]
+    return REFERENCES[key]
+
+
+# Every architecture in tp2 + SP with ep, cp2 with ep, and pp2 with ep: 20 steps each.
+LAYOUTS = {
+    "dp2-tp2-sp-ep2": {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
+    "cp2-ep2": {"cp": 2, "ep": 2},
+    "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
+}
+CASES = [(arch, layout) for arch in ARCHS for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
+def test_twenty_steps_equal_one_process(arch, layout, tiny_shards, tmp_path):
+    parallel = LAYOUTS[layout]
+    if parallel.get("pp", 1) > 1 and ARCHS[arch]["model"]["layers"] % 2:
+        parallel = {**parallel, "pp_first_stage_layers": 1}
+    assert_layout_matches(arch, parallel, {}, tiny_shards, tmp_path)
+
+
+def assert_layout_matches(arch: str, parallel: dict, data_section: dict, shards, tmp_path) -> None:
+    ref = reference(arch, data_section, shards, tmp_path)
+    results = run_distributed(train, world_of(parallel), str(shards), str(tmp_path / "run"), arch, parallel,
+                              data_section)
+    got = {"losses": results[0]["losses"], "grads": {}}
+    for r in results:
+        got["grads"].update(r["grads"])
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
+    assert max(ref["norms"]) > 0.5, "the test must clip"
+    assert_matches(got, ref)
+    for step, (a, b) in enumerate(zip(results[0]["norms"], ref["norms"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+    if ARCHS[arch]["model"].get("mtp_depth"):
+        assert all(m is not None and m > 0 for m in ref["mtp"]), "the MTP loss must be logged"
+        for step, (a, b) in enumerate(zip(results[0]["mtp"], ref["mtp"]), 1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: MTP loss {a} vs single-process {b}"
+
+
+# Document masks (several short documents per sample) under ring attention: MLA's narrower
+# values and the sliding window with sinks cross the chunk and document boundaries. The
+# recomputation options: MLA's up-projections only (Megatron-Core's mla_up_proj) and full.
+EXTRA = [
+    ("deepseek_v3", {"cp": 2, "ep": 2}, True),
+    ("gpt_oss", {"cp": 2, "dp": 2, "ep": 2}, True),
+    ("deepseek_v3", {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "mla_up_proj"}, False),
+    ("deepseek_v3", {"dp": 2, "ep": 2, "zero_stage": 3, "activation_checkpointing": "full"}, False),
+]
+
+
+@pytest.mark.parametrize("arch, parallel, docs", EXTRA,
+                         ids=[f"{a}-" + "-".join(f"{k}{v}" for k, v in p.items()) + ("-docs" if d else "")
+                              for a, p, d in EXTRA])
+def test_documents_and_recomputation_equal_one_process(arch, parallel, docs, tiny_shards, short_doc_shards,
+                                                       tmp_path):
+    data_section = {"document_mask": True} if docs else {}
+    assert_layout_matches(arch, parallel, data_section, short_doc_shards if docs else tiny_shards, tmp_path)
