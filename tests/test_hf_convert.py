@@ -337,3 +337,197 @@ def test_bf16_model_keeps_its_dtype_and_loads_into_fp32_weights(converted, tmp_p
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as a:
         hf_w1 = a.get_tensor("model.layers.1.mlp.experts.2.gate_proj.weight")
     assert torch.equal(w[2], hf_w1.float().t())
+
+
+# -- multi-token prediction (DeepSeek-V3's model.layers.{num_hidden_layers}.*) ---------------------
+
+
+def _read_all(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory) -> dict:
+    """A tiny DeepSeek-V3 checkpoint with an MTP layer after its 3 blocks, as the published ones
+    carry it: a decoder block (``model.layers.3.self_attn.*``, ``mlp.*``, its norms) and enorm,
+    hnorm, eh_proj, shared_head.{norm, head} and a copy of embed_tokens, in a file of its own."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("mtp")
+    hf_dir = root / "hf"
+    hf = build_hf_model("deepseek_v3", hf_dir, seed=11)
+    L, D = hf.config.num_hidden_layers, hf.config.hidden_size
+    base = _read_all(hf_dir)
+    g = torch.Generator().manual_seed(12)
+    mtp = {}
+    for name, t in base.items():
+        if name.startswith(f"model.layers.{L - 1}."):
+            new = name.replace(f"model.layers.{L - 1}.", f"model.layers.{L}.")
+            mtp[new] = (1.0 + 0.3 * torch.randn(t.shape, generator=g)) if "norm" in name \
+                else 0.15 * torch.randn(t.shape, generator=g)
+    P = f"model.layers.{L}."
+    mtp |= {P + "enorm.weight": 1.0 + 0.3 * torch.randn(D, generator=g),
+            P + "hnorm.weight": 1.0 + 0.3 * torch.randn(D, generator=g),
+            P + "eh_proj.weight": 0.15 * torch.randn(D, 2 * D, generator=g),
+            P + "shared_head.norm.weight": 1.0 + 0.3 * torch.randn(D, generator=g),
+            P + "shared_head.head.weight": base["lm_head.weight"].clone(),
+            P + "embed_tokens.weight": base["model.embed_tokens.weight"].clone()}
+    save_file(mtp, str(hf_dir / "model-mtp.safetensors"))
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    cfg = import_hf(hf_dir, root / "weights", progress=False, mtp_depth=1)
+    export_hf(root / "weights", root / "export", progress=False)
+    return {"hf": hf, "hf_dir": hf_dir, "cfg": cfg, "weights": root / "weights", "export": root / "export",
+            "mtp": mtp, "root": root}
+
+
+def test_mtp_layer_imports_and_exports_under_its_names(with_mtp, tmp_path):
+    c = with_mtp
+    assert c["cfg"].model.mtp_depth == 1
+    before, after = _read_all(c["hf_dir"]), _read_all(c["export"])
+    assert before.keys() == after.keys()
+    for name, t in before.items():
+        assert torch.equal(t, after[name]), name
+    assert json.loads((c["export"] / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    # Without mtp_depth the MTP layer is left behind (and the model is the plain one).
+    assert import_hf(c["hf_dir"], tmp_path / "plain", progress=False).model.mtp_depth == 0
+    # A different shared head than the model's cannot be held by moetrain's one head: refused.
+    from safetensors.torch import save_file
+
+    shutil.copytree(c["hf_dir"], tmp_path / "other-head")
+    mtp = dict(c["mtp"])
+    mtp["model.layers.3.shared_head.head.weight"] = mtp["model.layers.3.shared_head.head.weight"] + 1
+    save_file(mtp, str(tmp_path / "other-head" / "model-mtp.safetensors"))
+    with pytest.raises(WeightsError, match="shared_head.head"):
+        import_hf(tmp_path / "other-head", tmp_path / "w2", progress=False, mtp_depth=1)
+
+
+def test_mtp_logits_equal_deepseek_v3s_definition_with_transformers_block(with_mtp):
+    """Module 1's logits at position i: the head on shared_head.norm of transformers' own decoder
+    block (the checkpoint's layer 3) applied to eh_proj[enorm(Emb(t_{i+1})); hnorm(h_i)], h the
+    main model's last block output (DeepSeek-V3 §2.2, eq. 21-23) — within 1e-5."""
+    from moetrain.model.transformer import future_tokens
+
+    c, hf = with_mtp, with_mtp["hf"]
+    L = hf.config.num_hidden_layers
+    ours = moetrain_model(c["cfg"], c["weights"]).train()
+    inputs, targets = tokens(3)
+    for moe in ours.moe_layers().values():
+        moe.stats_accum = {}
+    logits = ours(inputs, future=future_tokens(targets, 1))
+    assert logits.shape == (*inputs.shape, 2, VOCAB)
+
+    # The reference: transformers' decoder block 3 of a 4-block model holding the MTP weights.
+    from safetensors.torch import save_file
+
+    big_dir = c["root"] / "big"
+    big_dir.mkdir()
+    save_file(_read_all(c["hf_dir"]), str(big_dir / "model.safetensors"))  # one file: transformers reads it
+    config = json.loads((c["hf_dir"] / "config.json").read_text())
+    (big_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": L + 1}))
+    big = AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    captured = {}
+    hf.model.layers[L - 1].register_forward_hook(lambda m, a, out: captured.update(h=out[0] if isinstance(out, tuple)
+                                                                                     else out))
+    w = {k.removeprefix(f"model.layers.{L}."): v for k, v in c["mtp"].items()}
+    eps = hf.config.rms_norm_eps
+    with torch.no_grad():
+        main = hf(inputs).logits
+        h = captured["h"]
+        e = hf.model.embed_tokens(targets)
+        x = F.linear(torch.cat([F.rms_norm(e, (e.shape[-1],), w["enorm.weight"], eps),
+                                F.rms_norm(h, (h.shape[-1],), w["hnorm.weight"], eps)], -1), w["eh_proj.weight"])
+        S = x.shape[1]
+        pos = torch.arange(S)[None]
+        mask = torch.full((S, S), float("-inf")).triu(1)[None, None]
+        x = big.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                                position_embeddings=big.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        ref = F.linear(F.rms_norm(x, (x.shape[-1],), w["shared_head.norm.weight"], eps),
+                       w["shared_head.head.weight"])
+    assert rel(logits[:, :, 0], main) <= 1e-5
+    assert rel(logits[:, :, 1], ref) <= 1e-5
+    assert rel(logits[:, :, 1], main) > 1e-2  # the module's prediction is its own
+
+
+def test_mtp_is_left_out_of_architectures_without_it(tmp_path, caplog):
+    """A Mixtral-shaped model trained with MTP exports as Mixtral without the MTP module (said in
+    the log), and gives the same main-head logits there."""
+    from moetrain.model.init import init_weights
+    from moetrain.train.weights import write_weights_dir
+
+    cfg = config_from_dict({"model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab_size": VOCAB,
+                                      "mtp_depth": 1, "rope_theta": 10000.0},
+                            "moe": {"num_experts": 4, "ffn_hidden": 16, "shared_experts": 0}})
+    model = Transformer(cfg)
+    init_weights(model, 0, 0.1, cfg.model.layers)
+    state = model.state_dict()
+    write_weights_dir(tmp_path / "w", cfg, state.items(), [(n, t.dtype, tuple(t.shape)) for n, t in state.items()],
+                      progress=False)
+    with caplog.at_level("WARNING"):
+        export_hf(tmp_path / "w", tmp_path / "e", arch_name="mixtral", progress=False)
+    assert "leaves the 1 MTP module(s) out" in caplog.text
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "e", dtype=torch.float32).eval()
+    inputs, _ = tokens(4)
+    with torch.no_grad():
+        assert rel(hf(inputs).logits, model.eval()(inputs)) <= 1e-5
+
+
+# -- GPT-OSS's MXFP4 experts ----------------------------------------------------------------------
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    """Every FP4 code at scales spanning 2^-10..2^6: the same bf16 tensor, bit for bit, as
+    transformers' own dequantization (``convert_moe_packed_tensors``)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moetrain.hf.convert import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(117, 134, (3, 40, 2), generator=g, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.bfloat16)
+    assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape == (3, 64, 40)
+    assert torch.equal(ours, theirs)
+
+
+def test_mxfp4_checkpoint_imports_exactly(tmp_path, caplog):
+    """A GPT-OSS checkpoint whose experts are stored as MXFP4 (``*_blocks`` / ``*_scales``, as
+    the published ones) imports to the dequantized bf16 values, and says so."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    build_hf_model("gpt_oss", tmp_path / "hf", intermediate_size=32)  # widths that blocks of 32 divide
+    src = _read_all(tmp_path / "hf")
+    g = torch.Generator().manual_seed(1)
+    quantized, expected = {}, {}
+    for name in [n for n in src if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n]:
+        E, rows_in, cols = src.pop(name).shape  # [E, in, out]: blocks hold [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (E, cols, rows_in // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 128, (E, cols, rows_in // 32), generator=g, dtype=torch.uint8)
+        quantized |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+        expected[name] = convert_moe_packed_tensors(blocks.clone(), scales.clone())
+    assert len(expected) == 4  # gate_up_proj and down_proj of both blocks
+    d = tmp_path / "mxfp4"
+    d.mkdir()
+    shutil.copy2(tmp_path / "hf" / "config.json", d / "config.json")
+    save_file({**src, **quantized}, str(d / "model.safetensors"))
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router",
+                                                                                         "model.embed_tokens",
+                                                                                         "lm_head"]}
+    (d / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("INFO"):
+        cfg = import_hf(d, tmp_path / "w", progress=False)
+    assert "MXFP4" in caplog.text and "dequantized to bf16" in caplog.text
+    export_hf(tmp_path / "w", tmp_path / "e", progress=False)
+    after = _read_all(tmp_path / "e")
+    for name, want in expected.items():
+        assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], want), name
+    assert cfg.model.attention_sinks

@@ -2,8 +2,9 @@
 moetrain's (fp32, CPU, gloo).
 
 For every architecture of tests/hf_models.py, ``checkpoint.init_from`` loads the imported
-weights directory into dp2×ep2 (dp2 for the dense Llama) and tp2×pp2 — and Qwen2-MoE also into
-dp2×tp2×ep2 with ZeRO-3 — where every rank's parameters must equal the file's bit for bit; each
+weights directory into dp2×ep2 (dp2 for the dense Llama) and tp2×pp2 — Qwen2-MoE also into
+dp2×tp2×ep2 with ZeRO-3, and DeepSeek-V3, GLM-4.5 and GPT-OSS into dp2×tp2×ep2 with SP and
+cp2×ep2 or pp2×dp2×ep2 instead — where every rank's parameters must equal the file's bit for bit; each
 trains 20 steps and saves a training checkpoint. Then, in one process, ``init_from`` that
 checkpoint (weights only: step 0, empty optimizer state) gives moetrain's logits; the export of
 the same checkpoint, loaded by transformers, must give them within 1e-5 relative. The layouts'
@@ -32,7 +33,17 @@ pytest.importorskip("transformers")
 STEPS = 20
 
 
+# The architectures of 2025-26: tp2 (+ SP) with ep, and cp2 or pp2 with ep (MLA and the sliding
+# window under ring attention; GLM-4.5's three blocks split 1 + 2 over two stages).
+SECOND = {"deepseek_v3": {"cp": 2, "ep": 2}, "glm4_moe": {"pp": 2, "dp": 2, "ep": 2, "pp_first_stage_layers": 1},
+          "gpt_oss": {"cp": 2, "ep": 2}}
+
+
 def layouts(arch: str) -> dict[str, dict]:
+    if arch in SECOND:
+        second = SECOND[arch]
+        return {"dp2-tp2-sp-ep2": {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
+                "-".join(f"{k}{v}" for k, v in second.items() if k != "pp_first_stage_layers"): second}
     first = {"dp": 2} if arch == "llama" else {"dp": 2, "ep": 2}
     out = {"-".join(f"{k}{v}" for k, v in first.items()): first, "tp2-pp2": {"tp": 2, "pp": 2}}
     if arch == "qwen2_moe":

@@ -77,6 +77,29 @@ def test_activation_checkpointing_recomputes_without_double_counting(mode):
                                    ref.moe_layers()[name].stats_accum["tokens_per_expert"])
 
 
+MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 6}
+
+
+def test_mla_up_proj_recomputes_the_up_projections_and_the_kernel():
+    """Megatron-Core's ``mla_up_proj``: the up-projections (and the attention kernel, as with
+    ``selective``) run again in backward; the compressions do not; the gradients are unchanged."""
+    ref, model = small_model(model=MLA), small_model(model=MLA)
+    apply_activation_checkpointing(model, "mla_up_proj")
+    attn = model.layers["0"].attention
+    calls = {"wkv_b": 0, "wkv_a": 0}
+    for name in calls:
+        getattr(attn, name).register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
+    tokens = torch.randint(0, 257, (2, 16))
+    for m in (ref, model):
+        for moe in m.moe_layers().values():
+            moe.stats_accum = {}
+        m(tokens).sum().backward()
+    assert calls == {"wkv_b": 2, "wkv_a": 1}, calls
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_meta_construction_has_no_storage():
     cfg = tiny_config("unused", "unused")
     with torch.device("meta"):

@@ -32,6 +32,7 @@ Both write into ``<out>.tmp-<pid>`` and rename it when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +45,8 @@ import torch
 import yaml
 
 from moetrain.config import Config, config_from_dict, to_dict
-from moetrain.hf.arch import ARCHITECTURES, Architecture, architecture_for, choose_architecture, from_hf, to_hf
+from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, Architecture, architecture_for, choose_architecture,
+                              from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
 from moetrain.train.weights import CheckpointReader, atomic_dir, expected_shapes, is_weights_dir, write_weights_dir
@@ -202,7 +204,13 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for m, (_, dtype, _) in zip(maps, entries):
-            for piece in m.to_ours(hf):
+            pieces = m.to_ours(hf)
+            for copy in (n for n in m.also if n in hf.where):  # e.g. an MTP layer's embed_tokens
+                if not torch.equal(hf(copy), hf(m.hf)):
+                    raise WeightsError(f"{hf_dir}: {copy} differs from {m.hf}; moetrain's MTP modules share the "
+                                       f"model's embedding and head, so it cannot hold both (refused rather than "
+                                       f"dropped)")
+            for piece in pieces:
                 yield m.ours, piece.to(dtype)
 
     def side_files(tmp: Path) -> None:
@@ -294,6 +302,12 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
     if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:
         log.warning("moe.capacity_factor = %s: the exported model routes dropless, as inference engines do",
                     cfg.moe.capacity_factor)
+    if cfg.model.mtp_depth and arch not in (DEEPSEEK_V3, GLM4_MOE):
+        # A training aid that inference does not need: left out, as DeepSeek-V3 leaves it out of
+        # the models it serves.
+        log.warning("model.mtp_depth = %d: %s has no multi-token-prediction layers; the export leaves the %d MTP "
+                    "module(s) out", cfg.model.mtp_depth, arch.name, cfg.model.mtp_depth)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=0))
     # DeepSeek-V3's config says whether its checkpoint rotates interleaved pairs (moetrain's own
     # layout, written unpermuted): kept as imported, true for a new export.
     interleaved = arch.name == "DeepseekV3ForCausalLM" and bool((base or {}).get("rope_interleave", True))
