@@ -935,7 +935,7 @@ def _check_model(cfg: Config, device: str | None) -> None:
         for name in ("qk_norm", "partial_rotary_factor"):
             if getattr(m, name) != ModelConfig.__dataclass_fields__[name].default:
                 raise field_error(f"model.{name}", getattr(m, name), "does not apply to model.attention = 'mla'",
-                                  f"remove it, or use attention: gqa")
+                                  "remove it, or use attention: gqa")
         if m.heads % par.tp:
             raise field_error("model.heads", m.heads, f"not divisible by parallel.tp = {par.tp} (MLA splits heads)",
                               f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")

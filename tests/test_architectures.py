@@ -130,3 +130,26 @@ def test_documents_and_recomputation_equal_one_process(arch, parallel, docs, tin
                                                        tmp_path):
     data_section = {"document_mask": True} if docs else {}
     assert_layout_matches(arch, parallel, data_section, short_doc_shards if docs else tiny_shards, tmp_path)
+
+
+def train_and_save(rank: int, world: int, data: str, run_dir: str, parallel: dict, n_steps: int) -> dict:
+    spec = ARCHS["deepseek_v3"]
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260, **spec["model"]}, moe=spec["moe"],
+                      train={"steps": 8, "grad_clip": 0.5}, checkpoint={"resume": True, "every": 0})
+    trainer = Trainer(cfg, write_files=False)
+    start = trainer.step
+    losses = [trainer.train_step().loss for _ in range(n_steps)]
+    trainer.save_checkpoint()
+    return {"start": start, "losses": losses}
+
+
+def test_mtp_checkpoint_from_pp2_resumes_in_one_process(tiny_shards, tmp_path):
+    """The last stage's copy of the embedding is saved under the embedding's own name, once: a
+    pp2 checkpoint of an MTP model resumes in one process as if never stopped."""
+    whole = run_distributed(train_and_save, 1, str(tiny_shards), str(tmp_path / "whole"), {}, 8)[0]
+    pp = {"pp": 2, "dp": 2, "ep": 2, "pp_first_stage_layers": 1}
+    first = run_distributed(train_and_save, 4, str(tiny_shards), str(tmp_path / "split"), pp, 4)[0]
+    second = run_distributed(train_and_save, 1, str(tiny_shards), str(tmp_path / "split"), {}, 4)[0]
+    assert second["start"] == 4
+    for step, (a, b) in enumerate(zip(first["losses"] + second["losses"], whole["losses"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} across the resume vs {b} uninterrupted"

@@ -5,7 +5,8 @@ run's checkpoint, and generate with transformers from the export with the demo's
 
 The demo config's one shared expert is overridden to 0: it is ungated, and no supported Hugging
 Face architecture has an ungated shared expert (the export refuses it, tests/test_hf_convert.py).
-Also: configs/finetune-qwen3-moe.yaml describes the model tools/make_hf_model.py builds from it.
+Also: each configs/finetune-*.yaml (Qwen3-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS) describes the model
+tools/make_hf_model.py builds from it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from moetrain.hf.__main__ import main as hf_main
 from moetrain.hf.arch import choose_architecture
 from moetrain.model.transformer import Transformer
 from moetrain.train.weights import CheckpointReader, check_init_from
+
+from multiproc import run_distributed
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,14 +92,36 @@ def test_demo_finetunes_from_an_imported_model_and_exports(demo_data, tmp_path):
         assert ours.eval()(prompt)[0, -1].argmax().item() == out[0, prompt.shape[1]].item()
 
 
-def test_finetune_config_matches_the_model_built_from_it(demo_data, tmp_path):
-    cfg = load_config(ROOT / "configs" / "finetune-qwen3-moe.yaml", [f"data.path={demo_data / 'shards'}",
-                                                                       f"checkpoint.init_from={tmp_path / 'init'}"])
-    assert choose_architecture(cfg).name == "Qwen3MoeForCausalLM"
+# Training choices that a Hugging Face config does not hold (import writes moetrain's defaults).
+TRAINING_ONLY = ("aux_loss_coef", "z_loss_coef", "bias_update_rate")
+FINETUNE = {"finetune-qwen3-moe": "Qwen3MoeForCausalLM", "finetune-deepseek-v3": "DeepseekV3ForCausalLM",
+            "finetune-glm4-moe": "Glm4MoeForCausalLM", "finetune-gpt-oss": "GptOssForCausalLM"}
+
+
+@pytest.mark.parametrize("name", list(FINETUNE))
+def test_finetune_config_matches_the_model_built_from_it(name, demo_data, tmp_path):
+    """Each fine-tuning example describes the model its documented commands build and import;
+    its first training step runs from those weights."""
+    import dataclasses
+
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", [f"data.path={demo_data / 'shards'}",
+                                                           f"checkpoint.init_from={tmp_path / 'init'}"])
+    assert choose_architecture(cfg).name == FINETUNE[name]
     make_hf_model()(cfg, tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [FINETUNE[name]]
     assert hf_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "init"),
                     "--config", str(tmp_path / "import.yaml")]) == 0
     check_init_from(cfg)  # names and shapes fit the config as written
     imported = load_config(tmp_path / "import.yaml")
-    assert imported.model == cfg.model and imported.moe == cfg.moe
+    moe = dataclasses.replace(imported.moe, **{k: getattr(cfg.moe, k) for k in TRAINING_ONLY})
+    assert imported.model == cfg.model and moe == cfg.moe
+    one = cfg.replace(parallel={"dp": 1, "ep": 1}, run={"dir": str(tmp_path / "run")},
+                      train={"steps": 1, "val_every": 0, "global_batch_size": 2})
+    assert 0 < run_distributed(one_step, 1, one)[0] < 20
+
+
+def one_step(rank: int, world: int, cfg) -> float:
+    from moetrain.train.trainer import Trainer
+
+    return Trainer(cfg, write_files=False).train_step().loss

@@ -388,8 +388,9 @@ def test_deepseek_v3_memory_against_nvidia_moe_report():
     """NVIDIA 2026 (Megatron-Core MoE report), Table 3: DeepSeek-V3 in BF16 on PP4 × VPP4 × EP64
     (256 GPUs): activations 131.0 GB of 199.5 GB per GPU; Table 4: recomputing the norms saves
     8.2 GB. The planner's memory model, set before these were read, comes within 20 % (in GB of
-    10⁹ bytes; 7 % in GiB). MLA's up-projection (30.4 GB there) comes out +35 %: the planner keeps
-    MLA as plain projections (docs/topology.md §5)."""
+    10⁹ bytes; within 10 % in GiB), MLA's latents counted. Recomputing MLA's up-projections saves
+    41.0 GB there against the report's 30.4 GB (docs/topology.md §5): the planner drops the
+    up-projected Q, K and V that the attention kernel keeps."""
     from moetrain.planner.published import PUBLISHED
 
     shape = next(e.shape for e in PUBLISHED if e.key == "deepseek-v3-gb200-25.11")
@@ -399,6 +400,8 @@ def test_deepseek_v3_memory_against_nvidia_moe_report():
     assert none.total / 1e9 == pytest.approx(199.5, rel=0.2)
     assert none.activations / 1e9 == pytest.approx(131.0, rel=0.2)
     assert (none.activations - norms.activations) / 1e9 == pytest.approx(8.2, rel=0.2)
+    up = memory_per_gpu(shape, dataclasses.replace(lay, ac="selective", recompute_modules=("mla_up_proj",)), 4096)
+    assert (none.activations - up.activations) / 1e9 == pytest.approx(41.0, rel=0.01)
 
 
 def test_published_layout_is_timed_as_stated_even_where_memory_disagrees():
@@ -455,3 +458,72 @@ def test_ep_folded_over_tp():
     # the search keeps ep a multiple of tp dividing dp × cp when folding is asked for
     eps = {p.layout.ep for p in planner.search({"tp": 2, "ep_fold": True, "pp": 1}, top=50).ranked}
     assert eps and eps <= {2, 4, 8, 16, 32}   # e = 2·e' with e' | 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The architectures of 2025-26 from moetrain configs: MLA, MTP, sliding windows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deepseek_v3_config_is_deepseek_v3s_shape():
+    """configs/deepseek-v3-like.yaml: MLA's projections (DeepSeek-V2 §2.1: 187.1M per layer), the
+    671B / 37B parameters of the report, the MTP module (a block, W of 2h × h, three norms)."""
+    cfg = load_config("configs/deepseek-v3-like.yaml")
+    s = ModelShape.from_config(cfg)
+    h, a = 7168, 128
+    mla = h * 1536 + 1536 * a * 192 + h * (512 + 64) + 512 * a * (128 + 128) + a * 128 * h
+    assert s.is_mla and s.attn_params == mla == 187_105_280
+    assert s.up_proj_params == 1536 * a * 192 + 512 * a * 256
+    assert s.mla_latent_width == 1536 + 512 + 64
+    assert (s.h_q, s.h_v) == (a * 192, a * 128)
+    main = s.total_params - sum(s.mtp_params())
+    assert main / 1e9 == pytest.approx(671.0, abs=0.5)
+    moe_dense, moe_experts = s.layer_params(True)
+    assert s.mtp_params() == (moe_dense + 2 * h * h + 3 * h, moe_experts)
+    assert s.active_params / 1e9 == pytest.approx(37.5 + (moe_dense + moe_experts * 8 / 256 + 2 * h * h) / 1e9,
+                                                  rel=0.01)
+    # the MTP module's FLOPs: its block with full attention, W and the head again
+    no_mtp = dataclasses.replace(s, mtp_depth=0)
+    attn = 2.0 * s.seq_len * (s.h_q + s.h_v)
+    per = s.layer_matmul_flops(True) + attn + 2.0 * 2 * h * h + 2.0 * h * s.vocab
+    assert s.model_flops_per_token() - no_mtp.model_flops_per_token() == pytest.approx(3 * per)
+
+
+def test_mla_up_projection_recomputation_is_the_up_projections():
+    """``mla_up_proj`` runs the up-projections and the core again — not the compressions — and
+    drops Q, K, V and the core's tensors while keeping the latents."""
+    from moetrain.planner.memory import ActivationArch, attention_terms
+
+    s = ModelShape.from_config(load_config("configs/deepseek-v3-like.yaml"))
+    assert s.recompute_flops_per_token("selective", ("mla_up_proj",)) == pytest.approx(
+        s.layers * (s.attention_flops() + 2.0 * s.up_proj_params))
+    terms = attention_terms(ActivationArch.of(s))
+    assert dict((n, b) for n, b, _ in terms)["MLA latents"] == 2.0 * (2 * 1536 + 2 * 512 + 64)
+    none = _kept(terms, ac="none")
+    core = sum(b for _, b, kind in terms if kind == "core")
+    assert none - _kept(terms, modules=("mla_up_proj",)) == 2.0 * 128 * (192 + 192) + 2.0 * 128 * 128 + core
+    lay = Layout(ep=8, dp=8, ac="selective", recompute_modules=("mla_up_proj",))
+    t = step_time(s, lay, 64, H100, _places())
+    base = step_time(s, dataclasses.replace(lay, ac="none", recompute_modules=("core_attn",)), 64, H100, _places())
+    assert t.breakdown["recompute"] > 0 and t.step > base.step
+
+
+def test_mtp_lives_on_the_last_stage():
+    s = ModelShape.from_config(load_config("configs/deepseek-v3-like.yaml"))
+    no_mtp = dataclasses.replace(s, mtp_depth=0)
+    lay = Layout(pp=1, dp=8, ep=8, mbs=1)
+    with_m, without = memory_per_gpu(s, lay, 64), memory_per_gpu(no_mtp, lay, 64)
+    dense, experts = s.mtp_params()
+    assert with_m.detail["dense_params"] - without.detail["dense_params"] == dense
+    assert with_m.detail["expert_params"] - without.detail["expert_params"] == experts / 8
+    assert with_m.activations > without.activations
+    t_with, t_without = step_time(s, lay, 64, H100, _places()), step_time(no_mtp, lay, 64, H100, _places())
+    assert t_with.step > t_without.step
+
+
+def test_sliding_windows_are_read_from_the_config():
+    cfg = load_config("configs/finetune-gpt-oss.yaml")
+    s = ModelShape.from_config(cfg)
+    assert (s.window, s.window_layers) == (128, 2)
+    full = dataclasses.replace(s, window=None, window_layers=0)
+    assert s.attention_flops() == pytest.approx((full.attention_flops() * 2 + 2.0 * 128 * (s.h_q + s.h_v) * 2) / 4)

@@ -164,11 +164,13 @@ def test_node_limit_that_leaves_too_few_experts_is_refused_before_launch():
     from moetrain.config import ConfigError, load_config
     from moetrain.launch.preflight import check_node_limited
 
-    # tp = 8 fills each node: the ep group spans 256 nodes with one expert each.
-    cfg = load_config("configs/deepseek-v3-like.yaml", ["moe.max_nodes_per_token=4"])
+    # tp = 8 fills each node: the ep group spans 256 nodes with one expert each (and the node
+    # limit replaces the fixed expert groups: moetrain refuses both at once).
+    one_per_node = ["parallel.tp=8", "parallel.dp=256", "parallel.ep=256", "moe.n_group=null", "moe.topk_group=null"]
+    cfg = load_config("configs/deepseek-v3-like.yaml", one_per_node + ["moe.max_nodes_per_token=4"])
     with pytest.raises(ConfigError, match="moe.max_nodes_per_token = 4.*fewer than top_k = 8"):
         check_node_limited(cfg)
-    check_node_limited(load_config("configs/deepseek-v3-like.yaml", ["moe.max_nodes_per_token=8"]))
+    check_node_limited(load_config("configs/deepseek-v3-like.yaml", one_per_node + ["moe.max_nodes_per_token=8"]))
 
 
 # -- the hierarchical dispatcher: once per token and node over the network ---------------------

@@ -51,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="moetrain YAML config whose model / moe shape to build")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--arch", help="model_type (mixtral, qwen3_moe, qwen2_moe, olmoe, llama); default: chosen")
+    parser.add_argument("--arch", help="model_type (mixtral, qwen3_moe, qwen2_moe, olmoe, llama, deepseek_v3, glm4_moe, gpt_oss); default: chosen")
     parser.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -119,12 +119,12 @@ def split_model(model: Transformer, stages: list[int], num_stages: int, first: i
         keep = {str(i) for i in stage_blocks(s, num_stages, layers, first, last)}
         for name in [k for k in part.layers.keys() if k not in keep]:
             del part.layers[name]
-        last = s == num_stages - 1
+        is_last = s == num_stages - 1
         if s != 0:
             part.embeds_input = False
-            if not (last and len(part.mtp)):  # the MTP modules' copy (PipelineRunner syncs it)
+            if not (is_last and len(part.mtp)):  # the MTP modules' copy (PipelineRunner syncs it)
                 part.tok_embeddings = None
-        if not last:
+        if not is_last:
             part.norm = None
             part.output = None
             part.mtp = torch.nn.ModuleDict()

@@ -119,6 +119,9 @@ class ActivationArch:
     fused_swiglu: bool = True      # keeps gate and up (4F), recomputes silu·up in backward
     h_v: int | None = None         # attention output width a·d_v (None: h_q)
     h_kv_v: int | None = None      # value width kv_heads·d_v (None: h_kv)
+    # MLA (DeepSeek-V2 §2.1): per token the query latent r_q (0: no bottleneck), the key-value
+    # latent r_kv and the RoPE key d_r; None: grouped-query attention
+    mla: tuple[int, int, int] | None = None
 
     @classmethod
     def gpt(cls, s: int, h: int, a: int) -> "ActivationArch":
@@ -129,9 +132,10 @@ class ActivationArch:
     @classmethod
     def of(cls, shape: ModelShape) -> "ActivationArch":
         """moetrain's layer on GPU: RMSNorm, GQA, fused SwiGLU, no dropout, flash attention."""
+        mla = (shape.q_lora_rank or 0, shape.kv_lora_rank, shape.qk_rope_dim) if shape.is_mla else None
         return cls(hidden=shape.hidden, heads=shape.heads, h_q=shape.h_q, h_kv=shape.h_kv, ffn=shape.ffn,
                    seq_len=shape.seq_len, mlp="swiglu" if shape.mlp_matrices == 3 else "gelu",
-                   h_v=shape.h_v, h_kv_v=shape.h_kv_v)
+                   h_v=shape.h_v, h_kv_v=shape.h_kv_v, mla=mla)
 
 
 def activation_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
@@ -150,6 +154,14 @@ def attention_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
     t: list[tuple[str, float, str]] = [
         ("norm1 input", 2.0 * h, "repl"),
         ("QKV input", 2.0 * h, "repl"),
+    ]
+    if arch.mla is not None:
+        # MLA: the compressions keep their input (above); each latent is kept before its norm
+        # and after it (the up-projection's input), the RoPE key once; the up-projections give
+        # every head its own K (the RoPE part broadcast): Q, K of a·(d_n + d_r) each.
+        r_q, r_kv, d_r = arch.mla
+        t += [("MLA latents", 2.0 * (2 * r_q + 2 * r_kv + d_r), "repl")]
+    t += [
         ("Q, K", 2.0 * (arch.h_q + arch.h_kv), "shard"),
         ("V", 2.0 * (arch.h_kv_v or arch.h_kv), "shard"),
     ]
@@ -214,9 +226,8 @@ def recomputed(name: str, kind: str, modules: tuple[str, ...]) -> bool:
     - ``layernorm``: the norms' outputs (QKV input, MLP / router input); their inputs, the
       residual stream, stay;
     - ``mlp``: a dense MLP block's inner tensors (its input stays);
-    - ``mla_up_proj``: the up-projected Q, K, V and the attention core: MLA keeps only its
-      low-rank latents (d_c = 512 + 64 and d_c' = 1536 per token for DeepSeek-V3: < 4 % of what
-      it drops, left out);
+    - ``mla_up_proj``: the up-projected Q, K, V and the attention core: MLA keeps its input and
+      its low-rank latents (the "MLA latents" term);
     - ``moe_act``: nothing here: the planner's experts already keep only the activation's input
       (gate and up, the fused SwiGLU) and recompute its output, which is what Megatron-Core's
       ``moe_act`` recomputation does.
@@ -347,6 +358,10 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
             dense_p += shape.vocab * shape.hidden
         if r == pp - 1 and (pp > 1 or not shape.tie_embeddings):
             dense_p += shape.vocab * shape.hidden + shape.hidden
+        if r == pp - 1 and shape.mtp_depth:  # the MTP modules, and the embedding's copy under pp
+            mtp_dense, mtp_expert = shape.mtp_params()
+            dense_p += mtp_dense + (shape.vocab * shape.hidden if pp > 1 else 0)
+            expert_p += mtp_expert
         dense_p /= tp
         expert_p /= layout.ep * layout.etp
         z = layout.zero
@@ -359,6 +374,13 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
             acts += a_moe_full if n_moe else a_dense_full  # one layer recomputed at a time
         if r == pp - 1:
             acts += tokens * shape.vocab / tp * (2 + 4) * act_scale  # bf16 logits + fp32 loss softmax
+        if r == pp - 1 and shape.mtp_depth:
+            # Each MTP module: its block, the two norms' inputs and the projection's [2h] input,
+            # its final norm's input, and its own logits; in flight like the stage's blocks.
+            block = a_moe if shape.mtp_moe else a_dense
+            extra = tokens * 2.0 * shape.hidden * (2 + 2 + 1) * act_scale / (tp if sp else 1)
+            logits = tokens * shape.vocab / tp * (2 + 4) * act_scale
+            acts += shape.mtp_depth * (_inflight(layout, m, r) * (block + extra) + logits)
         buffers = 0.0
         if z >= 3 and n_dense + n_moe:
             biggest = max(dense_layer[0] / tp if n_dense else 0.0,

@@ -4,11 +4,12 @@ Symbols (per layer unless stated): h hidden, a heads, d = h/a head dim (or a sta
 h_q = a·d query width, h_kv = kv_heads·d, h_v = a·d_v value width, F dense MLP width, E experts,
 k top-k, f expert SwiGLU width, S shared experts, V vocabulary, s sequence length, L layers.
 
-moetrain's own configs give a Llama/Mixtral decoder (SwiGLU, d = h/a, full attention). Published
-runs of other models need a few more facts, which only the planner knows (they are never read
-from a moetrain config): a stated head dim (Qwen3, GPT-OSS), separate value head dim and
-low-rank projections (DeepSeek's multi-head latent attention, given as its parameter count),
-a two-matrix GELU MLP (GPT-3, MPT), sliding-window layers (GPT-OSS).
+moetrain's own configs give a Llama/Mixtral-like decoder (SwiGLU). Published runs of other
+models need a few more facts, which only the planner knows (they are never read
+from a moetrain config): a two-matrix GELU MLP (GPT-3, MPT). moetrain's own configs also give
+a stated head dim (Qwen3, GPT-OSS), multi-head latent attention with its low-rank projections
+and separate value head dim (DeepSeek-V3), sliding-window layers (GPT-OSS) and multi-token
+prediction modules (DeepSeek-V3), which the published runs state the same way.
 
 FLOP convention (the one MFU is reported in, as Megatron-LM eq. 3 of Narayanan et al. 2021 and
 PaLM appendix B): a matmul of m×k by k×n costs 2mkn; backward costs twice forward; attention
@@ -59,6 +60,13 @@ class ModelShape:
     mlp_matrices: int = 3                     # dense MLP: 3 = SwiGLU, 2 = GELU
     window: int | None = None                 # sliding-window span (tokens) of ``window_layers`` layers
     window_layers: int = 0
+    # multi-head latent attention (DeepSeek-V2 §2.1): set kv_lora_rank; head_dim_override is then
+    # the query/key width d_n + d_r, v_head_dim d_v, qk_rope_dim d_r; q_lora_rank None: one
+    # query projection
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_dim: int = 0
+    mtp_depth: int = 0                        # multi-token prediction modules (DeepSeek-V3 §2.2)
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "ModelShape":
@@ -70,14 +78,22 @@ class ModelShape:
         q = m.vocab_multiple
         vocab = -(-vocab // q) * q
         flags = tuple(moe.is_moe_layer(i) for i in range(m.layers))
-        return cls(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads, ffn=m.ffn_hidden,
-                   vocab=vocab, seq_len=m.seq_len, tie_embeddings=m.tie_embeddings,
+        windowed = sum(1 for i in range(m.layers) if m.window_of(i) is not None)
+        mla = m.attention == "mla"
+        attn: dict = dict(head_dim_override=m.head_dim)
+        if mla:
+            attn = dict(head_dim_override=m.qk_nope_head_dim + m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_rope_dim=m.qk_rope_head_dim)
+        return cls(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.heads if mla else m.kv_heads,
+                   ffn=m.ffn_hidden, vocab=vocab, seq_len=m.seq_len, tie_embeddings=m.tie_embeddings,
                    num_experts=moe.num_experts, top_k=moe.top_k if moe.num_experts else 0,
                    expert_ffn=moe.ffn_hidden, shared_experts=moe.shared_experts if moe.num_experts else 0,
-                   moe_layer_flags=flags, vocab_assumed=assumed, head_dim_override=m.head_dim,
+                   moe_layer_flags=flags, vocab_assumed=assumed,
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
                    max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None,
-                   dispatch_dedup=moe.token_dispatcher == "hierarchical")
+                   dispatch_dedup=moe.token_dispatcher == "hierarchical",
+                   window=m.sliding_window if windowed else None, window_layers=windowed,
+                   mtp_depth=m.mtp_depth, **attn)
 
     # -- widths ------------------------------------------------------------------------------
     @property
@@ -114,14 +130,49 @@ class ModelShape:
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
     # -- parameters (counts) -----------------------------------------------------------------
     @property
     def attn_params(self) -> int:
-        """QKV and output projections (no biases) of one layer."""
+        """QKV and output projections (no biases) of one layer; with MLA (DeepSeek-V2 §2.1,
+        eq. 9-18) the query compression h × r_q and up-projection r_q × a·d (or one h × a·d),
+        the key-value compression h × r_kv, the RoPE key h × d_r, the key-value up-projection
+        r_kv × a·(d_n + d_v) and the output a·d_v × h."""
         if self.attn_params_override is not None:
             return self.attn_params_override
         h = self.hidden
+        if self.is_mla:
+            q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
+            return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
         return h * (self.h_q + self.h_kv + self.h_kv_v) + self.h_v * h
+
+    @property
+    def up_kv_params(self) -> int:
+        """MLA's key-value up-projection r_kv × a·(d_n + d_v) (0 without MLA)."""
+        if not self.is_mla:
+            return 0
+        return self.kv_lora_rank * self.heads * (self.head_dim - self.qk_rope_dim + (self.v_head_dim or self.head_dim))
+
+    @property
+    def up_proj_params(self) -> int:
+        """What Megatron-Core's ``mla_up_proj`` recomputation runs again, as parameters: MLA's
+        up-projections r_q × a·d (or h × a·d without a query bottleneck) and r_kv × a·(d_n + d_v);
+        without MLA every input projection."""
+        if not self.is_mla:
+            return self.attn_params - self.attn_out_params
+        q = self.q_lora_rank * self.h_q if self.q_lora_rank else self.hidden * self.h_q
+        return q + self.up_kv_params
+
+    @property
+    def mla_latent_width(self) -> int:
+        """Per token, the compressed query and key-value latents and the RoPE key, r_q + r_kv +
+        d_r: what MLA keeps of its attention input when the up-projections are recomputed."""
+        if not self.is_mla:
+            return 0
+        return (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_dim
 
     @property
     def attn_out_params(self) -> int:
@@ -163,8 +214,19 @@ class ModelShape:
         return dense + self.mlp_params, 0
 
     @property
+    def mtp_moe(self) -> bool:
+        """Whether the MTP modules' blocks are MoE (they are of the model's last block's kind)."""
+        return bool(self.moe_layer_flags) and self.moe_layer_flags[-1]
+
+    def mtp_params(self) -> tuple[int, int]:
+        """(dense, expert) parameters of the ``mtp_depth`` MTP modules: each a block, the
+        projection W [h × 2h] and three norms (DeepSeek-V3 §2.2); embedding and head shared."""
+        d, e = self.layer_params(self.mtp_moe)
+        return self.mtp_depth * (d + 2 * self.hidden * self.hidden + 3 * self.hidden), self.mtp_depth * e
+
+    @property
     def total_params(self) -> int:
-        n = self.embedding_params + self.hidden  # final norm
+        n = self.embedding_params + self.hidden + sum(self.mtp_params())  # final norm, MTP
         for flag in self.moe_layer_flags:
             d, e = self.layer_params(flag)
             n += d + e
@@ -172,12 +234,12 @@ class ModelShape:
 
     @property
     def active_params(self) -> int:
-        """Parameters one token touches (routed experts: top_k of them)."""
+        """Parameters one token touches (routed experts: top_k of them), the MTP modules' too."""
         n = self.embedding_params + self.hidden
-        for flag in self.moe_layer_flags:
+        for flag in (*self.moe_layer_flags, *(self.mtp_moe,) * self.mtp_depth):
             d, e = self.layer_params(flag)
             n += d + (e * self.top_k // self.num_experts if flag else 0)
-        return n
+        return n + self.mtp_depth * (2 * self.hidden * self.hidden + 3 * self.hidden)
 
     # -- FLOPs per token, forward ------------------------------------------------------------
     def layer_matmul_flops(self, moe: bool) -> float:
@@ -203,26 +265,37 @@ class ModelShape:
     def logits_flops(self) -> float:
         return 2.0 * self.hidden * self.vocab
 
-    def model_flops_per_token(self) -> float:
-        """Forward + backward model FLOPs per token (the MFU numerator), see module doc."""
-        fwd = sum(self.layer_matmul_flops(flag) + self.attention_flops() for flag in self.moe_layer_flags)
-        return 3.0 * (fwd + self.logits_flops)
+    def mtp_flops(self, causal: bool = False) -> float:
+        """Forward FLOPs per token of the MTP modules: each its block (full attention), the
+        projection W (2·2h·h) and the shared head (as Megatron-LM counts ``mtp_num_layers``)."""
+        attn = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
+        per = self.layer_matmul_flops(self.mtp_moe) + attn + 2.0 * 2 * self.hidden * self.hidden + self.logits_flops
+        return self.mtp_depth * per
+
+    def model_flops_per_token(self, causal: bool = False) -> float:
+        """Forward + backward model FLOPs per token (the MFU numerator), see module doc;
+        ``causal``: attention scores counted as half (what a causal kernel computes)."""
+        fwd = sum(self.layer_matmul_flops(flag) + self.attention_flops(causal) for flag in self.moe_layer_flags)
+        return 3.0 * (fwd + self.logits_flops + self.mtp_flops(causal))
 
     def recompute_flops_per_token(self, checkpointing: str, modules: tuple[str, ...] = ("core_attn",)) -> float:
         """Extra forward FLOPs per token that activation checkpointing executes (same convention).
         ``modules``: what selective checkpointing recomputes (layout.RECOMPUTE_MODULES):
-        ``core_attn`` the attention core, ``mla_up_proj`` the core and the attention input
-        projections (all of them: the planner keeps MLA's chain as one GEMM), ``mlp`` the dense
-        MLPs; ``layernorm`` and ``moe_act`` recompute elementwise kernels only (no matmul FLOPs)."""
+        ``core_attn`` the attention core, ``mla_up_proj`` the core and MLA's up-projections
+        (:attr:`up_proj_params`; not the compressions, whose outputs it keeps), ``mlp`` the dense
+        MLPs; ``layernorm`` and ``moe_act`` recompute elementwise kernels only (no matmul FLOPs).
+        Full recomputation runs the MTP modules' blocks again too."""
         if checkpointing == "full":
-            return sum(self.layer_matmul_flops(flag) + self.attention_flops() for flag in self.moe_layer_flags)
+            blocks = sum(self.layer_matmul_flops(flag) + self.attention_flops() for flag in self.moe_layer_flags)
+            return blocks + self.mtp_depth * (self.layer_matmul_flops(self.mtp_moe)
+                                              + 2.0 * self.seq_len * (self.h_q + self.h_v))
         if checkpointing != "selective":
             return 0.0
         f = 0.0
         if "core_attn" in modules or "mla_up_proj" in modules:
             f += self.layers * self.attention_flops()
         if "mla_up_proj" in modules:
-            f += self.layers * 2.0 * (self.attn_params - self.attn_out_params)
+            f += self.layers * 2.0 * self.up_proj_params
         if "mlp" in modules:
             f += self.dense_layers * 2.0 * self.mlp_params
         return f

@@ -164,9 +164,10 @@ _GPT_OSS = dict(layers=36, hidden=2880, heads=64, kv_heads=8, vocab=201088, expe
 # DeepSeek-V3 (technical report §4.2, HF config.json): 61 layers (3 dense of 18432), d 7168,
 # 128 heads of multi-head latent attention (q rank 1536, kv rank 512, qk 128+64, v 128:
 # 187.1M projection parameters), 256 routed experts of 2048 (top-8) + 1 shared, vocab 129280.
-_MLA_PARAMS = 7168 * 1536 + 1536 * 128 * 192 + 7168 * (512 + 64) + 512 * 128 * 256 + 128 * 128 * 7168
+# Megatron-Bridge's 25.11 row states no MTP module; the MoE report's does not say (taken as none).
 _DSV3 = dict(layers=61, hidden=7168, heads=128, vocab=129280, ffn=18432, experts=256, top_k=8, expert_ffn=2048,
-             shared=1, first_dense=3, head_dim_override=192, v_head_dim=128, attn_params_override=_MLA_PARAMS)
+             shared=1, first_dense=3, head_dim_override=192, v_head_dim=128, q_lora_rank=1536, kv_lora_rank=512,
+             qk_rope_dim=64)
 # Qwen3-235B-A22B (HF config.json): 94 layers, d 4096, 64 query / 4 KV heads of 128, 128 experts
 # of 1536 (top-8), vocabulary 151936.
 _QWEN3_235B = dict(layers=94, hidden=4096, heads=64, kv_heads=4, vocab=151936, experts=128, top_k=8,

@@ -242,10 +242,28 @@ class _Compute:
         s = self.s
         return self.gemm(self.T, (s.attn_params - s.attn_out_params) / s.hidden / self.l.tp, s.hidden)
 
+    def up_projection(self) -> float:
+        """Forward seconds of MLA's up-projections (what ``mla_up_proj`` recomputes besides the
+        core): the query's r_q → a·d and the key-value's r_kv → a·(d_n + d_v) GEMMs; without MLA
+        the whole input projection."""
+        s, tp = self.s, self.l.tp
+        if not s.is_mla:
+            return self.input_projection()[0]
+        q_in = s.q_lora_rank or s.hidden
+        fq, _ = self.gemm(self.T, s.h_q / tp, q_in)
+        fkv, _ = self.gemm(self.T, s.up_kv_params / s.kv_lora_rank / tp, s.kv_lora_rank)
+        return fq + fkv
+
+    def mtp_extra(self) -> tuple[float, float]:
+        """(forward, backward) seconds of one MTP module beyond its block and the head: the
+        projection W [2h → h] (DeepSeek-V3 §2.2)."""
+        s = self.s
+        return self.gemm(self.T, s.hidden / self.l.tp, 2 * s.hidden)
+
     def recompute(self, moe: bool, core_f: float) -> float:
         """Forward seconds that selective recomputation of ``layout.recompute_modules`` re-runs
         in one layer's backward (see memory.recomputed for what each drops): ``core_attn`` the
-        attention core; ``mla_up_proj`` the core and the input projections; ``layernorm`` the
+        attention core; ``mla_up_proj`` the core and MLA's up-projections; ``layernorm`` the
         two norms (read and write h per token each); ``moe_act`` the experts' SwiGLU (reads
         gate and up, writes their product); ``mlp`` a dense layer's MLP GEMMs and activation."""
         mods, s, b = self.l.recompute_modules, self.s, self.act_bytes
@@ -253,7 +271,7 @@ class _Compute:
         if "core_attn" in mods or "mla_up_proj" in mods:
             t += core_f
         if "mla_up_proj" in mods:
-            t += self.input_projection()[0]
+            t += self.up_projection()
         if "layernorm" in mods:
             t += b * 2 * 2.0 * s.hidden * self.Tt / self.hbm
         if moe and "moe_act" in mods:
@@ -406,12 +424,20 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         if r == lay.pp - 1:
             acc["gemm_f"] = acc.get("gemm_f", 0.0) + log_f
             acc["gemm_b"] = acc.get("gemm_b", 0.0) + log_b
+        if r == lay.pp - 1 and shape.mtp_depth:  # each MTP module: a block, W and the head again
+            mtp_f, mtp_b = c.mtp_extra()
+            for k, v in per[shape.mtp_moe].items():
+                acc[k] += shape.mtp_depth * v
+            acc["gemm_f"] += shape.mtp_depth * (mtp_f + log_f)
+            acc["gemm_b"] += shape.mtp_depth * (mtp_b + log_b)
+            acc["n_moe"] += shape.mtp_depth * shape.mtp_moe
         acc["pp_f"] = acc["pp_b"] = lay.vpp * t_p2p if lay.pp > 1 else 0.0
         keys_f = [k for k in acc if k.endswith("_f")]
         t_f = sum(acc[k] for k in keys_f)
         rec = 0.0
         if lay.ac == "full":
-            rec = sum(acc[k] for k in keys_f if k not in ("pp_f",)) - (log_f if r == lay.pp - 1 else 0.0)
+            heads = (1 + shape.mtp_depth) * log_f if r == lay.pp - 1 else 0.0
+            rec = sum(acc[k] for k in keys_f if k not in ("pp_f",)) - heads
         elif lay.ac == "selective":
             rec = acc["rec_selective"]
         t_b = sum(acc[k] for k in acc if k.endswith("_b")) + rec
@@ -492,6 +518,10 @@ def _rank_params(shape: ModelShape, lay: Layout) -> tuple[float, float]:
             d += shape.vocab * shape.hidden
         if r == lay.pp - 1 and (lay.pp > 1 or not shape.tie_embeddings):
             d += shape.vocab * shape.hidden
+        if r == lay.pp - 1 and shape.mtp_depth:
+            md, me = shape.mtp_params()
+            d += md + (shape.vocab * shape.hidden if lay.pp > 1 else 0)
+            e += me
         cand = (d / lay.tp, e / (lay.ep * lay.etp))
         if sum(cand) > sum(best):
             best = cand

@@ -221,8 +221,10 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     sz = microbatch_buffers(shape, layout, moe_imbalance=moe_imbalance)
     lp = math.ceil(shape.layers / layout.pp)
     moe_frac = shape.moe_layers / shape.layers
-    n_moe = round(lp * moe_frac)
-    n_dense = lp - n_moe
+    # the last stage with its MTP modules' blocks (DeepSeek-V3 §2.2), the busiest one
+    mtp_moe = shape.mtp_depth if shape.mtp_moe else 0
+    n_moe = round(lp * moe_frac) + mtp_moe
+    n_dense = lp - round(lp * moe_frac) + shape.mtp_depth - mtp_moe
     recompute = 1 if layout.ac == "full" else 0
     passes = 2 + recompute  # forward, backward, forward again under full recomputation
     out: list[CollectiveVolume] = []
@@ -262,10 +264,11 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     if layout.pp > 1:
         add("pp", "p2p", "activations forward, gradients backward between neighbouring stages",
             sz["pp"], 2 * layout.vpp * m, "none")
+    expert_total = (shape.moe_layers + mtp_moe) * shape.expert_params
     dense_p = dense_params_rank if dense_params_rank is not None else \
-        (shape.total_params - shape.moe_layers * shape.expert_params) / (layout.tp * layout.pp)
+        (shape.total_params - expert_total) / (layout.tp * layout.pp)
     expert_p = expert_params_rank if expert_params_rank is not None else \
-        shape.moe_layers * shape.expert_params / (layout.pp * layout.ep * layout.etp)
+        expert_total / (layout.pp * layout.ep * layout.etp)
     for axis, p, label in (("dp_cp", dense_p, "dense"), (expert_grad_axis(layout), expert_p, "expert")):
         if p <= 0:
             continue

@@ -417,9 +417,10 @@ class Trainer:
         self.sinks.write(rec)
         if res.step % self.cfg.train.log_every == 0 or val_loss is not None:
             loads = " ".join(f"L{n}:{v['max_over_mean']:.2f}" for n, v in res.extra["expert_load"].items())
-            log.info("step %d/%d | loss %.4f | aux %.4f | lr %.2e | grad %.3f | %.0f tok/s | %.3f TFLOP/s/dev | "
+            mtp = f" | mtp {res.extra['mtp_loss']:.4f}" if "mtp_loss" in res.extra else ""
+            log.info("step %d/%d | loss %.4f%s | aux %.4f | lr %.2e | grad %.3f | %.0f tok/s | %.3f TFLOP/s/dev | "
                      "mem %.2f GiB | load max/mean %s%s | %s elapsed | eta %s", res.step, self.cfg.train.steps,
-                     res.loss, res.aux_loss, res.lr, res.grad_norm, res.extra["tokens_per_s"],
+                     res.loss, mtp, res.aux_loss, res.lr, res.grad_norm, res.extra["tokens_per_s"],
                      res.extra["tflops_per_device"], mem, loads, f" | val {val_loss:.4f}" if val_loss is not None else "",
                      format_duration(elapsed), format_duration(eta))
 
