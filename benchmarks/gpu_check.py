@@ -16,6 +16,13 @@
    Expected with ep = 1 and the ``grouped_mm`` expert backend: 1 per step (the metrics read).
 4. Runs each expert backend available (loop, grouped_mm, megablocks when installed) and flash
    attention (when flash-attn is installed) for a few bf16 steps and reports their step times.
+5. fp8 dispatch (``moe.dispatch_dtype: fp8``; the MoE layer rounds the routed tokens to E4M3 with
+   1 × 128 power-of-two scales in every layout): its bf16 losses against plain bf16 (the same
+   limits as 1.), its step time and MFU, and the bytes per dispatched row against bf16.
+
+On a machine with no package index (the GPU machines lent to this project carry torch 2.11):
+``pip install --no-deps -e .``. ``--cpu`` runs the same checks on the CPU (few steps, the CUDA
+sync counter left out) to prove a torch install before a GPU is at hand.
 
 Prints one JSON object; exits 1 when a check fails. Never part of CI (no GPU there); the numbers
 of the last run are in docs/performance.md.
@@ -54,19 +61,21 @@ def peak_tflops(name: str) -> float | None:
     return None
 
 
-def make_trainer(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa"):
+def make_trainer(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa",
+                 extra: list[str] | None = None):
     from moetrain.train.trainer import Trainer
 
     cfg = resolve_vocab(load_config(a.config, [
         "parallel.dp=1", "parallel.ep=1", f"train.precision={precision}", f"train.steps={steps}",
         "train.val_every=0", "checkpoint.every=0", "checkpoint.resume=false", f"moe.expert_backend={backend}",
         f"model.attention_backend={attention}", f"data.path={a.data}", "data.verify=size",
-        f"run.dir={tempfile.mkdtemp()}"]))
+        f"run.dir={tempfile.mkdtemp()}", *(extra or [])]))
     return Trainer(cfg, write_files=False)
 
 
-def train(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa") -> dict:
-    trainer = make_trainer(a, precision, steps, backend, attention)
+def train(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa",
+          extra: list[str] | None = None) -> dict:
+    trainer = make_trainer(a, precision, steps, backend, attention, extra)
     results = [trainer.train_step() for _ in range(steps)]
     times = [r.extra["step_time_s"] for r in results[2:]] or [results[-1].extra["step_time_s"]]
     step_s = statistics.median(times)
@@ -76,17 +85,20 @@ def train(a, precision: str, steps: int, backend: str = "auto", attention: str =
             "tflops_per_gpu": tflops, "expert_backend": backend_used, "trainer": trainer}
 
 
-def count_syncs(trainer, steps: int = 3) -> dict:
-    """Python-level reads of CUDA tensors and synchronizing CUDA calls per step."""
+def count_syncs(trainer, steps: int = 3, cuda: bool = True) -> dict:
+    """Python-level reads of device tensors and (CUDA) synchronizing calls per step."""
     trainer.train_step()  # warm-up
-    with warnings.catch_warnings(record=True) as caught, HostReadCounter("cuda", keep_stacks=True) as reads:
+    with warnings.catch_warnings(record=True) as caught, \
+            HostReadCounter("cuda" if cuda else "cpu", keep_stacks=True) as reads:
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(steps):
                 trainer.train_step()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     return {"python_reads_per_step": reads.count / steps, "read_kinds": dict(reads.kinds),
             "cuda_syncs_per_step": len(syncs) / steps, "cuda_sync_samples": syncs[:5],
@@ -98,23 +110,26 @@ def main() -> int:
     ap.add_argument("--config", default=str(ROOT / "configs/demo-moe.yaml"))
     ap.add_argument("--data", default=str(ROOT / "data/demo/shards"))
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device"}))
+    cuda = torch.cuda.is_available() and not a.cpu
+    if not cuda and not a.cpu:
+        print(json.dumps({"skipped": "no CUDA device (--cpu runs the checks on the CPU)"}))
         return 0
     if not (Path(a.data) / "manifest.json").is_file():
         sys.exit(f"no token shards in {a.data}: run `python tools/prepare_demo.py` first")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    name = torch.cuda.get_device_name()
-    peak = peak_tflops(name)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = peak_tflops(name) if cuda else None
     out: dict = {"device": name, "torch": torch.__version__, "steps": a.steps}
     failures = []
 
     # 1.-2. bf16 follows fp32; speed and MFU.
     t0 = time.time()
-    fp32 = train(a, "fp32", a.steps)
-    bf16 = train(a, "bf16", a.steps)
+    extra = [] if cuda else ["parallel.backend=gloo"]
+    fp32 = train(a, "fp32", a.steps, extra=extra)
+    bf16 = train(a, "bf16", a.steps, extra=extra)
     rel = [abs(b - f) / f for b, f in zip(bf16["losses"], fp32["losses"])]
     tail = abs(statistics.mean(bf16["losses"][-10:]) - statistics.mean(fp32["losses"][-10:])) / statistics.mean(
         fp32["losses"][-10:])
@@ -129,7 +144,7 @@ def main() -> int:
     out["peak_bf16_tflops"] = peak
 
     # 3. host syncs in the bf16 step (grouped_mm at ep = 1: the metrics read only).
-    out["syncs"] = count_syncs(bf16["trainer"])
+    out["syncs"] = count_syncs(bf16["trainer"], cuda=cuda)
     if out["syncs"]["python_reads_per_step"] > 1:
         failures.append(f"{out['syncs']['python_reads_per_step']} Python-level reads of CUDA tensors per step "
                         f"(expected 1): {out['syncs']['read_stacks']}")
@@ -138,15 +153,15 @@ def main() -> int:
     import importlib.util
 
     out["expert_backends"] = {}
-    backends = ["loop", "grouped_mm"] + (["megablocks"] if importlib.util.find_spec("megablocks") else [])
+    backends = ["loop", "grouped_mm"] + (["megablocks"] if cuda and importlib.util.find_spec("megablocks") else [])
     for backend in backends:
         try:
-            r = train(a, "bf16", 6, backend)
+            r = train(a, "bf16", 6, backend, extra=extra)
             out["expert_backends"][backend] = {"step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"]}
         except Exception as e:  # noqa: BLE001 - reported, and a failure of the check
             out["expert_backends"][backend] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"expert backend {backend}: {e}")
-    if importlib.util.find_spec("flash_attn"):
+    if cuda and importlib.util.find_spec("flash_attn"):
         try:
             r = train(a, "bf16", 6, "auto", attention="flash")
             out["attention_flash"] = {"step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"],
@@ -154,6 +169,26 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             out["attention_flash"] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"flash attention: {e}")
+
+    # 5. fp8 dispatch: parity with bf16, speed, bytes per row.
+    from moetrain.model import fp8
+
+    try:
+        r = train(a, "bf16", a.steps, extra=[*extra, "moe.dispatch_dtype=fp8"])
+        rel8 = [abs(x - b) / b for x, b in zip(r["losses"], bf16["losses"])]
+        tail8 = abs(statistics.mean(r["losses"][-10:]) - statistics.mean(bf16["losses"][-10:])) / statistics.mean(
+            bf16["losses"][-10:])
+        hidden = r["trainer"].cfg.model.hidden
+        out["fp8_dispatch"] = {"max_step_rel_to_bf16": max(rel8), "last10_mean_rel_to_bf16": tail8,
+                               "step_s": r["step_s"], "tflops_per_gpu": r["tflops_per_gpu"],
+                               "mfu": r["tflops_per_gpu"] / peak if peak else None,
+                               "row_bytes_over_bf16": fp8.row_bytes(hidden, fp8.E4M3) / (2 * hidden)}
+        if tail8 > 0.02 or max(rel8) > 0.05:
+            failures.append(f"fp8 dispatch loss parity: last-10 mean {tail8:.3%} (limit 2%), worst step "
+                            f"{max(rel8):.3%} (limit 5%)")
+    except Exception as e:  # noqa: BLE001
+        out["fp8_dispatch"] = {"error": f"{type(e).__name__}: {e}"}
+        failures.append(f"fp8 dispatch: {e}")
     out["wall_s"] = time.time() - t0
     out["failures"] = failures
     print(json.dumps(out, indent=1, default=str))

@@ -229,7 +229,14 @@ class MoEConfig:
     projection (GPT-OSS). ``expert_biases``: biases on every expert's projections (GPT-OSS).
     ``activation``: ``swiglu`` silu(x w1)·(x w3), or ``clamped_swiglu`` (GPT-OSS):
     g = min(x w1, limit), u = clamp(x w3, ±limit), g·sigmoid(``swiglu_alpha``·g)·(u + 1) with
-    limit = ``swiglu_limit``."""
+    limit = ``swiglu_limit``.
+
+    ``dispatch_dtype``: the format of the routed tokens on the dispatch all-to-all — ``auto``
+    as computed (fp8 once ``train.precision`` is fp8), ``bf16``, or ``fp8``: float8 E4M3 with a
+    power-of-two scale per 1 × 128 tile of each row (per row when the hidden size is not a
+    multiple of 128), D + D/128 bytes a row against 2·D in bf16 (DeepSeek-V3 §3.3; see
+    :mod:`moetrain.model.fp8`). The layer rounds the tokens to it in every layout, one process
+    included, so layouts stay equal; gradients and the combine travel in the compute dtype."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -257,6 +264,7 @@ class MoEConfig:
     activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    dispatch_dtype: Literal["auto", "bf16", "fp8"] = "auto"
 
     @property
     def shared_hidden(self) -> int:

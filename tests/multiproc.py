@@ -5,6 +5,11 @@ torch.distributed (gloo, a fresh TCP port), calls ``fn(rank, world_size, *args)`
 returns the list of results ordered by rank (torch tensors inside are fine: results travel as
 ``torch.save`` files). ``fn`` must be importable (a module-level function).
 
+The ranks start from a fork server that has imported torch and moetrain once (a spawned rank
+spends ~1.5 s of this machine's 2 cores importing them, and the suite starts hundreds); each rank
+takes the caller's environment variables and working directory as a spawned one would.
+``MOETRAIN_TEST_SPAWN=1`` spawns fresh interpreters instead.
+
 Workers end with ``destroy_process_group()`` then ``os._exit(0)``: about 5 % of gloo workers
 otherwise abort at interpreter exit after finishing their work (../shared/FACTS.md), which
 would make the tests flaky.
@@ -30,7 +35,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, init: bool) -> None:
+# Imported once by the fork server; what the ranks' functions need most.
+PRELOAD = ["torch", "torch.distributed", "moetrain.train.trainer", "moetrain.hf.convert", "multiproc"]
+
+
+def _context() -> Any:
+    if os.environ.get("MOETRAIN_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, init: bool,
+            env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+    if env is not None:  # the caller's environment, as a spawned process would inherit it
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -62,10 +85,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         RuntimeError: a rank raised (its traceback is in the message) or died.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, init), daemon=False)
-                 for r in range(world_size)]
+        env, cwd = dict(os.environ), os.getcwd()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, init, env, cwd),
+                             daemon=False) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.fp8 import round_trip
 from moetrain.model.layers import FeedForward, Linear, local
 from moetrain.model.recompute import is_recomputing
 
@@ -327,6 +328,9 @@ class MoE(nn.Module):
         shared_hidden: the shared SwiGLU's width, when not shared_experts·F (Qwen1.5-MoE).
         shared_gate: scale the shared output per token by sigmoid(``shared_gate`` x), a
             [1, D] projection (Qwen1.5-MoE / Qwen2-MoE).
+        dispatch_wire: the dtype the routed tokens travel in (``moe.dispatch_dtype``: None as
+            computed, bf16 or float8 E4M3); the layer rounds them to it before dispatching
+            (:func:`moetrain.model.fp8.round_trip`), whether or not they leave the rank.
 
     ``parallel`` (:class:`MoEParallel`) says how tokens and experts are spread over ranks; the
     trainer sets ``aux_loss_scale`` (1 / micro-batches) and empties ``stats_accum`` every step.
@@ -338,8 +342,10 @@ class MoE(nn.Module):
                  bias_update_rate: float = 0.0, shared_hidden: int | None = None, shared_gate: bool = False,
                  n_group: int | None = None, topk_group: int | None = None, routing_bias: bool = False,
                  router_bias: bool = False, expert_biases: bool = False, activation: str = "swiglu",
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 dispatch_wire: torch.dtype | None = None):
         super().__init__()
+        self.dispatch_wire = dispatch_wire
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.routed_scaling_factor = score_function, routed_scaling_factor
         # Aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the scores
@@ -468,7 +474,7 @@ class MoE(nn.Module):
         capacity = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts)
-        pending = dispatcher.start(x_TD, topk_idx_TK, capacity)
+        pending = dispatcher.start(round_trip(x_TD, self.dispatch_wire), topk_idx_TK, capacity)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).
         shared_TD = self._shared_output(x_TD) if self.shared is not None and self.overlap_shared else None

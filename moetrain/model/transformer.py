@@ -24,6 +24,7 @@ from moetrain.config import Config
 from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
 from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
+from moetrain.model.fp8 import dispatch_wire
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE
 from moetrain.model.recompute import recompute_context
@@ -57,7 +58,8 @@ class Block(nn.Module):
                            shared_hidden=moe.shared_hidden, shared_gate=moe.shared_expert_gate, n_group=moe.n_group,
                            topk_group=moe.topk_group, routing_bias=moe.routing_bias, router_bias=moe.router_bias,
                            expert_biases=moe.expert_biases, activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
-                           swiglu_limit=moe.swiglu_limit)
+                           swiglu_limit=moe.swiglu_limit,
+                           dispatch_wire=dispatch_wire(moe.dispatch_dtype, cfg.train.precision))
         else:
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 

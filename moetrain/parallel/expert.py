@@ -18,21 +18,30 @@ Dispatch, in phases (the combine runs them backwards):
    (local expert, source) so each local expert's rows are contiguous for the grouped GEMM. The
    permutation is built on the device.
 
+With ``moe.dispatch_dtype`` bf16 or fp8 the rows of phase 3 travel in that format (fp8: E4M3
+values and power-of-two scales per 1 × 128 tile, :mod:`moetrain.model.fp8`) and are decoded on
+arrival into the compute dtype; their gradients travel back in the compute dtype (DeepSeek-V3
+§3.3.3 sends the dispatch in fp8 and the combine in bf16). The MoE layer already rounds the
+tokens it routes to the wire's values (:func:`moetrain.model.fp8.round_trip`), so encoding them
+again is exact and every layout computes with the same numbers as one process.
+
 Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single, all_to_all_single_autograd
 
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from moetrain.config import Config, field_error
+from moetrain.model import fp8
 from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, MoE, MoEParallel, expert_counts,
                                 permute_by_expert, sort_by_expert, unpermute, weighted_sum)
 from moetrain.parallel.peers import waiting_on_peers
@@ -52,11 +61,53 @@ class AllToAllHandle:
         return self.local.kept
 
 
-class AllToAllDispatcher:
-    """Dropless token dispatch over the ep group (see the module docstring for the phases)."""
+class _Arrive(torch.autograd.Function):
+    """Decode rows that arrived in a wire format; backward: their gradients back to the ranks
+    that sent them, in the rows' compute dtype (the reverse all-to-all)."""
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup, domains: list[int] | None = None):
-        self.group = group
+    @staticmethod
+    def forward(ctx: Any, packet: torch.Tensor, x_sent: torch.Tensor, output_splits: list[int],
+                input_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.rows_sent = (output_splits, input_splits), group, x_sent.shape[0]
+        D = x_sent.shape[1]
+        if packet.dtype == torch.uint8:
+            return fp8.unpack(packet, D, x_sent.dtype)
+        return packet.to(x_sent.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        output_splits, input_splits = ctx.splits
+        grad_sent = grad.new_empty(ctx.rows_sent, grad.shape[1])
+        dist.all_to_all_single(grad_sent, grad.contiguous(), input_splits, output_splits, group=ctx.group)
+        return None, grad_sent, None, None, None
+
+
+def send_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
+              wire: torch.dtype | None) -> Callable[[], torch.Tensor]:
+    """Start the uneven all-to-all of x_ND [N, D] (``input_splits`` rows to each rank,
+    ``output_splits`` from each) in ``wire`` (None: as they are; bf16; float8 E4M3 as
+    :func:`moetrain.model.fp8.pack`); returns what waits for and decodes the received rows,
+    [sum(output_splits), D] in x_ND's dtype, differentiable with respect to x_ND."""
+    if wire is None or wire == x_ND.dtype:
+        x_recv = all_to_all_single_autograd(x_ND, output_splits, input_splits, group)
+        return lambda: x_recv
+    with torch.no_grad():
+        packet = fp8.pack(x_ND) if wire == fp8.E4M3 else x_ND.to(wire)
+    recv = all_to_all_single(packet, output_splits, input_splits, group)  # in flight until used
+
+    def arrive() -> torch.Tensor:
+        got = recv.wait() if isinstance(recv, AsyncCollectiveTensor) else recv
+        return _Arrive.apply(got, x_ND, output_splits, input_splits, group)
+    return arrive
+
+
+class AllToAllDispatcher:
+    """Dropless token dispatch over the ep group (see the module docstring for the phases);
+    rows travel in ``wire`` (None: as computed)."""
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, domains: list[int] | None = None,
+                 wire: torch.dtype | None = None):
+        self.group, self.wire = group, wire
         self.ep = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
@@ -93,7 +144,7 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        x_recv = all_to_all_single_autograd(x_sorted, output_splits, input_splits, self.group)
+        x_recv = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
@@ -104,8 +155,8 @@ class AllToAllDispatcher:
     def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
         """Phase 4: wait for the rows and regroup them (source, local expert) → (local expert,
         source)."""
-        x_recv, counts_El, handle = pending
-        return x_recv[handle.regroup], counts_El, handle
+        arrive, counts_El, handle = pending
+        return arrive()[handle.regroup], counts_El, handle
 
     def combine_rows(self, y_ND: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         """The rows back to their source ranks, in assignment order: y_ND → [T·K, D] (zeros for
@@ -162,7 +213,8 @@ class HierarchicalDispatcher:
     """
 
     def __init__(self, num_experts: int, ep_group_ranks: list[int], domains: list[int], rail: dist.ProcessGroup,
-                 domain: dist.ProcessGroup, device: torch.device):
+                 domain: dist.ProcessGroup, device: torch.device, wire: torch.dtype | None = None):
+        self.wire = wire
         self.num_experts, self.num_local = num_experts, num_experts // len(ep_group_ranks)
         self.rail, self.domain = rail, domain
         domain_of = dict(zip(ep_group_ranks, domains))
@@ -180,7 +232,7 @@ class HierarchicalDispatcher:
         self.rail_of_expert = torch.tensor(rail_of, dtype=torch.int64, device=device)
         self.num_rail = dist.get_world_size(rail)
         self.my_rail = dist.get_rank(rail)
-        self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain)
+        self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain, wire=wire)
         # Domain-local id of expert e, for the rows this rank receives (experts of its domain).
         self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
         self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher
@@ -213,7 +265,7 @@ class HierarchicalDispatcher:
         ids_send = torch.where(slot_mask, expert_idx_TK[token_of_row], -1)  # global ids; -1: other domains
         inter = R_send - input_splits[self.my_rail]
         self.rows_sent[1] += inter
-        x_recv = all_to_all_single_autograd(x_TD[token_of_row], output_splits, input_splits, self.rail)
+        arrive = send_rows(x_TD[token_of_row], output_splits, input_splits, self.rail, self.wire)
         ids_recv = ids_send.new_empty(sum(output_splits), K)
         dist.all_to_all_single(ids_recv, ids_send, output_splits, input_splits, group=self.rail)
         # 2. within the domain: every valid slot of the received rows is an assignment.
@@ -222,7 +274,7 @@ class HierarchicalDispatcher:
         order = torch.argsort(key, stable=True)[:recv_slots]
         counts = expert_counts(key, E_dom + 1)[:E_dom]
         local = DispatchHandle(order=order, num_assignments=key.numel(), kept=None)
-        pending = self.inner.exchange(x_recv[order // K], counts, local)
+        pending = self.inner.exchange(arrive()[order // K], counts, local)
         self.rows_sent[0] += self.inner.rows_sent[0] + self.inner.rows_sent[1]
         self.inner.rows_sent = [0, 0]
         return pending, HierarchicalHandle(pending[2], token_of_row, slot_mask, input_splits, output_splits, T, kept)
@@ -301,6 +353,7 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
     domains = [ps.domains[r] for r in ep_ranks] if ps.domains is not None else None
     rail_domain = hierarchical_groups(ps) if ep > 1 and cfg.moe.token_dispatcher == "hierarchical" else None
     split = sequence_split(ps)
+    wire = fp8.dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
     for moe in moe_layers.values():
         E = moe.num_experts
         if ep > 1 or etp:
@@ -314,9 +367,9 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
         if etp:
             _expert_tensor_parallel(moe, ps)
         if rail_domain is not None:
-            dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device)
+            dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device, wire)
         elif ep > 1:
-            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains)
+            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains, wire)
         else:
             dispatcher = LocalDispatcher(E)
         groups, max_groups = (None, None)

@@ -39,6 +39,7 @@ from moetrain.config import Config
 from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
 from moetrain.data.reader import TokenShards
 from moetrain.data.verify import verify_shards
+from moetrain.model.fp8 import dispatch_wire, row_bytes as fp8_row_bytes
 from moetrain.model.transformer import future_tokens
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.context import cp_shard
@@ -317,8 +318,9 @@ class Trainer:
         if self.ps.size(EP) == 1 or self.cfg.moe.num_experts == 0:
             return None  # (a pipeline stage without MoE layers still joins the all-reduce)
         intra = inter = 0
+        wire = dispatch_wire(self.cfg.moe.dispatch_dtype, self.cfg.train.precision)
+        row_bytes = fp8_row_bytes(self.cfg.model.hidden, wire or compute_dtype(self.cfg.train.precision))
         for moe in self.moe_layers.values():
-            row_bytes = self.cfg.model.hidden * compute_dtype(self.cfg.train.precision).itemsize
             intra += moe.parallel.dispatcher.rows_sent[0] * row_bytes
             inter += moe.parallel.dispatcher.rows_sent[1] * row_bytes
             moe.parallel.dispatcher.rows_sent = [0, 0]
