@@ -193,6 +193,27 @@ def test_node_limited_routing_shortens_the_exposed_all_to_all():
     assert step_time(own, lay, 64, H100, places).breakdown["ep_comm"] == pytest.approx(a)
 
 
+def test_fp8_dispatch_sends_the_forward_dispatch_in_a_bit_over_half_the_bytes():
+    shape = _moe(experts=64, top_k=8)
+    fp8 = dataclasses.replace(shape, dispatch_fp8=True)
+    assert fp8.dispatch_ratio() == pytest.approx((4096 + 32) / (2 * 4096))  # int8 exponent per 128 values
+    place = AxisPlace(64, "spine", 8)
+    lay = Layout(tp=1, pp=1, dp=64, ep=64, mbs=1)
+    places = _places(ep=place, dp_cp=place)
+    plain = [v for v in step_collectives(shape, lay, 64, places, H100) if v.op == "all_to_all"]
+    low = [v for v in step_collectives(fp8, lay, 64, places, H100) if v.op == "all_to_all"]
+    total = sum(v.bytes_per_call * v.calls_per_step for v in plain)
+    # 4 all-to-alls per layer and micro-batch, one of them (the forward's dispatch) in fp8
+    assert sum(v.bytes_per_call * v.calls_per_step for v in low) == pytest.approx(
+        total * (3 + fp8.dispatch_ratio()) / 4)
+    a = step_time(shape, lay, 64, H100, places).breakdown["ep_comm"]
+    b = step_time(fp8, lay, 64, H100, places).breakdown["ep_comm"]
+    assert 0.7 * a < b < 0.9 * a
+    cfg = load_config("configs/deepseek-v3-like.yaml", ["moe.dispatch_dtype=fp8"])
+    assert ModelShape.from_config(cfg).dispatch_fp8
+    assert not ModelShape.from_config(load_config("configs/deepseek-v3-like.yaml")).dispatch_fp8
+
+
 # ---------------------------------------------------------------------------------------------
 # Overlap of the all-to-all with computation
 # ---------------------------------------------------------------------------------------------

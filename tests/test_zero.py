@@ -37,9 +37,12 @@ def train_and_count(rank: int, world: int, data: str, run_dir: str, parallel: di
             return fn(*args, **kwargs)
         return wrapper
 
-    # FSDP2 calls these through the torch.distributed module, so patching the attribute counts them.
-    dist.all_gather_single = counting(dist.all_gather_single, "all_gather")
-    dist.reduce_scatter_single = counting(dist.reduce_scatter_single, "reduce_scatter")
+    # FSDP2 calls these through the torch.distributed module, so patching the attribute counts them
+    # (torch 2.13 names them *_single; 2.11 calls the *_tensor ones).
+    for name, ops in (("all_gather", ("all_gather_single", "all_gather_into_tensor")),
+                      ("reduce_scatter", ("reduce_scatter_single", "reduce_scatter_tensor"))):
+        op = next(o for o in ops if hasattr(dist, o))
+        setattr(dist, op, counting(getattr(dist, op), name))
 
     def mark(module, args):
         if type(module).__name__.endswith("Transformer"):  # FSDP renames the class FSDPTransformer

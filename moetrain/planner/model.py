@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moetrain.model.fp8 import E4M3, dispatch_wire, row_bytes
+
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
 
@@ -53,6 +55,9 @@ class ModelShape:
     # whether the EP dispatch sends a token once per destination node and forwards it over NVLink
     # (DeepSeek-V3 §3.2.2, DeepEP; moe.token_dispatcher: hierarchical), else every routed copy
     dispatch_dedup: bool = False
+    # the dispatch's rows in float8 E4M3 with 1 × 128 power-of-two scales (moe.dispatch_dtype:
+    # fp8, DeepSeek-V3 §3.3); the combine and the backward's two all-to-alls stay bf16
+    dispatch_fp8: bool = False
     # planner-only architecture facts (see the module doc)
     head_dim_override: int | None = None      # query/key width per head when not hidden/heads
     v_head_dim: int | None = None             # value width per head when not the query/key one
@@ -92,6 +97,7 @@ class ModelShape:
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
                    max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None,
                    dispatch_dedup=moe.token_dispatcher == "hierarchical",
+                   dispatch_fp8=dispatch_wire(moe.dispatch_dtype, cfg.train.precision) == E4M3,
                    window=m.sliding_window if windowed else None, window_layers=windowed,
                    mtp_depth=m.mtp_depth, **attn)
 
@@ -299,6 +305,14 @@ class ModelShape:
         if "mlp" in modules:
             f += self.dense_layers * 2.0 * self.mlp_params
         return f
+
+    def dispatch_ratio(self, act_bytes: int = 2) -> float:
+        """Bytes of a dispatched row over those of an activation row of ``act_bytes`` per value:
+        (D + D / tile) / (act_bytes · D) with fp8 dispatch (the int8 scale exponents counted,
+        :func:`moetrain.model.fp8.row_bytes`), else 1."""
+        if not self.dispatch_fp8:
+            return 1.0
+        return row_bytes(self.hidden, E4M3) / (act_bytes * self.hidden)
 
     def dedup_args(self) -> tuple[int | None, tuple[int, int] | None]:
         """(max_nodes, spread) for traffic.ep_all_to_all: a de-duplicating dispatcher sends a token

@@ -390,7 +390,11 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     if shape.is_moe:
         t_a2a = ep_all_to_all(sz["ep"], places["ep"], prof, shape.expert_copies(ta.moe_imbalance),
                               *shape.dedup_args())[0]
-        ep_f, ep_b, ep_hidden = ep_exposed(2 * t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
+        # fp8 dispatch: the forward's dispatch carries (D + D/128) / 2D of the bytes
+        t_disp = (ep_all_to_all(sz["ep"] * shape.dispatch_ratio(mem.act_bytes), places["ep"], prof,
+                                shape.expert_copies(ta.moe_imbalance), *shape.dedup_args())[0]
+                  if shape.dispatch_fp8 else t_a2a)
+        ep_f, ep_b, ep_hidden = ep_exposed(t_disp + t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
                                            shared_f, shared_b, ta.ep_overlap, lay, m)
         if lay.etp > 1:
             t_etp = (comm_time("all_gather", sz["etp"], places["tp"], prof)[0]

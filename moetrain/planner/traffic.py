@@ -253,7 +253,13 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     if layout.cp > 1:
         add("cp", "all_gather", "ring attention K/V exchange (forward, and backward with dK/dV)",
             sz["cp"], lp * (1 + 2 + recompute) * m, "attention compute")
-    if shape.is_moe and layout.ep > 1:
+    if shape.is_moe and layout.ep > 1 and shape.dispatch_fp8:
+        forward = 1 + recompute  # the dispatches in fp8; the combine and the backward's in bf16
+        add("ep", "all_to_all", "token dispatch in fp8 (forward)", sz["ep"] * shape.dispatch_ratio(),
+            n_moe * forward * m, "none")
+        add("ep", "all_to_all", "combine (forward) and both all-to-alls of the backward, bf16",
+            sz["ep"], n_moe * (2 * passes - forward) * m, "none")
+    elif shape.is_moe and layout.ep > 1:
         add("ep", "all_to_all", "token dispatch and combine (forward and backward)",
             sz["ep"], n_moe * 2 * passes * m, "none")
     if shape.is_moe and layout.etp > 1:
