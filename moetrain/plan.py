@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(line)
         best = plans[0]
         try:
-            print(f"\nto use #1: --set " + " --set ".join(best.layout.overrides()))
+            print("\nto use #1: --set " + " --set ".join(best.layout.overrides()))
         except ValueError as e:  # a published run's layout (Layout.runs_in_moetrain)
             print(f"\n#1 is not a layout moetrain's trainer runs: {e}")
     return 0

@@ -81,7 +81,7 @@ def config_for_nodes(path: str | Path, sets: list[str], n_nodes: int | None,
         new = max(need, -(-gbs // q) * q)
         if ("train", "global_batch_size") not in given:
             notes.append(f"train.global_batch_size {gbs} → {new} (a multiple of micro_batch_size × dp = {q}"
-                         + (f", at least pp micro-batches" if new == need and need > q else "") + ")")
+                         + (", at least pp micro-batches" if new == need and need > q else "") + ")")
             train["global_batch_size"] = new
     launch["nodes"] = n_nodes
     if n_nodes > 1:

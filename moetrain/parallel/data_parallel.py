@@ -58,20 +58,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from moetrain.model.layers import QKNorm, local
-from moetrain.model.moe import GroupedExperts
+from moetrain.model.layers import QKNorm
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.precision import FP32_POLICY, fsdp_policy
 from moetrain.parallel.state import DP_CP, DP_CP_TP, EDP, EDP_TP, PP, TP, ParallelState
 
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def _use_every_parameter(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """Forward hook for torch < 2.13, whose FSDP2 reduce-scatters only the parameters that got a
-    gradient on the rank (a rank whose experts received no token would fall out of step with
-    its group): adds 0 × the sum of the module's parameters, so every one gets a (zero) gradient."""
-    return out + sum(local(p, None).sum() for p in module.parameters(recurse=False)) * 0
 
 
 def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, precision: str = "fp32"
@@ -110,12 +102,10 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
             if stage:
                 # A rank whose experts received no tokens, or a parameter unused on one rank, must
                 # still join its group's reduce-scatter with a zero gradient.
+                # (The experts always get one: empty experts still run their empty GEMMs. torch
+                # 2.11 and 2.12 lack the setter.)
                 if hasattr(fsdp, "set_reduce_scatter_unused_params"):
                     fsdp.set_reduce_scatter_unused_params(True, recurse=False)
-                else:  # torch < 2.13: only the experts can go unused; keep them in the graph
-                    for m in (modules if isinstance(modules, list) else [modules]):
-                        if isinstance(m, GroupedExperts):
-                            m.register_forward_hook(_use_every_parameter)
             fsdp.set_gradient_divide_factor(divide)
             # fully_shard: sum, then divide (gloo has no pre-multiplied sum), except on a 1-rank
             # mesh. Neither for replicate. Measured in torch 2.13: both of those divide twice.
