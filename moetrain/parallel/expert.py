@@ -23,7 +23,7 @@ values and power-of-two scales per 1 × 128 tile, :mod:`moetrain.model.fp8`) and
 arrival into the compute dtype; their gradients travel back in the compute dtype (DeepSeek-V3
 §3.3.3 sends the dispatch in fp8 and the combine in bf16). The MoE layer already rounds the
 tokens it routes to the wire's values (:func:`moetrain.model.fp8.round_trip`), so encoding them
-again is exact and every layout computes with the same numbers as one process.
+again is exact: the dispatch adds no rounding that one process does not have.
 
 Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
 """
@@ -144,13 +144,13 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        x_recv = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire)
+        arrive = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
         regroup = torch.argsort(e * P + src, stable=True)
         counts_El = recv_counts.view(P, El).sum(0)
-        return x_recv, counts_El, AllToAllHandle(local, input_splits, output_splits, regroup, host_counts)
+        return arrive, counts_El, AllToAllHandle(local, input_splits, output_splits, regroup, host_counts)
 
     def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
         """Phase 4: wait for the rows and regroup them (source, local expert) → (local expert,
