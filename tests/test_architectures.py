@@ -17,7 +17,7 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, full_grads
+from test_equivalence import assert_matches, steps_with_first_grads
 
 STEPS = 20
 
@@ -50,17 +50,9 @@ def train(rank: int, world: int, data: str, run_dir: str, arch: str, parallel: d
     # A vocabulary that tp = 2 splits.
     cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260, **spec["model"]}, moe=spec["moe"],
                       data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
-    trainer = Trainer(cfg, write_files=False)
-    captured: dict = {}
-
-    def hook(opt, args, kwargs):
-        if not captured:
-            captured.update(full_grads(trainer))
-
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    results = [trainer.train_step() for _ in range(STEPS)]
+    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "mtp": [r.extra.get("mtp_loss") for r in results], "grads": captured}
+            "mtp": [r.extra.get("mtp_loss") for r in results], "grads": grads}
 
 
 def world_of(parallel: dict) -> int:

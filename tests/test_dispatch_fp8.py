@@ -13,7 +13,7 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, full_grads, merged
+from test_equivalence import assert_matches, merged, steps_with_first_grads
 
 STEPS = 20
 # hidden 256: two 1 × 128 tiles per row, so a tile's scale is proved independent of the other's.
@@ -85,16 +85,8 @@ def dispatch_capture(rank: int, world: int, data: str, run_dir: str, parallel: d
                       train={"steps": STEPS, "grad_clip": 1.0})
     kwargs = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(), "rank_domains": [0, 0, 1, 1]
               } if world == 4 else {}
-    trainer = Trainer(cfg, write_files=False, **kwargs)
-    captured: dict = {}
-
-    def hook(opt, args, kwargs):
-        if not captured:
-            captured.update(full_grads(trainer))
-
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    results = [trainer.train_step() for _ in range(STEPS)]
-    return {"losses": [r.loss for r in results], "grads": captured, "norms": [r.grad_norm for r in results],
+    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False, **kwargs), STEPS)
+    return {"losses": [r.loss for r in results], "grads": grads, "norms": [r.grad_norm for r in results],
             "bytes": [r.extra.get("dispatch_bytes") for r in results]}
 
 

@@ -31,20 +31,27 @@ def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None,
-                      moe: dict | None = None, model: dict | None = None, data_section: dict | None = None) -> dict:
-    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {}, moe=moe or {}, model=model or {},
-                      data=data_section or {})
-    trainer = Trainer(cfg, write_files=False)
+def steps_with_first_grads(trainer: Trainer, steps: int) -> tuple[list, dict[str, torch.Tensor]]:
+    """Train ``steps`` optimizer steps: their results, and the first step's gradients (before its
+    optimizer step) as the single-process model holds them (:func:`full_grads`)."""
     captured: dict = {}
 
     def hook(opt, args, kwargs):
         if not captured:
             captured.update(full_grads(trainer))
 
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    losses = [trainer.train_step().loss for _ in range(STEPS)]
-    return {"losses": losses, "grads": captured}
+    handle = trainer.optimizers[0].register_step_pre_hook(hook)
+    results = [trainer.train_step() for _ in range(steps)]
+    handle.remove()
+    return results, captured
+
+
+def train_and_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None,
+                      moe: dict | None = None, model: dict | None = None, data_section: dict | None = None) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, train=train or {}, moe=moe or {}, model=model or {},
+                      data=data_section or {})
+    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
+    return {"losses": [r.loss for r in results], "grads": grads}
 
 
 @pytest.fixture(scope="module")

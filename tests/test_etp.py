@@ -13,7 +13,7 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import STEPS, assert_matches, full_grads, merged
+from test_equivalence import STEPS, assert_matches, merged, steps_with_first_grads
 
 MODEL = {"vocab_size": 260}
 MOE = {"first_dense": 1, "ffn_hidden": 48}
@@ -22,18 +22,11 @@ MOE = {"first_dense": 1, "ffn_hidden": 48}
 def etp_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, train: dict | None = None) -> dict:
     cfg = tiny_config(data, run_dir, parallel=parallel, model=MODEL, moe=MOE, train=train or {})
     trainer = Trainer(cfg, write_files=False)
-    captured: dict = {}
     # The pieces this rank holds (a DTensor's local shard).
     shapes = {n: tuple(getattr(m.w1, "_local_tensor", m.w1).shape) for part in trainer.model_parts
               for n, m in part.named_modules() if isinstance(m, GroupedExperts)}
-
-    def hook(opt, args, kwargs):
-        if not captured:
-            captured.update(full_grads(trainer))  # experts made whole from their ep and tp pieces
-
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    losses = [trainer.train_step().loss for _ in range(STEPS)]
-    return {"losses": losses, "grads": captured, "shapes": shapes}
+    results, grads = steps_with_first_grads(trainer, STEPS)  # experts made whole from their ep and tp pieces
+    return {"losses": [r.loss for r in results], "grads": grads, "shapes": shapes}
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, full_grads, merged
+from test_equivalence import assert_matches, merged, steps_with_first_grads
 
 STEPS, SAVE_AT = 5, 3
 LAYERS = {"layers": 4}
@@ -57,14 +57,7 @@ def run_layouts(rank: int, world: int, data: str, run_dir: str, cases: list[dict
         val_before = trainer.evaluate()
         if case.get("break_scaling"):
             trainer.runner.train_loss.divisor = 1
-        captured: dict = {}
-
-        def hook(opt, args, kwargs, trainer=trainer, captured=captured):
-            if not captured:
-                captured.update(full_grads(trainer))
-
-        trainer.optimizers[0].register_step_pre_hook(hook)
-        results = [trainer.train_step() for _ in range(case.get("steps", STEPS))]
+        results, captured = steps_with_first_grads(trainer, case.get("steps", STEPS))
         if case.get("save"):
             trainer.save_checkpoint()
         out.append({"start": start, "losses": [r.loss for r in results], "aux": [r.aux_loss for r in results],

@@ -16,7 +16,7 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, full_grads, merged
+from test_equivalence import assert_matches, merged, steps_with_first_grads
 
 
 def reference_route(logits, score_function, bias, groups, max_groups, top_k, norm, scale):
@@ -140,15 +140,8 @@ def limited_capture(rank: int, world: int, data: str, run_dir: str, parallel: di
     if inject:  # one process: the grouping the 4-rank layout gets from its domains
         for m in trainer.moe_layers.values():
             m.parallel.expert_groups, m.parallel.max_groups = ExpertGroups.from_list([0, 0, 1, 1], trainer.device), 1
-    captured: dict = {}
-
-    def hook(opt, args, kwargs):
-        if not captured:
-            captured.update(full_grads(trainer))
-
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    results = [trainer.train_step() for _ in range(4)]
-    return {"losses": [r.loss for r in results], "grads": captured,
+    results, grads = steps_with_first_grads(trainer, 4)
+    return {"losses": [r.loss for r in results], "grads": grads,
             "bytes": [r.extra.get("dispatch_bytes") for r in results]}
 
 

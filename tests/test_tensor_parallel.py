@@ -16,7 +16,7 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import STEPS, assert_matches, full_grads, merged
+from test_equivalence import STEPS, assert_matches, merged, steps_with_first_grads
 
 MODEL = {"vocab_size": 260}  # a multiple of tp: the embedding and head split over the vocabulary
 MOE = {"first_dense": 1}  # block 0 dense MLP, block 1 MoE
@@ -31,14 +31,7 @@ def capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, n_st
                       checkpoint={"resume": True, "every": 0})
     trainer = Trainer(cfg, write_files=False)
     start = trainer.step
-    captured: dict = {}
-
-    def hook(opt, args, kwargs):
-        if not captured:
-            captured.update(full_grads(trainer))
-
-    trainer.optimizers[0].register_step_pre_hook(hook)
-    results = [trainer.train_step() for _ in range(n_steps)]
+    results, captured = steps_with_first_grads(trainer, n_steps)
     if save:
         trainer.save_checkpoint()
     return {"start": start, "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],

@@ -135,6 +135,9 @@ class Trainer:
                                          async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s)
         self.step = 0
         self.flops_per_token = flops_per_token(cfg)
+        # Bytes of one dispatched row on the wire (moe.dispatch_dtype; fp8 counts its scales).
+        wire = dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
+        self.dispatch_row_bytes = fp8_row_bytes(cfg.model.hidden, wire or compute_dtype(cfg.train.precision))
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         resumed = self._resume() if cfg.checkpoint.resume else False
@@ -318,11 +321,9 @@ class Trainer:
         if self.ps.size(EP) == 1 or self.cfg.moe.num_experts == 0:
             return None  # (a pipeline stage without MoE layers still joins the all-reduce)
         intra = inter = 0
-        wire = dispatch_wire(self.cfg.moe.dispatch_dtype, self.cfg.train.precision)
-        row_bytes = fp8_row_bytes(self.cfg.model.hidden, wire or compute_dtype(self.cfg.train.precision))
         for moe in self.moe_layers.values():
-            intra += moe.parallel.dispatcher.rows_sent[0] * row_bytes
-            inter += moe.parallel.dispatcher.rows_sent[1] * row_bytes
+            intra += moe.parallel.dispatcher.rows_sent[0] * self.dispatch_row_bytes
+            inter += moe.parallel.dispatcher.rows_sent[1] * self.dispatch_row_bytes
             moe.parallel.dispatcher.rows_sent = [0, 0]
         full = functools.partial(torch.full, (), dtype=torch.float64, device=self.device)  # fill kernels, no copy
         out = torch.stack([full(float(intra)), full(float(inter))])
