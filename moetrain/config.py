@@ -360,9 +360,16 @@ class TrainConfig:
     set ``decay_steps`` to the old ``steps``; a resumed run whose schedule differs says so in its
     log.
     ``grad_clip``: max global L2 norm (0 disables). ``log_every`` / ``val_every`` in steps
-    (``val_every: 0`` disables validation). ``precision``: ``fp32``, or ``bf16`` — bf16 matmuls
+    (``val_every: 0`` disables validation). ``precision``: ``fp32``; ``bf16`` — bf16 matmuls
     and activations with fp32 master weights, gradients, gradient reduction and AdamW states, the
-    router and every loss in fp32 (see :mod:`moetrain.parallel.precision`). ``compile``: compile
+    router and every loss in fp32 (see :mod:`moetrain.parallel.precision`); ``fp8`` — bf16 as
+    above, and the GEMMs of the dense linears and the experts (forward and backward) in float8
+    with ``fp8_recipe``'s scales (:mod:`moetrain.model.fp8_gemm`): ``tensorwise``, ``rowwise`` or
+    ``blockwise`` (DeepSeek-V3's 1 × ``fp8_block`` activation tiles and ``fp8_block``²
+    weight blocks); ``unscaled`` is a control that shows what scaling buys, never a recipe.
+    ``fp8_keep``: module names (patterns as ``fnmatch``) whose linears stay bf16 under fp8 —
+    by default the output head and the shared experts' gate (the router, embeddings, norms
+    and attention's softmax are never fp8). ``compile``: compile
     each transformer block with ``torch.compile`` (inductor); under tensor parallelism only its
     regions free of DTensors (:mod:`moetrain.parallel.compile`); the first steps pay the
     compilation (tens of seconds per distinct block on a CPU)."""
@@ -381,7 +388,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     log_every: int = 1
     val_every: int = 25
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"
+    fp8_recipe: Literal["tensorwise", "rowwise", "blockwise", "unscaled"] = "tensorwise"
+    fp8_block: int = 128
+    fp8_keep: tuple[str, ...] = ("output", "*.shared_gate")
     compile: bool = False
 
     @property
@@ -570,6 +580,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 continue
         raise field_error(name, value, f"expected {_type_name(tp)}", f"give a value of type {_type_name(tp)}")
+    if origin is tuple:  # tuple[X, ...]: a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise field_error(name, value, "expected a list", "write a YAML list such as [output]")
+        return tuple(_coerce(f"{name}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices:
@@ -981,7 +995,7 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if importlib.util.find_spec("flash_attn") is None:
             raise field_error("model.attention_backend", "flash", "the flash-attn package is not installed",
                               "pip install flash-attn (README: GPU backends), or use attention_backend sdpa")
-        if prec != "bf16":
+        if prec not in ("bf16", "fp8"):
             raise field_error("model.attention_backend", "flash", f"flash-attn takes bf16/fp16, train.precision is "
                               f"{prec!r}", "set train.precision=bf16 or use attention_backend sdpa")
     if m.attention_backend == "flex":
@@ -1059,6 +1073,9 @@ def _check_moe(cfg: Config, device: str | None) -> None:
         if prec != "bf16":
             raise field_error("moe.expert_backend", "megablocks", f"its grouped GEMM takes bf16, train.precision is "
                               f"{prec!r}", "set train.precision=bf16 or use expert_backend loop")
+    if prec == "fp8" and moe.expert_backend not in ("auto", "loop"):
+        raise field_error("moe.expert_backend", moe.expert_backend, "fp8 experts run their GEMMs per expert on the "
+                          "loop backend (moetrain.model.fp8_gemm)", "use expert_backend auto or loop")
     if moe.expert_backend == "grouped_mm" and device == "cuda" and prec != "bf16":
         raise field_error("moe.expert_backend", "grouped_mm", f"torch's CUDA grouped GEMM takes bf16, train.precision "
                           f"is {prec!r}", "set train.precision=bf16 or use expert_backend loop (auto picks it)")
@@ -1082,6 +1099,19 @@ def _check_train(cfg: Config, device: str | None) -> None:
                           f"use global_batch_size >= {par.pp * q}")
     if tr.min_lr > tr.lr:
         raise field_error("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
+    if tr.fp8_block < 1:
+        raise field_error("train.fp8_block", tr.fp8_block, "must be positive", "use 128 (DeepSeek-V3)")
+    if tr.precision == "fp8" and tr.fp8_recipe == "blockwise" and par.tp > 1:
+        # Block scales are taken on each tp rank's shard: the shards must be whole blocks.
+        m = cfg.model
+        widths = {"model.hidden": m.hidden, "model.ffn_hidden": m.ffn_hidden}
+        if cfg.moe.num_experts and par.etp > 1:
+            widths["moe.ffn_hidden"] = cfg.moe.ffn_hidden
+        for name, width in widths.items():
+            shards = par.etp if name == "moe.ffn_hidden" else par.tp
+            if width and (width // shards) % tr.fp8_block:
+                raise field_error("train.fp8_block", tr.fp8_block, f"a tp shard of {name} = {width} is {width // shards}"
+                                  f" wide, no whole number of blocks", f"use a block that divides {width // shards}")
     # torch's interleaved schedules run n in rounds of n // pp micro-batches (at least one round).
     rounds = max(1, n // par.pp)
     if device and par.pp > 1 and par.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n % rounds:

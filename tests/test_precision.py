@@ -145,7 +145,7 @@ def save_then_resume(rank: int, world: int, data: str, run_dir: str, first: str,
             "dtypes": {v.dtype for v in loaded.values()}, "loss": resumed.train_step().loss}
 
 
-@pytest.mark.parametrize("first, second", [("fp32", "bf16"), ("bf16", "fp32")])
+@pytest.mark.parametrize("first, second", [("fp32", "bf16"), ("bf16", "fp32"), ("fp8", "fp32"), ("bf16", "fp8")])
 def test_checkpoints_move_between_precisions(first, second, tiny_shards, tmp_path):
     r = run_distributed(save_then_resume, 1, str(tiny_shards), str(tmp_path), first, second)[0]
     assert r["step"] == 2 and r["equal"] and r["dtypes"] == {torch.float32}

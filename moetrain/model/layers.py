@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.attention import DocumentMask, sdpa_attention
+from moetrain.model.fp8_gemm import Fp8Recipe, fp8_linear
 
 
 def cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -44,13 +45,20 @@ def local(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (tensor parallelism styles accept it) computing in ``compute_dtype``:
-    x: [..., in] → [..., out] in ``compute_dtype`` (or the weight's dtype when ``None``)."""
+    x: [..., in] → [..., out] in ``compute_dtype`` (or the weight's dtype when ``None``). With
+    ``fp8`` (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`) its GEMMs run in fp8, forward and
+    backward; the bias is added in the compute dtype."""
 
     compute_dtype: torch.dtype | None = None
+    fp8: Fp8Recipe | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = cast(self.weight, self.compute_dtype)
-        return F.linear(x.to(w.dtype), w, None if self.bias is None else cast(self.bias, self.compute_dtype))
+        b = None if self.bias is None else cast(self.bias, self.compute_dtype)
+        if self.fp8 is not None:
+            y = fp8_linear(x.to(w.dtype), w, self.fp8)
+            return y if b is None else y + b
+        return F.linear(x.to(w.dtype), w, b)
 
 
 class Embedding(nn.Embedding):

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.fp8 import round_trip
+from moetrain.model.fp8_gemm import Fp8Recipe, fp8_mm
 from moetrain.model.layers import FeedForward, Linear, local
 from moetrain.model.recompute import is_recomputing
 
@@ -204,10 +205,14 @@ class GroupedExperts(nn.Module):
       bf16, with moetrain's router, dispatcher and losses so results stay comparable; it takes
       the row counts as a host tensor (one read per layer per micro-batch, as ``loop``).
 
-    Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`).
+    Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`). With ``fp8``
+    (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`, ``train.precision: fp8``) each expert's three
+    GEMMs run in fp8, forward and backward, on the ``loop`` backend (per expert, so every scale
+    covers one expert's rows or weights).
     """
 
     compute_dtype: torch.dtype | None = None
+    fp8: Fp8Recipe | None = None
 
     def __init__(self, dim: int, hidden: int, num_experts: int, backend: str = "loop", biases: bool = False,
                  activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
@@ -242,9 +247,11 @@ class GroupedExperts(nn.Module):
         if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
+        if self.fp8 is not None and self.backend != "loop":
+            raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
         if self.backend == "megablocks":
             return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
-        return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2)
+        return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2, self.fp8)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -262,8 +269,13 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
 @torch.compiler.disable  # per-expert GEMMs of data-dependent sizes: nothing to fuse, endless recompiles
 def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, sizes: list[int],
                   act: Callable = swiglu, b1: torch.Tensor | None = None, b3: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference expert computation: one gated MLP per expert on its ``sizes[e]`` rows."""
+                  b2: torch.Tensor | None = None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
+    """The reference expert computation: one gated MLP per expert on its ``sizes[e]`` rows, its
+    GEMMs in fp8 with ``fp8`` (an empty expert's plain: no scale to take of zero rows)."""
+
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fp8_mm(a, b, fp8) if fp8 is not None and a.shape[0] else a @ b
+
     outs = []
     biases = (b1.unbind(0), b3.unbind(0), b2.unbind(0)) if b1 is not None else ((None,) * len(sizes),) * 3
     # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate and
@@ -271,10 +283,10 @@ def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: to
     for x, w1_e, w3_e, w2_e, b1_e, b3_e, b2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0),
                                                      w2.unbind(0), *biases):
         # Empty groups still touch the weights so every expert gets a (zero) gradient.
-        gate, up = x @ w1_e, x @ w3_e
+        gate, up = matmul(x, w1_e), matmul(x, w3_e)
         if b1_e is not None:
             gate, up = gate + b1_e, up + b3_e
-        out = act(gate, up) @ w2_e
+        out = matmul(act(gate, up), w2_e)
         outs.append(out + b2_e if b2_e is not None else out)
     return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 
@@ -291,16 +303,18 @@ def _megablocks_swiglu(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w
     return gg.ops.gmm(h_NF, w2, batch_sizes)
 
 
-def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: torch.dtype, fp8: bool = False
+                           ) -> str:
     """The backend ``moe.expert_backend`` stands for on ``device``: ``auto`` is ``grouped_mm`` on
     CUDA in bf16 (one kernel for all experts; torch's CUDA grouped GEMM takes bf16) and ``loop``
-    elsewhere (on CPU the loop measured 1.1–1.9× faster than grouped_mm, ../shared/FACTS.md).
+    elsewhere (on CPU the loop measured 1.1–1.9× faster than grouped_mm, ../shared/FACTS.md) and
+    for fp8 experts (``fp8``: the experts' GEMMs are fp8, which only the loop runs).
 
     Raises:
         ValueError: an unknown backend.
     """
     if requested == "auto":  # measured: benchmarks/bench_experts.py
-        return "grouped_mm" if device.type == "cuda" and compute_dtype == torch.bfloat16 else "loop"
+        return "grouped_mm" if device.type == "cuda" and compute_dtype == torch.bfloat16 and not fp8 else "loop"
     if requested not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend {requested!r}: expected auto or one of {', '.join(EXPERT_BACKENDS)}")
     return requested

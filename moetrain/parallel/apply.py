@@ -34,6 +34,7 @@ from torch import nn
 from moetrain.config import Config, check_supported
 from moetrain.data.loader import MicroBatch
 from moetrain.model.init import init_weights
+from moetrain.model.fp8_gemm import set_fp8
 from moetrain.model.layers import set_compute_dtype
 from moetrain.model.loss import model_loss
 from moetrain.model.moe import GroupedExperts, resolve_expert_backend
@@ -44,7 +45,7 @@ from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
 from moetrain.parallel.expert import apply_expert_parallel
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
-from moetrain.parallel.precision import compute_dtype
+from moetrain.parallel.precision import compute_dtype, fp8_recipe
 from moetrain.parallel.state import CP, PP, TP, ParallelState
 from moetrain.parallel.tensor import apply_tensor_parallel, loss_context
 
@@ -126,7 +127,9 @@ def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
     # Parameters stay fp32 (master weights); modules compute in the precision's dtype.
     dtype = compute_dtype(cfg.train.precision)
     set_compute_dtype(part, dtype)
-    backend = resolve_expert_backend(cfg.moe.expert_backend, ps.device, dtype)
+    recipe = fp8_recipe(cfg.train)
+    set_fp8(part, recipe, cfg.train.fp8_keep)
+    backend = resolve_expert_backend(cfg.moe.expert_backend, ps.device, dtype, fp8=recipe is not None)
     for m in part.modules():
         if isinstance(m, GroupedExperts):
             m.backend = backend

@@ -24,6 +24,11 @@ Two mechanisms give these semantics:
   group with an fp32 policy. The modules' casts are then no-ops. ``cast_forward_inputs=False``:
   the RoPE tables passed to every block stay fp32, as without ZeRO.
 
+* ``fp8`` — bf16 as above, and the GEMMs of the dense linears and the experts in float8, forward
+  and backward, scaled by ``train.fp8_recipe`` (:mod:`moetrain.model.fp8_gemm`); the linears
+  named by ``train.fp8_keep`` (the output head), the router, embeddings, norms and attention
+  stay bf16 or fp32 as in bf16. FSDP2 all-gathers the weights in bf16 (not yet float8).
+
 Either way a micro-batch's weight gradients are computed by bf16 matmuls and rounded to bf16 once
 before they are added up in fp32. Parameters are fp32 in both, so a checkpoint of an fp32 run
 resumes in bf16 and the other way round.
@@ -31,10 +36,22 @@ resumes in bf16 and the other way round.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from moetrain.model.fp8_gemm import Fp8Recipe
+
+# fp8 computes between its GEMMs in bf16; the GEMMs themselves are set by fp8_recipe (below).
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+def fp8_recipe(train: Any) -> Fp8Recipe | None:
+    """The fp8 GEMM recipe of a ``train`` config section (None unless ``precision: fp8``)."""
+    if train.precision != "fp8":
+        return None
+    return Fp8Recipe(train.fp8_recipe, train.fp8_block)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
