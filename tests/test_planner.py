@@ -246,10 +246,17 @@ def test_plan_cli_json(capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_published_results_within_tolerance():
-    from moetrain.planner.published import MEDIAN_GOAL, TOLERANCE, compare_all, summary
+@pytest.fixture(scope="module")
+def published_rows():
+    from moetrain.planner.published import compare_all
 
-    rows = compare_all()
+    return compare_all()
+
+
+def test_published_results_within_tolerance(published_rows):
+    from moetrain.planner.published import MEDIAN_GOAL, TOLERANCE, summary
+
+    rows = published_rows
     held = [r for r in rows if r["held"]]
     assert sum(not r["moe"] for r in held) >= 20 and sum(r["moe"] for r in held) >= 7
     for r in held:
@@ -263,6 +270,46 @@ def test_published_results_within_tolerance():
     # the dense rows of the earlier comparison stay as close as before this model (mean 6.1 %)
     old = [abs(r["error"]) for r in held if r["key"].startswith(("megatron2021", "llama3"))]
     assert len(old) == 12 and sum(old) / len(old) < 0.065
+
+
+def test_megatron_core_weak_scaling_table_is_tracked(published_rows):
+    """The Megatron-LM README's H100 table of dense GPTs, 1.7B to 462B (issue 21 held it back): not
+    held yet — its smallest rows stay above 20 % — so its errors are pinned where this version
+    leaves them (a ratchet to tighten): every row within 25 %, median within 16 %. Before
+    Megatron's TP overlap, unfused cross-entropy and dropout were modelled, 1.7B was +33 %."""
+    import statistics
+
+    rows = [r for r in published_rows if r["key"].startswith("megatron-core-r0.8-")]
+    assert len(rows) == 9 and not any(r["held"] for r in rows)
+    errors = [abs(r["error"]) for r in rows]
+    assert max(errors) <= 0.25 and statistics.median(errors) <= 0.16, [(r["key"], r["error"]) for r in rows]
+    small = {r["key"]: r["error"] for r in rows}["megatron-core-r0.8-1.7b"]
+    assert small <= 0.25
+
+
+def test_megatron_software_facts_cost_what_they_should():
+    """tp_comm_overlap hides the TP collectives behind the layer's GEMMs; the unfused cross-entropy
+    moves 56 instead of 24 bytes per logit; both are refused when misspelt."""
+    from moetrain.planner.published import model_shape
+    from moetrain.planner.timing import TimingAssumptions, step_time
+    from moetrain.planner.traffic import AxisPlace
+
+    shape = model_shape(24, 2048, 16, 131072, 4096, ffn=8192, mlp_matrices=2)
+    lay = Layout(tp=2, pp=1, dp=8, zero=1, mbs=1, sp=True)
+    none = AxisPlace(1, "none", 1)
+    places = {"tp": AxisPlace(2, "nvlink", 2), "cp": none, "pp": none, "dp_cp": AxisPlace(8, "rail", 1),
+              "ep": none, "edp": none, "edp_tp": none}
+    prof = load_profile("h100-superpod")
+    plain = step_time(shape, lay, 64, prof, places)
+    overlapped = step_time(shape, lay, 64, prof, places, ta=TimingAssumptions(tp_comm_overlap=True))
+    assert plain.breakdown["tp_comm"] > 0 and overlapped.breakdown["tp_comm"] < 0.2 * plain.breakdown["tp_comm"]
+    assert overlapped.step < plain.step
+    unfused = step_time(shape, lay, 64, prof, places, ta=TimingAssumptions(cross_entropy="unfused"))
+    logits = 4096 * 131072 / 2  # per micro-batch: tokens × vocabulary / tp
+    grown = unfused.t_f + unfused.t_b - plain.t_f - plain.t_b
+    assert grown == pytest.approx((56 - 24) * logits / (prof.hbm_gb_s * 1e9), rel=1e-6)
+    with pytest.raises(ValueError, match="cross_entropy"):
+        TimingAssumptions(cross_entropy="chunked")
 
 
 @pytest.mark.parametrize("path", ["configs/mixtral-8x7b.yaml", "configs/deepseek-v3-like.yaml",

@@ -18,6 +18,7 @@ from moetrain.planner.published import model_shape
 from moetrain.planner.search import Planner
 from moetrain.planner.timing import (
     K_REF,
+    _Compute,
     TimingAssumptions,
     ep_exposed,
     gemm_pass_time,
@@ -214,6 +215,36 @@ def test_fp8_dispatch_sends_the_forward_dispatch_in_a_bit_over_half_the_bytes():
     assert not ModelShape.from_config(load_config("configs/deepseek-v3-like.yaml")).dispatch_fp8
 
 
+def test_fp8_gemms_run_at_the_fp8_peak_after_their_casts():
+    """train.precision: fp8 — the linears' and experts' GEMMs at H100's FP8 peak (2× bf16) on
+    1-byte operands, plus the quantization of each GEMM's operands at HBM speed; the router and
+    the head stay bf16; a profile without FP8 tensor cores refuses it."""
+    shape = _moe(experts=64, top_k=8)
+    fp8 = dataclasses.replace(shape, fp8_gemms=True)
+    lay = Layout(tp=1, pp=1, dp=64, ep=64, mbs=1)
+    place = AxisPlace(64, "spine", 8)
+    places = _places(ep=place, dp_cp=place)
+    a, b = step_time(shape, lay, 64, H100, places), step_time(fp8, lay, 64, H100, places)
+    assert 0.5 * a.breakdown["compute"] < b.breakdown["compute"] < 0.8 * a.breakdown["compute"]
+    assert b.breakdown["ep_comm"] == pytest.approx(a.breakdown["ep_comm"])  # the dispatch is its own setting
+    # one large GEMM: half the compute time, plus 5 bytes per operand element at HBM speed
+    c = _Compute(fp8, Layout(tp=1, pp=1, dp=1, mbs=1), H100, TimingAssumptions(), 2)
+    m = n = k = 8192
+    f16, _ = c.gemm(m, n, k, fp8=False)
+    f8, _ = c.gemm(m, n, k)
+    assert f8 == pytest.approx(f16 / 2 + 5.0 * (m * k + k * n) / (H100.hbm_gb_s * 1e9), rel=1e-4)  # 1978.9 vs 2 × 989.4
+    cfg = load_config("configs/deepseek-v3-like.yaml", ["train.precision=fp8"])
+    assert ModelShape.from_config(cfg).fp8_gemms and ModelShape.from_config(cfg).dispatch_fp8
+    with pytest.raises(ValueError, match="fp8_peak_tflops"):
+        step_time(fp8, lay, 64, load_profile("a100-superpod"), places)
+    # published FP8 / MXFP8 rows compute their GEMMs in fp8; two H100 rows are held
+    from moetrain.planner.published import PUBLISHED
+
+    rows = [e for e in PUBLISHED if e.precision in ("fp8", "mxfp8")]
+    assert len(rows) == 6 and all(e.shape.fp8_gemms for e in rows)
+    assert sum(e.held for e in rows if e.profile == "h100-superpod") == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Overlap of the all-to-all with computation
 # ---------------------------------------------------------------------------------------------
@@ -310,8 +341,9 @@ def test_search_and_layout_know_etp():
 def test_memory_follows_train_precision():
     assert MemoryAssumptions.for_train(SimpleNamespace(precision="fp32")).act_bytes == 4
     assert MemoryAssumptions.for_train(SimpleNamespace(precision="bf16")) == MemoryAssumptions()
+    assert MemoryAssumptions.for_precision("fp8") == MemoryAssumptions()  # fp32 masters, bf16 activations
     with pytest.raises(ValueError, match="precision"):
-        MemoryAssumptions.for_precision("fp8")
+        MemoryAssumptions.for_precision("int4")
     cfg = load_config("configs/mixtral-8x7b.yaml", ["train.precision=fp32"])
     assert Planner.from_config(cfg, H100, 8).mem.param_bytes == 4
 

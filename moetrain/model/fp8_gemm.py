@@ -32,7 +32,8 @@ scales are computed on the local shard, which equals one process's when the shar
 fall on block boundaries (checked: :class:`ValueError` otherwise).
 
 Saved for the backward: the operands in the compute dtype (not float8; a memory saving left for
-later).
+later). Block scales are materialised at the operand's full size on the reference path (simple,
+not frugal: an fp32 copy per operand and GEMM).
 """
 
 from __future__ import annotations
@@ -137,15 +138,13 @@ def quantize(t: torch.Tensor, dim: int, fmt: torch.dtype, recipe: Fp8Recipe, wei
     return q, scale
 
 
-def fake_quantize(t: torch.Tensor, dim: int, fmt: torch.dtype, recipe: Fp8Recipe, weight: bool = False
-                  ) -> torch.Tensor:
-    """``t`` as the fp8 GEMM sees it, dequantized to fp32 (see :func:`quantize`)."""
-    q, scale = quantize(t, dim, fmt, recipe, weight)
-    return q.float() / scale
-
-
 def _fast(a: torch.Tensor, b: torch.Tensor, recipe: Fp8Recipe) -> bool:
+    """Whether :func:`torch._scaled_mm` takes a @ b: tensor-wise or row-wise scales, plain
+    tensors, every dimension a multiple of 16 (cuBLASLt's FP8 layout rule; an expert's GEMMs
+    with a token count that is not take the reference path)."""
     if recipe.scaling not in ("tensorwise", "rowwise") or _is_dtensor(a) or _is_dtensor(b):
+        return False
+    if any(d % 16 for d in (*a.shape, b.shape[1])):
         return False
     return a.is_cuda if recipe.fast is None else recipe.fast
 

@@ -56,20 +56,21 @@ class MemoryAssumptions:
     def for_precision(cls, precision: str) -> "MemoryAssumptions":
         """``fp32`` / ``float32``: 4-byte weights and activations, no separate master copy;
         ``bf16`` / ``bfloat16`` (and ``fp16`` or ``mixed``, 16-bit mixed precision of either
-        kind): mixed precision as above.
+        kind) and ``fp8`` (fp8 GEMMs with bf16 activations between them and fp32 master weights,
+        moetrain.model.fp8_gemm): mixed precision as above.
 
         Raises:
             ValueError: any other name.
         """
         if precision in ("fp32", "float32"):
             return cls(param_bytes=4, grad_bytes=4, optim_bytes=8, act_bytes=4)
-        if precision in ("bf16", "bfloat16", "fp16", "float16", "mixed"):
+        if precision in ("bf16", "bfloat16", "fp16", "float16", "mixed", "fp8", "mxfp8"):
             return cls()
-        raise ValueError(f"precision {precision!r}: use bf16 or fp32")
+        raise ValueError(f"precision {precision!r}: use fp32, bf16 or fp8")
 
     @classmethod
     def for_train(cls, train: Any) -> "MemoryAssumptions":
-        """From a config's ``train`` section (``train.precision``: ``fp32`` / ``bf16``)."""
+        """From a config's ``train`` section (``train.precision``: ``fp32`` / ``bf16`` / ``fp8``)."""
         return cls.for_precision(train.precision)
 
 

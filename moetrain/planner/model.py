@@ -58,6 +58,9 @@ class ModelShape:
     # the dispatch's rows in float8 E4M3 with 1 × 128 power-of-two scales (moe.dispatch_dtype:
     # fp8, DeepSeek-V3 §3.3); the combine and the backward's two all-to-alls stay bf16
     dispatch_fp8: bool = False
+    # the GEMMs of the dense linears and the experts in fp8 (train.precision: fp8); the router,
+    # the output head and the attention core stay bf16
+    fp8_gemms: bool = False
     # planner-only architecture facts (see the module doc)
     head_dim_override: int | None = None      # query/key width per head when not hidden/heads
     v_head_dim: int | None = None             # value width per head when not the query/key one
@@ -98,6 +101,7 @@ class ModelShape:
                    max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None,
                    dispatch_dedup=moe.token_dispatcher == "hierarchical",
                    dispatch_fp8=dispatch_wire(moe.dispatch_dtype, cfg.train.precision) == E4M3,
+                   fp8_gemms=cfg.train.precision == "fp8",
                    window=m.sliding_window if windowed else None, window_layers=windowed,
                    mtp_depth=m.mtp_depth, **attn)
 

@@ -2,7 +2,11 @@
 
 Phases of one step on the slowest pipeline rank (all times per micro-batch unless stated):
 1. compute: every GEMM pass at the roofline of compute and HBM traffic (:func:`gemm_pass_time`),
-   compute at ``peak × gemm_efficiency × wave efficiency × short-K efficiency`` (wave
+   compute at ``peak × gemm_efficiency × wave efficiency × short-K efficiency`` (in fp8
+   training the dense linears' and experts' GEMMs run at the profile's FP8 peak and FP8
+   efficiency on 1-byte operands, and every operand of each of their three GEMMs is quantized
+   first at HBM speed, ``fp8_cast_bytes`` per element; the router, the head and attention stay
+   bf16) (wave
    quantisation: a GEMM's 128×256 output tiles fill the SMs in whole waves; short K: a fixed
    per-tile cost, :func:`k_efficiency`); the routed experts as one grouped GEMM with the
    busiest rank's tokens per expert (``_Compute.moe``); causal flash attention at
@@ -76,8 +80,18 @@ class TimingAssumptions:
     ``combined_1f1b`` (the all-to-all of one micro-batch runs under the computation of another,
     DeepSeek-V3 §3.2.1's DualPipe idea as Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
     only where the schedule interleaves a forward and a backward: pp = 1 or virtual stages).
+    ``tp_comm_overlap``: the TP all-gathers / reduce-scatters hide behind the layer's GEMMs
+    (Megatron's ``--tp-comm-overlap``; moetrain does not overlap them).
+    ``cross_entropy``: ``fused`` — the fp32 softmax cross-entropy reads and writes each logit
+    three times (4 bytes) in each direction; ``unfused`` — Megatron-Core's vocab-parallel
+    cross-entropy without ``--cross-entropy-loss-fusion``: the bf16 logits cast to fp32, then
+    max, subtract, exp, sum and divide as separate passes (38 bytes a logit forward), and a
+    backward that reads the saved softmax, scales it and casts it back (18 bytes).
     ``attention_efficiency``: the attention kernel of that run, when not the profile's
     (FlashAttention-1-era kernels reach 25-40 % of A100 peak, Dao 2023 §1).
+    ``fp8_cast_bytes``: HBM bytes per element to quantize a GEMM operand to fp8 with a current
+    scale: read it for the amax (2), read it again and write the float8 copy (2 + 1), as
+    unfused kernels do (torchao fuses some under torch.compile: an upper bound).
     """
 
     moe_imbalance: float = 1.1
@@ -93,8 +107,13 @@ class TimingAssumptions:
     overlap_slowdown: float = 0.15
     ep_overlap: str = "none"
     attention_efficiency: float | None = None
+    fp8_cast_bytes: float = 5.0
+    tp_comm_overlap: bool = False
+    cross_entropy: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.cross_entropy not in ("fused", "unfused"):
+            raise ValueError(f"cross_entropy {self.cross_entropy!r}: use fused or unfused")
         if self.ep_overlap not in EP_OVERLAP:
             raise ValueError(f"ep_overlap {self.ep_overlap!r}: use one of {', '.join(EP_OVERLAP)}")
 
@@ -214,16 +233,28 @@ class _Compute:
         self.grad_bytes = grad_bytes
         self.rate = prof.peak_tflops * 1e12 * prof.gemm_efficiency
         self.hbm = prof.hbm_gb_s * 1e9
+        if shape.fp8_gemms and not prof.fp8_peak_tflops:
+            raise ValueError(f"profile {prof.name!r} has no fp8_peak_tflops (no FP8 tensor cores): plan it with "
+                             f"train.precision bf16, or give the profile fp8_peak_tflops")
+        self.rate8 = (prof.fp8_peak_tflops or 0.0) * 1e12 * (prof.fp8_gemm_efficiency or prof.gemm_efficiency)
         self.att_eff = ta.attention_efficiency or prof.attention_efficiency
 
-    def gemm(self, m: float, n: float, k: float, count: int = 1) -> tuple[float, float]:
+    def gemm(self, m: float, n: float, k: float, count: int = 1, fp8: bool | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of ``count`` GEMMs [m×k]·[k×n]: forward C = A·B, input
         gradient dA = dC·Bᵀ (inner dimension n), weight gradient dB = Aᵀ·dC (inner dimension m,
-        accumulated into the gradient buffer: read and written in ``grad_bytes``)."""
-        args = (self.rate, self.hbm, self.p.sm_count, self.ta.tile, self.ta.gemm_k0, self.act_bytes)
+        accumulated into the gradient buffer: read and written in ``grad_bytes``). ``fp8``
+        (default: the shape's ``fp8_gemms``): at the FP8 rate on 1-byte operands, each pass's
+        two operands quantized first (``fp8_cast_bytes`` per element)."""
+        fp8 = self.s.fp8_gemms if fp8 is None else fp8
+        rate, in_bytes = (self.rate8, 1.0) if fp8 else (self.rate, self.act_bytes)
+        args = (rate, self.hbm, self.p.sm_count, self.ta.tile, self.ta.gemm_k0, in_bytes)
         fwd = gemm_pass_time(m, n, k, count, *args, out_bytes=self.act_bytes)
         bwd = (gemm_pass_time(m, k, n, count, *args, out_bytes=self.act_bytes)
                + gemm_pass_time(k, n, m, count, *args, out_bytes=2.0 * self.grad_bytes))
+        if fp8 and m > 0:
+            cast = self.ta.fp8_cast_bytes * count / self.hbm
+            fwd += cast * (m * k + k * n)                       # A and B
+            bwd += cast * ((m * n + n * k) + (k * m + m * n))   # dC and Bᵀ; Aᵀ and dC
         return fwd, bwd
 
     def score_gemm(self, m: float, n: float, k: float, count: int) -> tuple[float, float]:
@@ -326,7 +357,7 @@ class _Compute:
         width = s.expert_ffn / l.etp
         f1, b1 = self.gemm(per_expert, 2 * width, s.hidden, local_experts)
         f2, b2 = self.gemm(per_expert, s.hidden, width, local_experts)
-        fr, br = self.gemm(self.Tm, s.num_experts, s.hidden)
+        fr, br = self.gemm(self.Tm, s.num_experts, s.hidden, fp8=False)  # the router stays bf16
         g_f = g_b = 0.0
         if s.shared_experts:
             g1, c1 = self.gemm(self.Tm, 2 * s.expert_ffn * s.shared_experts, s.hidden)
@@ -356,9 +387,10 @@ class _Compute:
 
     def logits(self) -> tuple[float, float]:
         s = self.s
-        f, b = self.gemm(self.T, s.vocab / self.l.tp, s.hidden)
-        ce = 3 * 4.0 * self.T * s.vocab / self.l.tp / self.hbm  # fp32 softmax cross-entropy passes
-        return f + ce, b + ce
+        f, b = self.gemm(self.T, s.vocab / self.l.tp, s.hidden, fp8=False)  # the head stays bf16 (fp8_keep)
+        per_logit = (38.0, 18.0) if self.ta.cross_entropy == "unfused" else (12.0, 12.0)
+        logits = self.T * s.vocab / self.l.tp / self.hbm
+        return f + per_logit[0] * logits, b + per_logit[1] * logits
 
 
 def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "ClusterProfile",
@@ -405,12 +437,21 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     def layer(moe: bool) -> dict[str, float]:
         regions = 1 if moe else 2
         launches = gap * (1.75 if moe else 1.0)  # routing, permutation and the all-to-alls add kernels
+        gemm_f, gemm_b = att_f + (moe_f if moe else mlp_f), att_b + (moe_b if moe else mlp_b)
+        tp_f = tp_b = regions * tp_region
+        tp_hidden = 0.0
+        if ta.tp_comm_overlap:
+            # Megatron's --tp-comm-overlap (Transformer Engine's userbuffers): each TP all-gather /
+            # reduce-scatter is split into chunks pipelined with the GEMM it feeds or follows, so
+            # only what outlasts the layer's GEMMs stays exposed.
+            tp_hidden = min(tp_f, gemm_f) + min(tp_b, gemm_b)
+            tp_f, tp_b = max(0.0, tp_f - gemm_f), max(0.0, tp_b - gemm_b)
         d = {
             "launch_f": launches, "launch_b": 2 * launches,
-            "gemm_f": att_f + (moe_f if moe else mlp_f), "gemm_b": att_b + (moe_b if moe else mlp_b),
+            "gemm_f": gemm_f, "gemm_b": gemm_b,
             "attn_f": core_f, "attn_b": core_b,
             "elem_f": el_m if moe else el_d, "elem_b": 2 * (el_m if moe else el_d),
-            "tp_f": regions * tp_region, "tp_b": regions * tp_region,
+            "tp_f": tp_f, "tp_b": tp_b, "tp_hidden": tp_hidden,
             "cp_f": cp_f, "cp_b": cp_b,
             "ep_f": ep_f + t_etp if moe else 0.0, "ep_b": ep_b + t_etp if moe else 0.0,
             "rec_selective": c.recompute(moe, core_f) if lay.ac == "selective" else 0.0,
@@ -480,7 +521,8 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         dp_hidden = m * (min(ag, t_f) + min(ag + rs, t_b))
     cp_hidden = m * n_layers * (min(t_cp, core_f) + min(2 * t_cp, core_b)) if lay.cp > 1 else 0.0
     ep_hidden_step = m * acc.get("n_moe", 0.0) * ep_hidden
-    overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden + ep_hidden_step)
+    tp_hidden_step = m * acc.get("tp_hidden", 0.0)
+    overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden + ep_hidden_step + tp_hidden_step)
 
     # 5. optimizer
     shard_d = lay.dp * lay.cp if z >= 1 else 1

@@ -74,7 +74,9 @@ class ClusterProfile:
     leaf switches (a SuperPOD scalable unit). ``peak_tflops``: dense bf16 tensor-core peak per
     GPU. ``gemm_efficiency``: fraction of peak a large bf16 GEMM sustains (cuBLAS, long runs,
     clocks under the power cap). ``attention_efficiency``: the same for the fused attention
-    kernel. ``memory_gib``: device memory as the driver reports it; ``reserved_gib``: what the
+    kernel. ``fp8_peak_tflops``: dense FP8 tensor-core peak per GPU (``null``: no FP8 tensor
+    cores, e.g. A100); ``fp8_gemm_efficiency``: the fraction of it a large FP8 GEMM sustains
+    (``null``: ``gemm_efficiency``). ``memory_gib``: device memory as the driver reports it; ``reserved_gib``: what the
     CUDA context, NCCL buffers, cuBLAS workspaces and allocator fragmentation take from it.
     """
 
@@ -94,6 +96,8 @@ class ClusterProfile:
     sm_count: int = 132
     gemm_efficiency: float = 0.75
     attention_efficiency: float = 0.45
+    fp8_peak_tflops: float | None = None
+    fp8_gemm_efficiency: float | None = None
     nvlink_efficiency: float = 0.80
     network_efficiency: float = 0.90
     nvlink_latency_us: float = 5.0
