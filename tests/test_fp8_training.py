@@ -262,6 +262,8 @@ def test_fp8_config_errors(tiny_shards, tmp_path):
         tiny_config(tiny_shards, tmp_path, train=FP8, moe={"expert_backend": "grouped_mm"})
     with pytest.raises(ConfigError, match=r"train.fp8_block = 32.*tp shard of model.hidden = 32 is 16 wide"):
         tiny_config(tiny_shards, tmp_path, train={**BLOCK8, "fp8_block": 32}, parallel={"tp": 2}, model=MODEL)
+    with pytest.raises(ConfigError, match=r"train.compile = True.*fp8"):
+        tiny_config(tiny_shards, tmp_path, train={**FP8, "compile": True})
     with pytest.raises(ConfigError, match=r"train.fp8_keep.*expected a list"):
         tiny_config(tiny_shards, tmp_path, train={**FP8, "fp8_keep": "output"})
     cfg = tiny_config(tiny_shards, tmp_path, train={**FP8, "fp8_keep": ["output", "*.wo"]})

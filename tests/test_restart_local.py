@@ -159,6 +159,6 @@ def test_ctrl_c_prints_one_line_and_no_traceback(tiny_shards, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err  # the console says why, should Ctrl-C ever end otherwise
     assert [line for line in err.splitlines() if line.strip()] == [
         "interrupted: cancelling the run (use --detach to leave it running)"], err
