@@ -148,8 +148,17 @@ def test_ctrl_c_prints_one_line_and_no_traceback(tiny_shards, tmp_path):
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "MOETRAIN_HOME": str(tmp_path / "home")}
+    def as_a_terminal_starts_it() -> None:
+        # SIGINT at its default and unblocked, as a shell starts a command, whatever this test
+        # process inherited (a SIGINT blocked here is blocked in the command and its ranks, and
+        # unblocked again only in those that start a multiprocessing resource tracker: the run
+        # then ignores Ctrl-C, or fails instead of stopping — both seen in full-suite runs).
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen([sys.executable, "-m", "moetrain.submit", "--config", str(path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_a_terminal_starts_it)
     try:
         deadline = time.time() + 120
         while "step 2/" not in proc.stdout.readline():
