@@ -98,8 +98,7 @@ def _block_amax(t: torch.Tensor, dim: int, block: int, square: bool) -> torch.Te
 
 
 def _amax(t: torch.Tensor, dim: int, recipe: Fp8Recipe, weight: bool) -> torch.Tensor:
-    """The amax each element of 2-D ``t`` is scaled by, broadcastable to t (fp32)."""
-    t = t.float()
+    """The amax each element of 2-D fp32 ``t`` is scaled by, broadcastable to t."""
     if recipe.scaling == "tensorwise":
         return t.abs().amax()
     if recipe.scaling == "rowwise":
@@ -128,13 +127,14 @@ def quantize(t: torch.Tensor, dim: int, fmt: torch.dtype, recipe: Fp8Recipe, wei
     scales constant along ``dim`` (the GEMM's contraction dimension) as ``recipe`` groups them;
     ``weight``: B × B blocks for ``blockwise``. ``unscaled``: scale 1."""
     fmax = torch.finfo(fmt).max
+    t = t.float()
     if recipe.scaling == "unscaled":
         scale: torch.Tensor | float = 1.0
     else:
         scale = fmax / _amax(t, dim, recipe, weight).clamp(min=_EPS)
         if recipe.scaling == "rowwise":  # torchao's rowwise rounds its scales to powers of two
             scale = torch.exp2(torch.floor(torch.log2(scale)))
-    q = (t.float() * scale).clamp(-fmax, fmax).to(fmt)
+    q = (t * scale).clamp(-fmax, fmax).to(fmt)
     return q, scale
 
 
@@ -156,10 +156,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, fmt_a: torch.dtype, fmt_b: torch.dtype,
     qa, sa = quantize(a, 1, fmt_a, recipe, weight_a)
     qb, sb = quantize(b, 0, fmt_b, recipe, weight_b)
     if _fast(a, b, recipe):
-        # _scaled_mm: a row-major, b column-major, scales as dequantization factors.
+        # _scaled_mm: a row-major, b column-major, scales as dequantization factors (row-wise:
+        # [N, 1] and [1, M], as quantize gives them).
         inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
-        if recipe.scaling == "rowwise":
-            inv_a, inv_b = inv_a.expand(a.shape[0], 1).contiguous(), inv_b.expand(1, b.shape[1]).contiguous()
         return torch._scaled_mm(qa, qb.t().contiguous().t(), inv_a, inv_b, out_dtype=out_dtype)
     return ((qa.float() / sa) @ (qb.float() / sb)).to(out_dtype)
 

@@ -231,6 +231,8 @@ class GroupedExperts(nn.Module):
                 ) -> torch.Tensor:
         """x_ND: rows grouped by local expert, ``counts_El[e]`` rows for expert e ([El] int64 on
         x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D]."""
+        if self.fp8 is not None and self.backend != "loop":
+            raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
         w1, w3, w2 = (local(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
         b1, b3, b2 = (local(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
         x_ND = x_ND.to(w1.dtype)
@@ -247,8 +249,6 @@ class GroupedExperts(nn.Module):
         if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
-        if self.fp8 is not None and self.backend != "loop":
-            raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
         if self.backend == "megablocks":
             return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
         return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2, self.fp8)

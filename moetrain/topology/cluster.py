@@ -76,8 +76,9 @@ class ClusterProfile:
     clocks under the power cap). ``attention_efficiency``: the same for the fused attention
     kernel. ``fp8_peak_tflops``: dense FP8 tensor-core peak per GPU (``null``: no FP8 tensor
     cores, e.g. A100); ``fp8_gemm_efficiency``: the fraction of it a large FP8 GEMM sustains
-    (``null``: ``gemm_efficiency``). ``memory_gib``: device memory as the driver reports it; ``reserved_gib``: what the
-    CUDA context, NCCL buffers, cuBLAS workspaces and allocator fragmentation take from it.
+    (``null``: ``gemm_efficiency``). ``memory_gib``: device memory as the driver reports it;
+    ``reserved_gib``: what the CUDA context, NCCL buffers, cuBLAS workspaces and allocator
+    fragmentation take from it.
     """
 
     name: str
