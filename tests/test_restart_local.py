@@ -114,6 +114,17 @@ def test_rank_error_is_reported_in_a_few_lines_and_not_restarted(tiny_shards, tm
     assert "restart" not in [e["event"] for e in read_events(tmp_path / "run")], "a rank's own error restarted"
 
 
+def test_rendezvous_ports_avoid_the_ephemeral_range_and_change_between_attempts():
+    """A port in Linux's ephemeral range (32768-60999) can be held by any outgoing connection on
+    the node; rank 0's TCPStore then cannot listen (EADDRINUSE, seen in CI)."""
+    from moetrain.launch.job import master_port
+
+    ports = [master_port(str(job), restart) for job in range(2000) for restart in range(3)]
+    assert 20000 <= min(ports) and max(ports) < 32768
+    assert len(set(ports)) > 4500, "spread over the range (6000 uniform draws from 12768 give ~4790 distinct)"
+    assert all(master_port(str(j), 0) != master_port(str(j), 1) for j in range(2000))
+
+
 def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
     from moetrain.data.format import ShardError
     from moetrain.train.records import StaleAttemptError, diagnose, failure_kind
@@ -131,6 +142,13 @@ def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
     assert d.restartable and d.dead == [3] and d.silent == [2] and d.cause.startswith("rank(s) 3 died")
     d = diagnose([peer(0), peer(1)], 2)
     assert d.restartable and d.cause.startswith("every rank failed in a collective")
+    # Rank 0 could not bind the rendezvous port; the others waited to connect until the job ended.
+    bind = {**peer(0), "type": "DistNetworkError", "message": "The server socket has failed to listen on any local "
+            "network address. port: 60638, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"}
+    d = diagnose([bind], 4)
+    assert d.restartable and d.culprit is bind and d.dead == [] and d.silent == [1, 2, 3], d
+    assert d.cause == ("rank 0 (n1) could not listen on the rendezvous port (address already in use: another process "
+                       "holds it); the next attempt uses another port")
     assert failure_kind(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1")) == "peer"
     assert failure_kind(RuntimeError("Timed out waiting 600000ms for recv operation")) == "peer"
     assert failure_kind(ShardError("x.bin: sha256 mismatch")) == "error"

@@ -66,9 +66,12 @@ def _exit_now(code: int) -> None:
 
 
 def master_port(job_id: str, restart: int) -> int:
-    """Rendezvous port for one attempt: differs between attempts, so a process left over from an
-    earlier attempt cannot hold the new attempt's port."""
-    return 20000 + zlib.crc32(f"{job_id}/{restart}".encode()) % 30000
+    """Rendezvous port for one attempt, in [20000, 32768): differs between attempts, so a process
+    left over from an earlier attempt cannot hold the new attempt's port, and stays below Linux's
+    default ephemeral range (``net.ipv4.ip_local_port_range``, 32768-60999), where any outgoing
+    connection on the node (srun's, slurmd's, another job's gloo pairs) may hold it: rank 0's
+    TCPStore then fails with EADDRINUSE (seen once in CI, when the range reached 49999)."""
+    return 20000 + zlib.crc32(f"{job_id}/{restart}".encode()) % 12768
 
 
 def process_threads(cpus_per_task: int | None, local_world_size: int) -> tuple[int, str]:

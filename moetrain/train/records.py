@@ -243,8 +243,9 @@ def diagnose(failures: list[dict], world_size: int) -> Diagnosis:
     """The cause of a failed attempt from its ranks' failure records (:func:`read_failures`).
 
     In order: a rank's own error (the lowest rank raising one; not restartable) — a hang the
-    watchdog ended — ranks that left no record while others failed on lost connections (they
-    died) — every rank failing in a collective (a time-out)."""
+    watchdog ended — a rendezvous port in use (EADDRINUSE) — ranks that left no record while
+    others failed on lost connections (they died) — every rank failing in a collective (a
+    time-out)."""
     by_rank = {f["rank"]: f for f in failures}
     peers = sorted((f for f in failures if f["kind"] == "peer"), key=lambda f: f["rank"])
     own = sorted((f for f in failures if f["kind"] == "error"), key=lambda f: f["rank"])
@@ -261,6 +262,13 @@ def diagnose(failures: list[dict], world_size: int) -> Diagnosis:
     if hangs:
         f = hangs[0]
         return Diagnosis(f"hang: {_first_line(f['message'], 400)}", True, f, dead, peers)
+    in_use = [f for f in peers if any(s in f["message"].lower() for s in ("eaddrinuse", "address already in use"))]
+    if in_use:
+        f = in_use[0]
+        # The ranks without a record were waiting to connect to it when the job was ended.
+        return Diagnosis(f"rank {f['rank']} ({f['host']}) could not listen on the rendezvous port (address already "
+                         f"in use: another process holds it); the next attempt uses another port", True, f, [],
+                         [p for p in peers if p is not f], unrecorded)
     if dead:
         return Diagnosis(f"rank(s) {_ranks(dead)} died without an error (killed by a signal such as SIGKILL, the OOM "
                          f"killer, or a lost node)", True, None, dead, peers, silent)
