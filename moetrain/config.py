@@ -299,7 +299,12 @@ class ParallelConfig:
     by rows, Megatron-Core's ``expert_tensor_parallel_size``): a 1/tp of every expert's weights
     per rank, for experts too large to hold whole. ``activation_checkpointing``: ``full`` (whole
     blocks), ``selective`` (core attention), ``mla_up_proj`` (MLA's up-projections and the core
-    attention; Megatron-Core's recompute module of that name), ``none``."""
+    attention; Megatron-Core's recompute module of that name), ``none``. ``ep_overlap``: run
+    the forward of each micro-batch together with the backward of the one before it, taking
+    turns at their token all-to-alls so that each transfer is in flight while the other
+    micro-batch computes (Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
+    :mod:`moetrain.parallel.ep_overlap`): needs ep > 1 and two or more micro-batches per step to
+    hide anything; pp = 1, ZeRO 0-2, no full recomputation, no compile."""
 
     dp: int = 1
     tp: int = 1
@@ -316,6 +321,7 @@ class ParallelConfig:
     activation_checkpointing: Literal["none", "full", "selective", "mla_up_proj"] = "none"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
+    ep_overlap: bool = False
 
     @property
     def world_size(self) -> int:
@@ -914,6 +920,31 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
     if par.sequence_parallel and par.tp == 1:
         raise field_error("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
                           "set parallel.sequence_parallel=false or tp >= 2")
+    if par.ep_overlap:
+        _check_ep_overlap(cfg)
+
+
+def _check_ep_overlap(cfg: Config) -> None:
+    par = cfg.parallel
+    if par.ep == 1:
+        raise field_error("parallel.ep_overlap", True, "there is no expert all-to-all to hide with ep = 1",
+                          "set parallel.ep_overlap: false, or ep >= 2")
+    if par.pp > 1:
+        raise field_error("parallel.ep_overlap", True, f"is not built for pipeline parallelism yet (pp = {par.pp}): "
+                          "the pipeline schedules do not merge a forward with a backward", "use pp = 1, or set "
+                          "parallel.ep_overlap: false")
+    if par.zero_stage == 3:
+        raise field_error("parallel.ep_overlap", True, "does not run with ZeRO-3: FSDP frees a block's parameters "
+                          "after its backward while the other micro-batch's forward may be inside that block",
+                          "use zero_stage 0, 1 or 2, or set parallel.ep_overlap: false")
+    if par.activation_checkpointing == "full":
+        raise field_error("parallel.ep_overlap", True, "does not run with activation_checkpointing: full (the "
+                          "recomputed blocks would exchange tokens again inside the backward)",
+                          "use activation_checkpointing: selective or none, or set parallel.ep_overlap: false")
+    if cfg.train.compile:
+        raise field_error("parallel.ep_overlap", True, "does not run with train.compile (the turn-taking at the "
+                          "all-to-alls is Python, a graph break inside every block)",
+                          "set train.compile: false, or parallel.ep_overlap: false")
 
 
 def _check_model(cfg: Config, device: str | None) -> None:

@@ -43,6 +43,7 @@ from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
+from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, queue_at_end_of_backward
 from moetrain.parallel.expert import apply_expert_parallel
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype, fp8_recipe
@@ -63,13 +64,19 @@ class StepRunner(Protocol):
 
 
 class SingleStageRunner:
-    """Gradient accumulation over micro-batches on a model that is not pipelined."""
+    """Gradient accumulation over micro-batches on a model that is not pipelined; with
+    ``ep_overlap`` (``parallel.ep_overlap``) the forward of each micro-batch runs merged with the
+    backward of the one before it (:mod:`moetrain.parallel.ep_overlap`)."""
 
-    def __init__(self, model: Transformer, ps: ParallelState):
+    def __init__(self, model: Transformer, ps: ParallelState, ep_overlap: bool = False):
         self.model, self.ps, self.device = model, ps, ps.device
-        # Called as (index, count) before each micro-batch's forward: FSDP's gradient sync and
-        # resharding (MicroBatchSync); None in one process.
+        self.ep_overlap = ep_overlap
+        # Called as (index, count) before each micro-batch's backward is due (before its forward
+        # without overlap): FSDP's gradient sync and resharding (MicroBatchSync); None in one
+        # process. Its settings act in the backward only.
         self.before_micro_batch: Callable[[int, int], None] | None = None
+        # The merged pairs' turn-taking, (side, event) in order, when a list (tests).
+        self.overlap_events: list[tuple[str, str]] | None = None
 
     def _loss(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(objective, LM loss, MTP loss or None); ``mb.targets`` [B, S, 1 + D] carries the MTP
@@ -81,6 +88,8 @@ class SingleStageRunner:
         return model_loss(logits, targets, self.model.cfg.model.mtp_loss_coef)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        if self.ep_overlap and len(micro_batches) > 1:
+            return self._merged_forward_backward(micro_batches)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:
@@ -91,6 +100,42 @@ class SingleStageRunner:
             total[0] += _plain(lm).detach()
             if mtp is not None:
                 total[1] += _plain(mtp).detach()
+        return total
+
+    def _merged_forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """F0 | B0+F1 | ... | B(n-2)+F(n-1) | B(n-1): the same micro-batches, losses and
+        gradient accumulation order as :meth:`forward_backward`, each pair taking turns at its
+        all-to-alls."""
+        n = len(micro_batches)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        slots = [Slot() for _ in micro_batches]
+
+        def backward(i: int, loss: torch.Tensor, at_end: Callable[[], None] | None = None) -> None:
+            if self.before_micro_batch is not None:
+                self.before_micro_batch(i, n)
+            scaled = loss / n
+            if at_end is not None:
+                scaled = queue_at_end_of_backward(scaled, at_end)
+            scaled.backward()
+
+        def add(lm: torch.Tensor, mtp: torch.Tensor | None) -> None:
+            # After the pair: DTensor losses (tp) reduce over tp, a collective no side may interleave.
+            total[0] += _plain(lm).detach()
+            if mtp is not None:
+                total[1] += _plain(mtp).detach()
+
+        # loss_parallel is process-wide, not per thread: entered once around both sides.
+        with loss_context(self.ps):
+            with forward_of(slots[0]):
+                loss, lm, mtp = self._loss(micro_batches[0])
+            add(lm, mtp)
+            for i in range(1, n):
+                pair = MergedPair(slots[i - 1], slots[i], self.overlap_events)
+                prev, mb = loss, micro_batches[i]
+                loss, lm, mtp = pair.run(lambda at_end, i=i, prev=prev: backward(i - 1, prev, at_end),
+                                         lambda mb=mb: self._loss(mb))
+                add(lm, mtp)
+            backward(n - 1, loss)
         return total
 
     @torch.no_grad()
@@ -178,10 +223,11 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         _materialize(part, cfg, ps)
 
     # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
-    runner: StepRunner = PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1 else SingleStageRunner(parts[0], ps)
+    runner: StepRunner = (PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1
+                          else SingleStageRunner(parts[0], ps, cfg.parallel.ep_overlap))
     # Gradient sync / resharding per micro-batch (under pp the schedule drives FSDP: pipeline.py)
     if fsdp_modules and ps.size(PP) == 1:
-        runner.before_micro_batch = MicroBatchSync(fsdp_modules, cfg.parallel.zero_stage)
+        runner.before_micro_batch = MicroBatchSync(fsdp_modules, cfg.parallel.zero_stage, cfg.parallel.ep_overlap)
     return parts, runner
 
 

@@ -25,6 +25,11 @@ arrival into the compute dtype; their gradients travel back in the compute dtype
 tokens it routes to the wire's values (:func:`moetrain.model.fp8.round_trip`), so encoding them
 again is exact: the dispatch adds no rounding that one process does not have.
 
+With ``parallel.ep_overlap`` the rows' all-to-alls (phase 3 and its reverse, in both
+directions of autograd) are where the forward of one micro-batch and the backward of another
+take turns, each transfer in flight while the other side computes
+(:mod:`moetrain.parallel.ep_overlap`); the counts' exchange stays synchronous.
+
 Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
 """
 
@@ -44,6 +49,7 @@ from moetrain.config import Config, field_error
 from moetrain.model import fp8
 from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, MoE, MoEParallel, expert_counts,
                                 permute_by_expert, sort_by_expert, unpermute, weighted_sum)
+from moetrain.parallel.ep_overlap import exchange_rows
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
@@ -83,11 +89,25 @@ class _Arrive(torch.autograd.Function):
 
 
 def send_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
-              wire: torch.dtype | None) -> Callable[[], torch.Tensor]:
+              wire: torch.dtype | None, overlap: bool = False) -> Callable[[], torch.Tensor]:
     """Start the uneven all-to-all of x_ND [N, D] (``input_splits`` rows to each rank,
     ``output_splits`` from each) in ``wire`` (None: as they are; bf16; float8 E4M3 as
     :func:`moetrain.model.fp8.pack`); returns what waits for and decodes the received rows,
-    [sum(output_splits), D] in x_ND's dtype, differentiable with respect to x_ND."""
+    [sum(output_splits), D] in x_ND's dtype, differentiable with respect to x_ND. With
+    ``overlap`` (``parallel.ep_overlap``) the transfer hands over to the partner micro-batch
+    while in flight (:func:`moetrain.parallel.ep_overlap.exchange_rows`) and has arrived when
+    this returns."""
+    if overlap:
+        D, dtype = x_ND.shape[1], x_ND.dtype
+        if wire is None or wire == dtype:
+            x_recv = exchange_rows(x_ND, output_splits, input_splits, group)
+        elif wire == fp8.E4M3:
+            x_recv = exchange_rows(x_ND, output_splits, input_splits, group, fp8.pack,
+                                   lambda packet: fp8.unpack(packet, D, dtype))
+        else:
+            x_recv = exchange_rows(x_ND, output_splits, input_splits, group, lambda x: x.to(wire),
+                                   lambda packet: packet.to(dtype))
+        return lambda: x_recv
     if wire is None or wire == x_ND.dtype:
         x_recv = all_to_all_single_autograd(x_ND, output_splits, input_splits, group)
         return lambda: x_recv
@@ -106,8 +126,8 @@ class AllToAllDispatcher:
     rows travel in ``wire`` (None: as computed)."""
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, domains: list[int] | None = None,
-                 wire: torch.dtype | None = None):
-        self.group, self.wire = group, wire
+                 wire: torch.dtype | None = None, overlap: bool = False):
+        self.group, self.wire, self.overlap = group, wire, overlap
         self.ep = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
@@ -144,7 +164,7 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        arrive = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire)
+        arrive = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire, self.overlap)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
@@ -164,7 +184,10 @@ class AllToAllDispatcher:
         # 4'. back to (source, local expert) order.
         y_recv = torch.empty_like(y_ND).index_copy(0, handle.regroup, y_ND)
         # 3'. rows back to the ranks that sent them.
-        y_sorted = all_to_all_single_autograd(y_recv, handle.input_splits, handle.output_splits, self.group)
+        if self.overlap:
+            y_sorted = exchange_rows(y_recv, handle.input_splits, handle.output_splits, self.group)
+        else:
+            y_sorted = all_to_all_single_autograd(y_recv, handle.input_splits, handle.output_splits, self.group)
         # 1'. unpermute to assignment order.
         return unpermute(y_sorted, handle.local)
 
@@ -213,8 +236,9 @@ class HierarchicalDispatcher:
     """
 
     def __init__(self, num_experts: int, ep_group_ranks: list[int], domains: list[int], rail: dist.ProcessGroup,
-                 domain: dist.ProcessGroup, device: torch.device, wire: torch.dtype | None = None):
-        self.wire = wire
+                 domain: dist.ProcessGroup, device: torch.device, wire: torch.dtype | None = None,
+                 overlap: bool = False):
+        self.wire, self.overlap = wire, overlap
         self.num_experts, self.num_local = num_experts, num_experts // len(ep_group_ranks)
         self.rail, self.domain = rail, domain
         domain_of = dict(zip(ep_group_ranks, domains))
@@ -232,7 +256,8 @@ class HierarchicalDispatcher:
         self.rail_of_expert = torch.tensor(rail_of, dtype=torch.int64, device=device)
         self.num_rail = dist.get_world_size(rail)
         self.my_rail = dist.get_rank(rail)
-        self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain, wire=wire)
+        self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain, wire=wire,
+                                        overlap=overlap)
         # Domain-local id of expert e, for the rows this rank receives (experts of its domain).
         self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
         self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher
@@ -265,7 +290,7 @@ class HierarchicalDispatcher:
         ids_send = torch.where(slot_mask, expert_idx_TK[token_of_row], -1)  # global ids; -1: other domains
         inter = R_send - input_splits[self.my_rail]
         self.rows_sent[1] += inter
-        arrive = send_rows(x_TD[token_of_row], output_splits, input_splits, self.rail, self.wire)
+        arrive = send_rows(x_TD[token_of_row], output_splits, input_splits, self.rail, self.wire, self.overlap)
         ids_recv = ids_send.new_empty(sum(output_splits), K)
         dist.all_to_all_single(ids_recv, ids_send, output_splits, input_splits, group=self.rail)
         # 2. within the domain: every valid slot of the received rows is an assignment.
@@ -293,7 +318,10 @@ class HierarchicalDispatcher:
         w_send = torch.where(handle.slot_mask, weights_TK[handle.token_of_row], 0.0)
         w_recv = all_to_all_single_autograd(w_send, handle.output_splits, handle.input_splits, self.rail)
         y_RD = (y_VD.view(-1, K, y_VD.shape[-1]).float() * w_recv.unsqueeze(-1)).sum(1).to(y_ND.dtype)
-        y_back = all_to_all_single_autograd(y_RD, handle.input_splits, handle.output_splits, self.rail)
+        if self.overlap:
+            y_back = exchange_rows(y_RD, handle.input_splits, handle.output_splits, self.rail)
+        else:
+            y_back = all_to_all_single_autograd(y_RD, handle.input_splits, handle.output_splits, self.rail)
         out = y_back.new_zeros(handle.num_tokens, y_back.shape[-1], dtype=torch.float32)
         return out.index_add(0, handle.token_of_row, y_back.float()).to(y_ND.dtype)
 
@@ -354,6 +382,7 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
     rail_domain = hierarchical_groups(ps) if ep > 1 and cfg.moe.token_dispatcher == "hierarchical" else None
     split = sequence_split(ps)
     wire = fp8.dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
+    overlap = cfg.parallel.ep_overlap
     for moe in moe_layers.values():
         E = moe.num_experts
         if ep > 1 or etp:
@@ -367,9 +396,10 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
         if etp:
             _expert_tensor_parallel(moe, ps)
         if rail_domain is not None:
-            dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device, wire)
+            dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device, wire,
+                                                overlap)
         elif ep > 1:
-            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains, wire)
+            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains, wire, overlap)
         else:
             dispatcher = LocalDispatcher(E)
         groups, max_groups = (None, None)

@@ -1,0 +1,235 @@
+"""Hide the expert all-to-all behind another micro-batch's compute (``parallel.ep_overlap``).
+
+With gradient accumulation over n micro-batches, the step runs the forward of micro-batch i+1
+*together with* the backward of micro-batch i (Megatron-Core's merged forward-backward,
+``--overlap-moe-expert-parallel-comm``; DualPipe's overlapped chunks):
+
+    F0 | B0+F1 | B1+F2 | ... | B(n-2)+F(n-1) | B(n-1)
+
+Inside a merged pair the two sides take turns at their token all-to-alls (the dispatch and the
+combine rows, in both directions): a side that has just *issued* one hands over to the other,
+which computes until it issues its own all-to-all (or ends), then hands back; the first side
+then waits for its transfer, which was in flight all that time. So each all-to-all overlaps the
+other micro-batch's attention, router, experts or their backward:
+
+    backward (mb i):  ... combine-bwd a2a ─┐                    ┌─ expert bwd ... dispatch-bwd a2a ─┐
+    forward (mb i+1):                      └─ attention, router ┘   (dispatch a2a in flight)      └─ experts ...
+
+The forward runs in the calling thread and the backward (one ``Tensor.backward`` call, as
+without overlap) in a helper thread, but **exactly one of them runs at a time** (a baton, not
+parallelism): the order of every collective on a rank is fixed by the program, the same on all
+ranks, and each micro-batch's arithmetic is the step without overlap's, op for op — so losses and
+gradients are equal to it bit for bit (tests/test_ep_overlap.py). The transfer itself proceeds
+in the communication library's own threads (gloo) or stream (NCCL) while the other side computes.
+
+What it costs: two micro-batches' activations are alive in a pair (as in Megatron-Core). What it
+needs (refused otherwise by :func:`moetrain.config.validate`): ep > 1, pp = 1 (pipeline schedules
+are not merged yet), no full-block recomputation, no ``train.compile`` (the hand-overs are
+Python), and ZeRO stage 0-2: under ZeRO-3 FSDP frees a block's parameters after that block's
+backward, while the other micro-batch's forward may be inside the same block.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moetrain.parallel.peers import waiting_on_peers
+
+FORWARD, BACKWARD = 0, 1
+_SIDE_NAMES = ("forward", "backward")
+
+
+class TurnTaking:
+    """Two sides of a merged pair, :data:`FORWARD` and :data:`BACKWARD`, of which exactly one
+    runs at a time. The backward side has the first turn. ``events`` (when a list is given)
+    records ``(side name, what)`` for the structural test: ``issue`` at each hand-over with a
+    transfer in flight, ``resume`` when that side runs again, ``done`` at its end."""
+
+    def __init__(self, events: list[tuple[str, str]] | None = None):
+        self._cond = threading.Condition()
+        self._turn = BACKWARD
+        self._done = [False, False]
+        self._ending = [False, False]  # in let_other_finish: takes no more turns
+        self.events = events
+
+    def _log(self, side: int, what: str) -> None:
+        if self.events is not None:
+            self.events.append((_SIDE_NAMES[side], what))
+
+    def wait_turn(self, side: int) -> None:
+        """Block until it is ``side``'s turn (or the other side has ended)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == side or self._done[1 - side])
+
+    def hand_over(self, side: int) -> None:
+        """Called by ``side`` right after issuing an all-to-all: the other side runs until its
+        next hand-over or its end; returns when ``side`` may go on. A no-op once the other side
+        has ended (nothing left to overlap with)."""
+        with self._cond:
+            if self._done[1 - side] or self._ending[1 - side]:
+                return
+            self._log(side, "issue")
+            self._turn = 1 - side
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._turn == side or self._done[1 - side])
+            self._log(side, "resume")
+
+    def let_other_finish(self, side: int) -> None:
+        """``side`` has nothing left to overlap: the other side runs to its end, then this
+        returns (the backward side calls it before FSDP's end-of-backward callback, so that
+        runs with the forward complete, as after a plain forward)."""
+        with self._cond:
+            self._ending[side] = True
+            if self._done[1 - side]:
+                return
+            self._turn = 1 - side
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._done[1 - side])
+
+    def finish(self, side: int) -> None:
+        """``side`` has ended (also on an error: the other side must not wait for it)."""
+        with self._cond:
+            self._done[side] = True
+            self._log(side, "done")
+            self._turn = 1 - side
+            self._cond.notify_all()
+
+
+class Slot:
+    """One micro-batch's place in the schedule: which pair it belongs to now and on which side.
+    Its all-to-alls keep a reference to it, so the backward of micro-batch i (paired with the
+    forward of i+1) hands over in the pair it belongs to by then."""
+
+    def __init__(self) -> None:
+        self.turns: TurnTaking | None = None
+        self.side = FORWARD
+
+    def while_in_flight(self) -> None:
+        """Called with one of this micro-batch's all-to-alls in flight: the partner's turn."""
+        turns = self.turns
+        if turns is not None:
+            turns.hand_over(self.side)
+
+
+_slot: ContextVar[Slot | None] = ContextVar("moetrain_ep_overlap_slot", default=None)
+
+
+def current_slot() -> Slot | None:
+    """The slot of the micro-batch whose forward runs in this context (None without overlap)."""
+    return _slot.get()
+
+
+@contextmanager
+def forward_of(slot: Slot) -> Iterator[None]:
+    """The enclosed forward belongs to ``slot``'s micro-batch."""
+    token = _slot.set(slot)
+    try:
+        yield
+    finally:
+        _slot.reset(token)
+
+
+def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int], input_splits: list[int],
+              group: dist.ProcessGroup, slot: Slot | None) -> None:
+    """Uneven all-to-all of ``inp`` into ``out`` (rows; ``*_splits``: host ints per rank): issue,
+    let the partner compute while it is in flight, then wait."""
+    work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=group, async_op=True)
+    if slot is not None:
+        slot.while_in_flight()
+    with waiting_on_peers():
+        work.wait()
+
+
+class RowExchange(torch.autograd.Function):
+    """Rows [N, D] to the ranks of ``group`` (``input_splits`` to each, ``output_splits`` from
+    each), encoded for the wire by ``encode`` and decoded on arrival by ``decode`` (identity
+    when None); backward: the gradient [sum(output_splits), D] back to the senders in its own
+    dtype. Both directions hand over to the partner while the transfer is in flight."""
+
+    @staticmethod
+    def forward(ctx, x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int],  # type: ignore[override]
+                group: dist.ProcessGroup, slot: Slot | None,
+                encode: Callable[[torch.Tensor], torch.Tensor] | None,
+                decode: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.slot, ctx.rows_sent = (output_splits, input_splits), group, slot, x_ND.shape[0]
+        packet = (encode(x_ND) if encode is not None else x_ND).contiguous()
+        recv = packet.new_empty((sum(output_splits), *packet.shape[1:]))
+        _exchange(recv, packet, output_splits, input_splits, group, slot)
+        return decode(recv) if decode is not None else recv
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        output_splits, input_splits = ctx.splits
+        grad_sent = grad.new_empty(ctx.rows_sent, *grad.shape[1:])
+        _exchange(grad_sent, grad.contiguous(), input_splits, output_splits, ctx.group, ctx.slot)
+        return grad_sent, None, None, None, None, None, None
+
+
+def exchange_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
+                  encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  decode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """:class:`RowExchange` for the micro-batch whose forward runs here: x_ND [N, D] →
+    [sum(output_splits), D], differentiable with respect to x_ND."""
+    return RowExchange.apply(x_ND, output_splits, input_splits, group, current_slot(), encode, decode)
+
+
+class MergedPair:
+    """Run the backward of one micro-batch (``backward``, in a helper thread) and the forward of
+    the next (``forward``, in this thread) as one merged pair; see the module docstring.
+    ``prev``/``nxt``: their slots. Returns what ``forward`` returns; an error on either side is
+    raised here, after both have stopped."""
+
+    def __init__(self, prev: Slot, nxt: Slot, events: list[tuple[str, str]] | None = None):
+        self.turns = TurnTaking(events)
+        self.prev, self.nxt = prev, nxt
+
+    def run(self, backward: Callable[[Callable[[], None]], None], forward: Callable[[], object]) -> object:
+        """``backward(at_end)`` must call ``at_end`` once its own work is over but before
+        anything that must not run beside the forward (FSDP's end-of-backward callback):
+        :func:`queue_at_end_of_backward` does that."""
+        turns = self.turns
+        self.prev.turns, self.prev.side = turns, BACKWARD
+        self.nxt.turns, self.nxt.side = turns, FORWARD
+        error: list[BaseException] = []
+
+        def backward_side() -> None:
+            try:
+                turns.wait_turn(BACKWARD)
+                backward(lambda: turns.let_other_finish(BACKWARD))
+            except BaseException as e:  # re-raised in the calling thread
+                error.append(e)
+            finally:
+                turns.finish(BACKWARD)
+
+        thread = threading.Thread(target=backward_side, name="moetrain-ep-overlap-backward", daemon=True)
+        thread.start()
+        try:
+            turns.wait_turn(FORWARD)
+            with forward_of(self.nxt):
+                out = forward()
+        finally:
+            turns.finish(FORWARD)
+            thread.join()
+            self.prev.turns = self.nxt.turns = None
+        if error:
+            raise error[0]
+        return out
+
+
+def queue_at_end_of_backward(loss: torch.Tensor, at_end: Callable[[], None]) -> torch.Tensor:
+    """``loss`` with a hook that, when the backward from it starts, queues ``at_end`` as the
+    backward's first end-of-backward callback (before FSDP's, which its root queues when the
+    gradient reaches the model's output)."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+        return grad
+
+    if loss.requires_grad:
+        loss.register_hook(hook)
+    return loss

@@ -1,0 +1,193 @@
+"""``parallel.ep_overlap``: the forward of micro-batch i+1 merged with the backward of micro-batch
+i, taking turns at their token all-to-alls (moetrain/parallel/ep_overlap.py).
+
+Each layout is trained 20 steps with and without the overlap (fp32, CPU, gloo): the losses, the
+gradient norms, the first step's gradients and the parameters after the 20 steps must be
+**equal bit for bit** — the overlap changes when each micro-batch's work runs, not what it
+computes nor the order gradients accumulate in. The layouts: dp × ep with ZeRO 0, 1 and 2, tp2
+with sequence parallelism, the hierarchical dispatcher over two domains, context parallelism,
+expert-tensor parallelism and the fp8 wire. Speed is not asserted here (benchmarks/).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from moetrain.config import ConfigError
+from moetrain.parallel.ep_overlap import BACKWARD, FORWARD, MergedPair, Slot, TurnTaking
+from moetrain.train.trainer import Trainer
+
+from conftest import tiny_config
+from multiproc import run_distributed
+from test_equivalence import steps_with_first_grads
+
+STEPS = 20
+
+
+def overlap_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict, overlap: bool,
+                    domains: list[int] | None = None) -> dict:
+    # micro_batch_size 1: 8 / (1 · data-parallel ranks) = 2-8 micro-batches per step to merge.
+    cfg = tiny_config(data, run_dir, parallel={**parallel, "ep_overlap": overlap}, moe=moe,
+                      model={"vocab_size": 260},  # a multiple of tp
+                      train={"steps": STEPS, "micro_batch_size": 1, "grad_clip": 1.0})
+    kwargs = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(), "rank_domains": domains
+              } if domains else {}
+    trainer = Trainer(cfg, write_files=False, **kwargs)
+    events: list = []
+    trainer.runner.overlap_events = events
+    results, grads = steps_with_first_grads(trainer, STEPS)
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for part in trainer.model_parts for n, p in part.named_parameters()}
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
+            "params": params, "events": events, "micro_batches": cfg.grad_accum_steps}
+
+
+def assert_identical(on: dict, off: dict) -> None:
+    assert on["losses"] == off["losses"], (on["losses"], off["losses"])
+    assert on["norms"] == off["norms"]
+    for kind in ("grads", "params"):
+        assert on[kind].keys() == off[kind].keys()
+        for name, t in on[kind].items():
+            assert torch.equal(t, off[kind][name]), f"{kind} {name}: max diff {(t - off[kind][name]).abs().max()}"
+
+
+def turns_per_pair(events: list) -> list[list]:
+    """The events split at each pair's end (both sides 'done')."""
+    pairs, cur = [], []
+    for e in events:
+        cur.append(e)
+        if sum(1 for x in cur if x[1] == "done") == 2:
+            pairs.append(cur)
+            cur = []
+    assert not cur, cur
+    return pairs
+
+
+CASES = {
+    "dp2-ep2": (2, {"dp": 2, "ep": 2}, {}, None),
+    "dp2-ep2-zero1": (2, {"dp": 2, "ep": 2, "zero_stage": 1}, {}, None),
+    "dp2-ep2-zero2-fp8wire": (2, {"dp": 2, "ep": 2, "zero_stage": 2}, {"dispatch_dtype": "fp8"}, None),
+    "tp2-sp-ep2": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {}, None),
+    "tp2-etp2-ep2": (4, {"dp": 2, "tp": 2, "etp": 2, "ep": 2}, {}, None),
+    "cp2-ep2": (2, {"cp": 2, "ep": 2}, {}, None),
+    "ep4-hierarchical": (4, {"dp": 4, "ep": 4}, {"token_dispatcher": "hierarchical"}, [0, 0, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_overlap_is_the_same_step(case, tiny_shards, tmp_path):
+    world, parallel, moe, domains = CASES[case]
+    off, on = (run_distributed(overlap_capture, world, str(tiny_shards), str(tmp_path / str(flag)), parallel, moe,
+                               flag, domains) for flag in (False, True))
+    assert on[0]["micro_batches"] >= 2 and on[0]["losses"][-1] < on[0]["losses"][0]
+    for r_on, r_off in zip(on, off):
+        assert_identical(r_on, r_off)
+    # The pairs really took turns: per pair (one per micro-batch after the first, every step),
+    # each side issued an all-to-all and handed over at every MoE layer's dispatch and combine
+    # (2 layers; the hierarchical dispatcher exchanges rows twice per direction, over the rail
+    # and within the domain), and the other side ran before it resumed.
+    pairs = turns_per_pair(on[0]["events"])
+    assert len(pairs) == STEPS * (on[0]["micro_batches"] - 1)
+    per_layer = 4 if parallel.get("ep") == 4 and moe.get("token_dispatcher") == "hierarchical" else 2
+    for pair in pairs:
+        issues = {side: sum(1 for s, what in pair if s == side and what == "issue") for side in ("forward", "backward")}
+        assert issues["forward"] >= 2 * per_layer - 1 and issues["backward"] >= 2 * per_layer - 1, (issues, pair)
+        for k, (side, what) in enumerate(pair):
+            if what == "issue":
+                resumed = next((j for j in range(k + 1, len(pair)) if pair[j] == (side, "resume")), None)
+                if resumed is not None:
+                    assert any(s != side for s, _ in pair[k + 1:resumed]), pair
+        assert off[0]["events"] == []
+
+
+# -- the turn-taking itself, without a model ----------------------------------------------------
+
+
+def test_turns_alternate_and_a_side_with_more_transfers_runs_on_alone():
+    log: list[str] = []
+    turns = TurnTaking()
+    prev, nxt = Slot(), Slot()
+
+    def backward(at_end):
+        for k in range(3):
+            log.append(f"B{k}")
+            prev.while_in_flight()
+        at_end()
+        log.append("B-end")
+
+    def forward():
+        for k in range(5):  # two more than the backward: they run without handing over
+            log.append(f"F{k}")
+            nxt.while_in_flight()
+        return "out"
+
+    pair = MergedPair(prev, nxt, events=[])
+    assert pair.run(backward, forward) == "out"
+    assert log == ["B0", "F0", "B1", "F1", "B2", "F2", "F3", "F4", "B-end"]
+    assert prev.turns is None and nxt.turns is None
+
+
+def test_an_error_on_either_side_is_raised_and_nothing_hangs():
+    def failing_backward(at_end):
+        raise RuntimeError("backward broke")
+
+    with pytest.raises(RuntimeError, match="backward broke"):
+        MergedPair(Slot(), Slot()).run(failing_backward, lambda: None)
+
+    done = threading.Event()
+
+    def backward(at_end):
+        prev.while_in_flight()
+        prev.while_in_flight()
+        at_end()
+        done.set()
+
+    def failing_forward():
+        nxt.while_in_flight()
+        raise ValueError("forward broke")
+
+    prev, nxt = Slot(), Slot()
+    with pytest.raises(ValueError, match="forward broke"):
+        MergedPair(prev, nxt).run(backward, failing_forward)
+    assert done.is_set()
+
+
+def test_turn_taking_sides_are_exclusive():
+    turns, active, overlaps = TurnTaking(), [0], []
+
+    def side(me: int, n: int) -> None:
+        if me == FORWARD:
+            turns.wait_turn(FORWARD)
+        for _ in range(n):
+            active[0] += 1
+            overlaps.append(active[0])
+            active[0] -= 1
+            turns.hand_over(me)
+        turns.finish(me)
+
+    t = threading.Thread(target=side, args=(BACKWARD, 50))
+    t.start()
+    side(FORWARD, 50)
+    t.join(10)
+    assert not t.is_alive() and max(overlaps) == 1 and len(overlaps) == 100
+
+
+@pytest.mark.parametrize("sets, match", [
+    ({"parallel": {"dp": 2, "ep": 1}}, "no expert all-to-all to hide with ep = 1"),
+    ({"parallel": {"dp": 2, "ep": 2, "pp": 2}, "model": {"layers": 2}}, "not built for pipeline parallelism"),
+    ({"parallel": {"dp": 2, "ep": 2, "zero_stage": 3}}, "does not run with ZeRO-3"),
+    ({"parallel": {"dp": 2, "ep": 2, "activation_checkpointing": "full"}}, "activation_checkpointing: full"),
+    ({"parallel": {"dp": 2, "ep": 2}, "train": {"compile": True}}, "train.compile"),
+])
+def test_layouts_the_overlap_cannot_run_are_refused_with_the_fix(sets, match, tmp_path):
+    from moetrain.config import validate
+
+    sections = {k: dict(v) for k, v in sets.items()}
+    sections["parallel"]["ep_overlap"] = True
+    with pytest.raises(ConfigError, match=match) as e:  # refused when the config is read
+        validate(tiny_config(tmp_path, tmp_path / "run", **sections), "cpu")
+    assert "parallel.ep_overlap" in str(e.value)
