@@ -24,6 +24,8 @@ from moetrain.config import Config, ConfigError, apply_overrides, config_from_di
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import MemoryAssumptions
 from moetrain.planner.model import ModelShape
+from moetrain.planner.search import Planner
+from moetrain.planner.timing import TimingAssumptions
 from moetrain.planner.traffic import places_from_rank_map, step_collectives
 from moetrain.topology.cluster import ClusterProfile, ProfileError, expand_nodelist, load_profile
 from moetrain.topology.mapper import GROUP_AXES, RankMap, build_rank_map, resolve_profile
@@ -103,11 +105,35 @@ def _traffic(cfg: Config, rm: RankMap) -> list[dict[str, Any]]:
     return [v.to_dict() for v in vols]
 
 
+def _ep_overlap(cfg: Config, rm: RankMap) -> dict[str, Any] | None:
+    """The planner's step for this layout and rank map without and with ``parallel.ep_overlap``
+    (seconds: step, EP all-to-all exposed, hidden); None without expert parallelism."""
+    shape = ModelShape.from_config(cfg)
+    if not shape.is_moe or cfg.parallel.ep == 1:
+        return None
+    lay = Layout.from_config(cfg)
+    out: dict[str, Any] = {"enabled": cfg.parallel.ep_overlap}
+    for key, mode in (("without", "none"), ("with", "merged_pairs")):
+        planner = Planner(shape, rm.profile, len(rm.allocation), cfg.train.global_batch_size, rm.allocation,
+                          gpus_per_node=rm.tasks_per_node, mem=MemoryAssumptions.for_train(cfg.train),
+                          timing=TimingAssumptions(ep_overlap=mode))
+        try:
+            t = planner.evaluate(lay).time
+        except ValueError as e:  # e.g. pp > 1: not built with the overlap
+            out[key] = {"error": str(e)}
+            continue
+        assert t is not None
+        out[key] = {"step_s": t.step, "ep_exposed_s": t.breakdown.get("ep_comm", 0.0), "ep_hidden_s": t.ep_hidden}
+    return out
+
+
 def rank_report(cfg: Config, rm: RankMap, notes: list[str]) -> dict[str, Any]:
     """Everything the tool shows, JSON-ready."""
     d = rm.to_dict(groups=True)
-    d["config"] = {"run": cfg.run.name, "parallel": {k: getattr(cfg.parallel, k) for k in ("pp", "dp", "cp", "tp", "ep")}}
+    d["config"] = {"run": cfg.run.name, "parallel": {k: getattr(cfg.parallel, k)
+                                                    for k in ("pp", "dp", "cp", "tp", "ep", "ep_overlap")}}
     d["traffic"] = _traffic(cfg, rm)
+    d["ep_overlap"] = _ep_overlap(cfg, rm)
     d["placement_summary"] = rm.placement_summary()
     d["notes"] = notes + d["notes"]
     return d
@@ -174,6 +200,15 @@ def _table(cfg: Config, rm: RankMap, report: dict[str, Any], show_all: bool, con
                      f"{net_tier:>6} {_fmt_s(t['seconds_per_step']):>9}  {t['what']}")
     if not report["traffic"]:
         lines.append("  (none: one rank per group on every axis)")
+    ov = report.get("ep_overlap")
+    if ov:
+        lines += ["", f"EP all-to-all overlap (parallel.ep_overlap: {'on' if ov['enabled'] else 'off'}; "
+                      "the planner's step for this layout, moetrain.plan explains it)"]
+        for key in ("without", "with"):
+            r = ov[key]
+            lines.append(f"  {key:7s} " + (f"not available: {r['error']}" if "error" in r else
+                                           f"{_fmt_s(r['step_s'])}/step, EP exposed {_fmt_s(r['ep_exposed_s'])}, "
+                                           f"hidden {_fmt_s(r['ep_hidden_s'])}"))
     return "\n".join(lines)
 
 

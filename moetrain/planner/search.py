@@ -150,7 +150,8 @@ class Planner:
     def from_config(cls, cfg: "Config", profile: ClusterProfile, n_nodes: int,
                     allocation: Allocation | None = None) -> "Planner":
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
-                   mem=MemoryAssumptions.for_train(cfg.train))
+                   mem=MemoryAssumptions.for_train(cfg.train),
+                   timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none"))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
@@ -190,6 +191,9 @@ class Planner:
         if lay.etp not in (1, lay.tp) or (lay.etp > 1 and (not s.is_moe or s.expert_ffn % lay.etp)):
             return (f"etp = {lay.etp}: use 1, or tp = {lay.tp} for an MoE model whose expert width "
                     f"({s.expert_ffn}) it divides")
+        if self.timing.ep_overlap == "merged_pairs" and (lay.pp > 1 or lay.zero == 3 or lay.ac == "full"):
+            return (f"parallel.ep_overlap runs with pp = 1, ZeRO 0-2 and no full recomputation (pp = {lay.pp}, "
+                    f"ZeRO {lay.zero}, ac = {lay.ac})")
         div = 2 * lay.cp if lay.cp > 1 else 1
         tp_splits = lay.tp > 1 and (lay.sp or s.is_moe)  # as the config's rule: MoE splits by tp too
         if tp_splits:
@@ -287,7 +291,9 @@ class Planner:
         for base in self._bases(fixed):
             for ac in ([fixed["ac"]] if "ac" in fixed else AC_CHOICES):
                 for z in ([fixed["zero"]] if "zero" in fixed else (0, 1, 2, 3)):
-                    yield dataclasses.replace(base, ac=ac, zero=z)
+                    lay = dataclasses.replace(base, ac=ac, zero=z)
+                    if not self.check(lay):  # the bases are valid; ep_overlap may refuse a stage or ac
+                        yield lay
 
     def search(self, fixed: dict[str, Any] | None = None, top: int = 5) -> SearchResult:
         """Rank the valid layouts that fit in memory by predicted step time (fastest first).
@@ -306,8 +312,11 @@ class Planner:
             for ac in acs:
                 lowest_fit = None
                 for z in zeros:
+                    lay = dataclasses.replace(base, ac=ac, zero=z)
+                    if self.check(lay):  # the bases are valid; ep_overlap may refuse a stage or ac
+                        continue
                     n += 1
-                    plan = self.evaluate(dataclasses.replace(base, ac=ac, zero=z), with_time=False)
+                    plan = self.evaluate(lay, with_time=False)
                     if plan.fits:
                         fitting.append(plan)
                         lowest_fit = z if lowest_fit is None else lowest_fit
@@ -375,6 +384,9 @@ def explain(plan: Plan, rank: int, nxt: Plan | None = None) -> list[str]:
             name = f"bubble (pp={lay.pp}, m={t.microbatches}" + (f", v={lay.vpp})" if lay.vpp > 1 else ")")
         parts.append(f"{name} {v:.3f} s ({v / total:.0%})")
     lines.append("   time: " + ", ".join(parts))
+    if t.ep_hidden > 0:
+        lines.append(f"   EP all-to-all hidden under the other micro-batch's compute: {t.ep_hidden:.3f} s/step "
+                     f"(exposed {bd.get('ep_comm', 0.0):.3f} s)")
     mg = plan.memory.gib()
     zero_txt = {0: "no ZeRO", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[lay.zero]
     lines.append(f"   memory: weights {mg['params']:.1f}, grads {mg['grads']:.1f}, optimizer {mg['optimizer']:.1f} "

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["TimingAssumptions", "StepTime", "step_time", "bubble_time", "pipeline_time", "k_efficiency",
            "gemm_pass_time", "ep_exposed", "EP_OVERLAP", "K_REF"]
 
-EP_OVERLAP = ("none", "shared_expert", "combined_1f1b")
+EP_OVERLAP = ("none", "shared_expert", "combined_1f1b", "merged_pairs")
 K_REF = 4096
 """Inner dimension of the "training-shaped" GEMMs the profiles' ``gemm_efficiency`` describes."""
 
@@ -79,7 +79,8 @@ class TimingAssumptions:
     experts' MLP runs while tokens travel, Megatron's ``--moe-shared-expert-overlap``),
     ``combined_1f1b`` (the all-to-all of one micro-batch runs under the computation of another,
     DeepSeek-V3 §3.2.1's DualPipe idea as Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
-    only where the schedule interleaves a forward and a backward: pp = 1 or virtual stages).
+    only where the schedule interleaves a forward and a backward: pp = 1 or virtual stages),
+    ``merged_pairs`` (moetrain's ``parallel.ep_overlap``: the same at pp = 1, not built for pp > 1).
     ``tp_comm_overlap``: the TP all-gathers / reduce-scatters hide behind the layer's GEMMs
     (Megatron's ``--tp-comm-overlap``; moetrain does not overlap them).
     ``cross_entropy``: ``fused`` — the fp32 softmax cross-entropy reads and writes each logit
@@ -130,11 +131,12 @@ def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, s
       micro-batches side by side (pp = 1, or virtual stages), each direction's all-to-all
       hides under the other's computation; the first forward and the last backward of a step
       have no partner, so only (m − 1)/m of the micro-batches get the overlap. With plain
-      1F1B (pp > 1, no virtual stages) nothing is hidden.
+      1F1B (pp > 1, no virtual stages) nothing is hidden;
+    - ``merged_pairs``: moetrain's ``parallel.ep_overlap``, as ``combined_1f1b`` at pp = 1 only.
     """
     if mode == "shared_expert":
         hf, hb = min(a2a_f, shared_f), min(a2a_b, shared_b)
-    elif mode == "combined_1f1b" and (layout.pp == 1 or layout.vpp > 1):
+    elif layout.pp == 1 and mode in ("combined_1f1b", "merged_pairs") or mode == "combined_1f1b" and layout.vpp > 1:
         paired = (m - 1) / m
         hf, hb = paired * min(a2a_f, compute_b), paired * min(a2a_b, compute_f)
     else:
@@ -171,10 +173,12 @@ class StepTime:
     comm_tiers: dict[str, str] = field(default_factory=dict)
     model_flops: float = 0.0       # per step, all GPUs
     executed_flops: float = 0.0    # including recomputation (the "hardware" FLOPs), per step
+    ep_hidden: float = 0.0         # seconds of EP all-to-all hidden under compute per step (not in ``step``)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step_time_s": self.step, "t_forward_s": self.t_f, "t_backward_s": self.t_b,
-                "microbatches": self.microbatches, "breakdown_s": dict(self.breakdown), "tiers": dict(self.comm_tiers)}
+                "microbatches": self.microbatches, "breakdown_s": dict(self.breakdown), "tiers": dict(self.comm_tiers),
+                "ep_hidden_s": self.ep_hidden}
 
 
 def _wave(m: float, n: float, sms: int, tile: tuple[int, int], count: int = 1) -> float:
@@ -550,7 +554,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     model_flops = tokens * shape.model_flops_per_token()
     executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules)
     tiers = {a: places[a].tier for a in places}
-    return StepTime(step, t_f, t_b, m, bd, tiers, model_flops, executed)
+    return StepTime(step, t_f, t_b, m, bd, tiers, model_flops, executed, ep_hidden_step)
 
 
 def _rank_params(shape: ModelShape, lay: Layout) -> tuple[float, float]:
