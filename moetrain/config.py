@@ -304,7 +304,8 @@ class ParallelConfig:
     turns at their token all-to-alls so that each transfer is in flight while the other
     micro-batch computes (Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
     :mod:`moetrain.parallel.ep_overlap`): needs ep > 1 and two or more micro-batches per step to
-    hide anything; pp = 1, ZeRO 0-2, no full recomputation, no compile."""
+    hide anything; with pp > 1 the 1F1B schedules (``1f1b``, ``interleaved_1f1b``) merge each
+    backward with the forward that follows it; ZeRO 0-2, no full recomputation, no compile."""
 
     dp: int = 1
     tp: int = 1
@@ -929,10 +930,10 @@ def _check_ep_overlap(cfg: Config) -> None:
     if par.ep == 1:
         raise field_error("parallel.ep_overlap", True, "there is no expert all-to-all to hide with ep = 1",
                           "set parallel.ep_overlap: false, or ep >= 2")
-    if par.pp > 1:
-        raise field_error("parallel.ep_overlap", True, f"is not built for pipeline parallelism yet (pp = {par.pp}): "
-                          "the pipeline schedules do not merge a forward with a backward", "use pp = 1, or set "
-                          "parallel.ep_overlap: false")
+    if par.pp > 1 and par.pp_schedule not in ("1f1b", "interleaved_1f1b"):
+        raise field_error("parallel.ep_overlap", True, f"merges a backward with the next forward of 1F1B schedules; "
+                          f"pp_schedule={par.pp_schedule!r} is not one",
+                          "use pp_schedule 1f1b or interleaved_1f1b, or set parallel.ep_overlap: false")
     if par.zero_stage == 3:
         raise field_error("parallel.ep_overlap", True, "does not run with ZeRO-3: FSDP frees a block's parameters "
                           "after its backward while the other micro-batch's forward may be inside that block",

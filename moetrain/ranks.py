@@ -119,7 +119,7 @@ def _ep_overlap(cfg: Config, rm: RankMap) -> dict[str, Any] | None:
                           timing=TimingAssumptions(ep_overlap=mode))
         try:
             t = planner.evaluate(lay).time
-        except ValueError as e:  # e.g. pp > 1: not built with the overlap
+        except ValueError as e:  # e.g. ZeRO-3 or pp_schedule gpipe: not with the overlap
             out[key] = {"error": str(e)}
             continue
         assert t is not None

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config import ConfigError
 from moetrain.parallel.ep_overlap import BACKWARD, FORWARD, MergedPair, Slot, TurnTaking
+from moetrain.parallel.pipeline import OVERLAP_F_B
 from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
@@ -29,10 +30,10 @@ STEPS = 20
 
 
 def overlap_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict, overlap: bool,
-                    domains: list[int] | None = None) -> dict:
+                    domains: list[int] | None = None, model: dict | None = None) -> dict:
     # micro_batch_size 1: 8 / (1 · data-parallel ranks) = 2-8 micro-batches per step to merge.
     cfg = tiny_config(data, run_dir, parallel={**parallel, "ep_overlap": overlap}, moe=moe,
-                      model={"vocab_size": 260},  # a multiple of tp
+                      model={"vocab_size": 260, **(model or {})},  # a multiple of tp
                       train={"steps": STEPS, "micro_batch_size": 1, "grad_clip": 1.0})
     kwargs = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(), "rank_domains": domains
               } if domains else {}
@@ -42,8 +43,14 @@ def overlap_capture(rank: int, world: int, data: str, run_dir: str, parallel: di
     results, grads = steps_with_first_grads(trainer, STEPS)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for part in trainer.model_parts for n, p in part.named_parameters()}
+    pairs = cfg.grad_accum_steps - 1  # F0 | B0+F1 | ... | B(n-1) on one stage
+    if cfg.parallel.pp > 1:  # the pairs of this rank's merged 1F1B order
+        order = trainer.runner.schedule.pipeline_order[trainer.ps.coord("pp")] if overlap else []
+        pairs = sum(a.computation_type == OVERLAP_F_B for a in order)
+    moe_layers = sum(len(part.moe_layers()) for part in trainer.model_parts)
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
-            "params": params, "events": events, "micro_batches": cfg.grad_accum_steps}
+            "params": params, "events": events, "micro_batches": cfg.grad_accum_steps, "pairs": pairs,
+            "moe_layers": moe_layers}
 
 
 def assert_identical(on: dict, off: dict) -> None:
@@ -67,7 +74,7 @@ def turns_per_pair(events: list) -> list[list]:
     return pairs
 
 
-CASES = {
+CASES = {  # world, parallel, moe, rank domains, model
     "dp2-ep2": (2, {"dp": 2, "ep": 2}, {}, None),
     "dp2-ep2-zero1": (2, {"dp": 2, "ep": 2, "zero_stage": 1}, {}, None),
     "dp2-ep2-zero2-fp8wire": (2, {"dp": 2, "ep": 2, "zero_stage": 2}, {"dispatch_dtype": "fp8"}, None),
@@ -75,33 +82,45 @@ CASES = {
     "tp2-etp2-ep2": (4, {"dp": 2, "tp": 2, "etp": 2, "ep": 2}, {}, None),
     "cp2-ep2": (2, {"cp": 2, "ep": 2}, {}, None),
     "ep4-hierarchical": (4, {"dp": 4, "ep": 4}, {"token_dispatcher": "hierarchical"}, [0, 0, 1, 1]),
+    # pipeline parallelism: 1F1B and interleaved 1F1B with each backward merged with the next forward
+    "pp2-ep2-1f1b": (4, {"pp": 2, "dp": 2, "ep": 2}, {}, None),
+    "pp2-ep2-interleaved-zero1": (4, {"pp": 2, "dp": 2, "ep": 2, "pp_schedule": "interleaved_1f1b",
+                                      "virtual_stages": 2, "zero_stage": 1}, {}, None, {"layers": 4}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_overlap_is_the_same_step(case, tiny_shards, tmp_path):
-    world, parallel, moe, domains = CASES[case]
+    world, parallel, moe, domains, *model = CASES[case]
     off, on = (run_distributed(overlap_capture, world, str(tiny_shards), str(tmp_path / str(flag)), parallel, moe,
-                               flag, domains) for flag in (False, True))
-    assert on[0]["micro_batches"] >= 2 and on[0]["losses"][-1] < on[0]["losses"][0]
+                               flag, domains, *model) for flag in (False, True))
+    assert on[0]["micro_batches"] >= 2 and on[-1]["losses"][-1] < on[-1]["losses"][0]
     for r_on, r_off in zip(on, off):
         assert_identical(r_on, r_off)
-    # The pairs really took turns: per pair (one per micro-batch after the first, every step),
-    # each side issued an all-to-all and handed over at every MoE layer's dispatch and combine
-    # (2 layers; the hierarchical dispatcher exchanges rows twice per direction, over the rail
-    # and within the domain), and the other side ran before it resumed.
-    pairs = turns_per_pair(on[0]["events"])
-    assert len(pairs) == STEPS * (on[0]["micro_batches"] - 1)
-    per_layer = 4 if parallel.get("ep") == 4 and moe.get("token_dispatcher") == "hierarchical" else 2
+    # The pairs really took turns: per pair (one per micro-batch after the first on one stage,
+    # the merged 1F1B order's pairs with pp; every step), each side issued an all-to-all and
+    # handed over at every MoE layer's dispatch and combine (the hierarchical dispatcher
+    # exchanges rows twice per direction, over the rail and within the domain), and the other
+    # side ran before it resumed.
+    for r in (0, world - 1):
+        pairs = turns_per_pair(on[r]["events"])
+        assert on[r]["pairs"] >= 1 and len(pairs) == STEPS * on[r]["pairs"], (len(pairs), on[r]["pairs"])
+        # exchanges per direction in a pair's forward: 2 per MoE layer of a stage it runs
+        per_layer = 2 if parallel.get("ep") == 4 and moe.get("token_dispatcher") == "hierarchical" else 1
+        exchanges = 2 * per_layer * on[r]["moe_layers"] // parallel.get("virtual_stages", 1)
+        check_pairs(pairs, exchanges)
+    assert off[0]["events"] == []
+
+
+def check_pairs(pairs: list[list], exchanges: int) -> None:
     for pair in pairs:
         issues = {side: sum(1 for s, what in pair if s == side and what == "issue") for side in ("forward", "backward")}
-        assert issues["forward"] >= 2 * per_layer - 1 and issues["backward"] >= 2 * per_layer - 1, (issues, pair)
+        assert issues["forward"] >= exchanges - 1 and issues["backward"] >= exchanges - 1, (issues, pair)
         for k, (side, what) in enumerate(pair):
             if what == "issue":
                 resumed = next((j for j in range(k + 1, len(pair)) if pair[j] == (side, "resume")), None)
                 if resumed is not None:
                     assert any(s != side for s, _ in pair[k + 1:resumed]), pair
-        assert off[0]["events"] == []
 
 
 # -- the turn-taking itself, without a model ----------------------------------------------------
@@ -178,7 +197,8 @@ def test_turn_taking_sides_are_exclusive():
 
 @pytest.mark.parametrize("sets, match", [
     ({"parallel": {"dp": 2, "ep": 1}}, "no expert all-to-all to hide with ep = 1"),
-    ({"parallel": {"dp": 2, "ep": 2, "pp": 2}, "model": {"layers": 2}}, "not built for pipeline parallelism"),
+    ({"parallel": {"dp": 2, "ep": 2, "pp": 2, "pp_schedule": "gpipe"}, "model": {"layers": 2}},
+     "pp_schedule='gpipe' is not one"),
     ({"parallel": {"dp": 2, "ep": 2, "zero_stage": 3}}, "does not run with ZeRO-3"),
     ({"parallel": {"dp": 2, "ep": 2, "activation_checkpointing": "full"}}, "activation_checkpointing: full"),
     ({"parallel": {"dp": 2, "ep": 2}, "train": {"compile": True}}, "train.compile"),
@@ -191,3 +211,48 @@ def test_layouts_the_overlap_cannot_run_are_refused_with_the_fix(sets, match, tm
     with pytest.raises(ConfigError, match=match) as e:  # refused when the config is read
         validate(tiny_config(tmp_path, tmp_path / "run", **sections), "cpu")
     assert "parallel.ep_overlap" in str(e.value)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_merged_1f1b_orders_lower_to_a_pipeline_with_every_micro_batch_once(pp, v):
+    """The merged orders (each backward with the forward after it) of 1F1B and interleaved 1F1B
+    keep each stage's forwards and backwards in micro-batch order, pair two different
+    micro-batches, and lower to send/recv actions without a deadlock (torch's lowering raises
+    on a cycle) for every number of micro-batches the schedules accept."""
+    import types
+
+    from torch.distributed.pipelining.schedules import (
+        FORWARD as F,
+        FULL_BACKWARD as B,
+        ScheduleInterleaved1F1B,
+        _add_send_recv,
+        generate_stage_to_rank_mapping,
+    )
+
+    from moetrain.parallel.pipeline import merge_backward_with_next_forward, one_f_one_b_order
+
+    for n in range(pp, 17):
+        if v == 1:
+            orders = {r: one_f_one_b_order(r, pp, n) for r in range(pp)}
+        else:
+            rounds = max(1, n // pp)
+            if n % rounds:
+                continue
+            sched = types.SimpleNamespace(n_local_stages=v, microbatches_per_round=n // rounds, pp_group_size=pp,
+                                          _n_microbatches=n)
+            orders = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(sched, r) for r in range(pp)}
+        merged = {r: merge_backward_with_next_forward(o) for r, o in orders.items()}
+        for r, actions in merged.items():
+            flat = [s for a in actions for s in (a.sub_actions[::-1] if a.computation_type == OVERLAP_F_B else (a,))]
+            assert flat == [a for a in orders[r] if a is not None]
+            for stage in range(r, pp * v, pp):
+                for kind in (F, B):
+                    assert [a.microbatch_index for a in flat if a.stage_index == stage and a.computation_type == kind
+                            ] == list(range(n))
+            pairs = [a.sub_actions for a in actions if a.computation_type == OVERLAP_F_B]
+            assert all(f.computation_type == F and b.computation_type == B for f, b in pairs)
+            assert all((f.stage_index, f.microbatch_index) != (b.stage_index, b.microbatch_index) for f, b in pairs)
+            assert pairs or r < pp - 1  # the last stage pairs from its first backward on
+        stage_to_rank = generate_stage_to_rank_mapping(pp, pp * v)
+        _add_send_recv(merged, stage_to_rank=lambda s: stage_to_rank[s], num_stages=pp * v)

@@ -268,6 +268,26 @@ def test_ep_overlap_by_schedule():
         TimingAssumptions(ep_overlap="dualpipe")
 
 
+def test_merged_pairs_hide_the_share_of_backwards_paired_on_the_first_pipeline_rank():
+    """moetrain's ``parallel.ep_overlap``: at pp = 1 as combined 1F1B; with pp > 1 the share of
+    the first pp rank's backwards that have a forward after them (its merged 1F1B order)."""
+    from moetrain.parallel.pipeline import OVERLAP_F_B, merge_backward_with_next_forward, one_f_one_b_order
+    from moetrain.planner.timing import merged_pair_share
+
+    for pp in (2, 4):
+        for m in (pp, 2 * pp, 16):
+            pairs = sum(a.computation_type == OVERLAP_F_B
+                        for a in merge_backward_with_next_forward(one_f_one_b_order(0, pp, m)))
+            assert merged_pair_share(pp, 1, m) == pairs / m
+    assert merged_pair_share(1, 1, 8) == 7 / 8 and merged_pair_share(4, 1, 4) == 0.0
+    assert merged_pair_share(4, 2, 8) == (16 - (4 + 6) - 1) / 16  # (v-1)·m/round + 2(pp-1) warm-up
+    args = (2.0, 3.0, 10.0, 20.0, 0.5, 1.0)
+    flat, plain = Layout(pp=1, dp=8, ep=8), Layout(pp=4, dp=8, ep=8, schedule="1f1b")
+    assert ep_exposed(*args, "merged_pairs", flat, 8) == ep_exposed(*args, "combined_1f1b", flat, 8)
+    f, b, hidden = ep_exposed(*args, "merged_pairs", plain, 8)  # F0..F2, then 4 of 8 backwards paired
+    assert (f, b, hidden) == (pytest.approx(2.0 / 2), pytest.approx(3.0 / 2), pytest.approx(5.0 / 2))
+
+
 def test_overlap_shortens_the_step_only_where_the_schedule_allows():
     shape = _moe()
     places = _places(ep=AxisPlace(16, "spine", 8), dp_cp=AxisPlace(16, "spine", 8), pp=AxisPlace(2, "rail", 1))

@@ -69,17 +69,28 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    _Action,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _wait_batch_p2p,
+)
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import Config, pipeline_stage_layers
 from moetrain.data.loader import MicroBatch
 from moetrain.model.transformer import Transformer
 from moetrain.model.loss import model_loss
+from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, queue_at_end_of_backward
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, PP, TP, ParallelState
 from moetrain.parallel.tensor import loss_context
 
-__all__ = ["PipelineRunner", "SCHEDULES", "pipeline_parts", "split_model", "stage_blocks", "stage_ids"]
+__all__ = ["MergedPairsSchedule", "PipelineRunner", "SCHEDULES", "merge_backward_with_next_forward", "one_f_one_b_order",
+           "pipeline_parts", "split_model", "stage_blocks", "stage_ids"]
 
 # pp_schedule → (schedule class, runs several stages per rank)
 SCHEDULES: dict[str, tuple[type, bool]] = {
@@ -130,6 +141,132 @@ def split_model(model: Transformer, stages: list[int], num_stages: int, first: i
             part.mtp = torch.nn.ModuleDict()
         parts.append(part)
     return parts
+
+
+# -- parallel.ep_overlap under pipeline parallelism ---------------------------------------------
+
+
+def one_f_one_b_order(rank: int, pp: int, n: int) -> list[_Action]:
+    """1F1B's compute order on pp rank ``rank`` (one stage per rank, stage = rank): ``pp - 1 -
+    rank`` warm-up forwards, then a forward and a backward per step, then the cool-down backwards
+    (PipeDream-Flush, Narayanan et al. 2021 §2.2.1; what ``Schedule1F1B`` runs)."""
+    warmup = min(pp - 1 - rank, n)
+    order = [_Action(rank, FORWARD, i) for i in range(warmup)]
+    for i in range(n - warmup):
+        order += [_Action(rank, FORWARD, warmup + i), _Action(rank, FULL_BACKWARD, i)]
+    return order + [_Action(rank, FULL_BACKWARD, i) for i in range(n - warmup, n)]
+
+
+def merge_backward_with_next_forward(order: list[_Action | None]) -> list[_Action]:
+    """Each backward directly followed by a forward becomes one ``OVERLAP_F_B`` action with
+    sub-actions (forward, backward); ``None`` (idle slots) are dropped. A forward never depends
+    on a backward, so the two halves of a pair are independent by construction: on the last
+    stage, where 1F1B runs F(i) B(i) F(i+1) ..., B(i) pairs with F(i+1) — Megatron-Core's extra
+    warm-up forward of its combined 1F1B (``combined_1f1b.py``)."""
+    out: list[_Action] = []
+    for a in order:
+        if a is None:
+            continue
+        if a.computation_type == FORWARD and out and out[-1].computation_type == FULL_BACKWARD:
+            out[-1] = _Action(-1, OVERLAP_F_B, None, (a, out[-1]))
+        else:
+            out.append(a)
+    return out
+
+
+class MergedPairsSchedule(_PipelineScheduleRuntime):
+    """1F1B (one stage per rank) or interleaved 1F1B (``interleaved``: several) whose every
+    backward that a forward follows runs merged with that forward, the two taking turns at their
+    token all-to-alls (``parallel.ep_overlap``; :class:`moetrain.parallel.ep_overlap.MergedPair`).
+
+    The compute order is the plain schedule's (:func:`one_f_one_b_order`, or
+    ``ScheduleInterleaved1F1B``'s), merged by :func:`merge_backward_with_next_forward` and lowered
+    with torch's send/recv and FSDP unshard/reshard/reduce passes (``OVERLAP_F_B`` is a runtime
+    action with sub-actions, as in ``ScheduleDualPipeV``). Each stage still runs its micro-batches'
+    forwards and backwards in the same order as without the overlap, so it accumulates the same
+    gradients in the same order: the step is the plain schedule's, bit for bit.
+
+    A pair waits for both halves' activations / gradients from the neighbouring stages before it
+    starts, and sends both halves' results after it ends: the neighbour's pair waits for it (the
+    price of the overlap at v = 1; Megatron-Core asks for virtual stages at pp > 1).
+    """
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, interleaved: bool):
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.n_local_stages = len(stages)
+        if interleaved:  # ScheduleInterleaved1F1B's order, computed by its own method
+            self.number_of_rounds = max(1, n_microbatches // self.pp_group_size)
+            self.microbatches_per_round = n_microbatches // self.number_of_rounds
+            if n_microbatches % self.number_of_rounds:
+                raise ValueError(f"interleaved 1F1B needs a multiple of {self.number_of_rounds} micro-batches, "
+                                 f"got {n_microbatches}")
+            plain = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(self, r)
+                     for r in range(self.pp_group_size)}
+        else:
+            if len(stages) != 1:
+                raise ValueError(f"1F1B runs one stage per rank, got {len(stages)}")
+            plain = {r: one_f_one_b_order(r, self.pp_group_size, n_microbatches) for r in range(self.pp_group_size)}
+        self.pipeline_order = {r: merge_backward_with_next_forward(o) for r, o in plain.items()}
+        # The turn-taking's events, (side, event) in order, when a list (tests).
+        self.events: list[tuple[str, str]] | None = None
+        self._slots: dict[tuple[int, int], Slot] = {}  # (stage, micro-batch) → its slot, this step
+        self._stage_of = {s.stage_index: s for s in stages}
+        if any(s + 1 in self._stage_of for s in self._stage_of):
+            raise ValueError("two adjacent stages on one rank (V placement) are not supported here")
+        self.register_custom_function(FORWARD, self._run_forward)
+        self.register_custom_function(OVERLAP_F_B, self._run_pair)
+        self._prepare_schedule_with_comms(self.pipeline_order)
+
+    # What the runtime's own FORWARD / FULL_BACKWARD do (torch's _PipelineScheduleRuntime), with
+    # each forward run in its micro-batch's slot so that its all-to-alls can hand over later.
+
+    def _wait_recv(self, action: _Action) -> None:
+        stage = self._stage_of[action.stage_index]
+        if action.computation_type == FORWARD and not stage.is_first:
+            _wait_batch_p2p(self.fwd_recv_ops.pop((action.stage_index, action.microbatch_index)))
+        elif action.computation_type == FULL_BACKWARD and not stage.is_last:
+            _wait_batch_p2p(self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index)))
+
+    def _forward(self, action: _Action, ctx: _PipelineContext) -> None:
+        stage, mb = self._stage_of[action.stage_index], action.microbatch_index
+        self._assert_unsharded(stage)
+        # The outputs are not returned (PipelineRunner steps with return_outputs=False): keep none.
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+        self._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+
+    def _backward(self, action: _Action, at_end: Callable[[], None] | None) -> None:
+        stage, mb = self._stage_of[action.stage_index], action.microbatch_index
+        self._assert_unsharded(stage)
+        loss = self._maybe_get_loss(stage, mb)
+        if at_end is not None:
+            # ``at_end`` must be queued before FSDP's end-of-backward callback, which the part's
+            # root queues when the gradient reaches the stage's output: hang it on the loss (last
+            # stage) or on a view of the output that the backward now starts from.
+            if loss is not None:
+                queue_at_end_of_backward(loss, at_end)
+            else:
+                outputs, inputs = stage.fwd_cache[mb]
+                outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+                k = next(i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad)
+                view = queue_at_end_of_backward(outputs[k].view_as(outputs[k]), at_end)
+                stage.fwd_cache[mb] = (outputs[:k] + (view,) + outputs[k + 1:], inputs)
+        self.backward_counter[action.stage_index] += 1
+        last = self.backward_counter[action.stage_index] == self._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+
+    def _run_forward(self, action: _Action, ctx: _PipelineContext) -> None:
+        self._wait_recv(action)
+        slot = self._slots[(action.stage_index, action.microbatch_index)] = Slot()
+        with forward_of(slot):
+            self._forward(action, ctx)
+
+    def _run_pair(self, action: _Action, ctx: _PipelineContext) -> None:
+        fwd, bwd = action.sub_actions
+        self._wait_recv(fwd)
+        self._wait_recv(bwd)
+        nxt = self._slots[(fwd.stage_index, fwd.microbatch_index)] = Slot()
+        pair = MergedPair(self._slots.pop((bwd.stage_index, bwd.microbatch_index)), nxt, self.events)
+        pair.run(lambda at_end: self._backward(bwd, at_end), lambda: self._forward(fwd, ctx))
 
 
 class _LMLoss:
@@ -188,18 +325,35 @@ class PipelineRunner:
             heads = (1 + self.mtp,) if self.mtp else ()
             self._logits = torch.empty(B, S, *heads, cfg.model.vocab_size, dtype=torch.float32, requires_grad=True)
         self.train_loss = _LMLoss(self.n_micro, self.mtp_coef)
-        self.schedule = self._build(self.schedule_cls, self.n_micro, self.train_loss)
+        # parallel.ep_overlap: the same schedule with each backward merged with the next forward.
+        self.ep_overlap = cfg.parallel.ep_overlap
+        self.schedule = self._build(self.schedule_cls, self.n_micro, self.train_loss, self.ep_overlap)
         # forward_only: one fill-drain schedule per number of micro-batches (validation may use
         # another n than training), with its own stage objects (stages keep per-n buffers).
         self._eval: dict[int, tuple[object, _LMLoss]] = {}
 
-    def _build(self, cls: type, n: int, loss_fn: Callable) -> object:
+    @property
+    def overlap_events(self) -> list[tuple[str, str]] | None:
+        """With ``ep_overlap``: the merged pairs' turn-taking, (side, event) in order, when set
+        to a list (tests); as :attr:`moetrain.parallel.apply.SingleStageRunner.overlap_events`."""
+        return self.schedule.events if self.ep_overlap else None
+
+    @overlap_events.setter
+    def overlap_events(self, events: list[tuple[str, str]] | None) -> None:
+        if self.ep_overlap:
+            self.schedule.events = events
+
+    def _build(self, cls: type, n: int, loss_fn: Callable, merged: bool = False) -> object:
         stages = []
         for part, s in zip(self.parts, self.stages):
             inp = self._tokens if s == 0 else self._hidden
             out = self._logits if s == self.num_stages - 1 else self._hidden
             stages.append(PipelineStage(part, s, self.num_stages, self.ps.device, input_args=(inp,),
                                         output_args=(out,), group=self.ps.group(PP)))
+        if merged:
+            if cls not in (Schedule1F1B, ScheduleInterleaved1F1B):
+                raise ValueError(f"parallel.ep_overlap merges 1F1B schedules, not {cls.__name__}")
+            return MergedPairsSchedule(stages, n, loss_fn, interleaved=cls is ScheduleInterleaved1F1B)
         if cls in (ScheduleGPipe, Schedule1F1B):
             return cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         return cls(stages, n, loss_fn=loss_fn, scale_grads=False)

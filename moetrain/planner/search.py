@@ -191,9 +191,10 @@ class Planner:
         if lay.etp not in (1, lay.tp) or (lay.etp > 1 and (not s.is_moe or s.expert_ffn % lay.etp)):
             return (f"etp = {lay.etp}: use 1, or tp = {lay.tp} for an MoE model whose expert width "
                     f"({s.expert_ffn}) it divides")
-        if self.timing.ep_overlap == "merged_pairs" and (lay.pp > 1 or lay.zero == 3 or lay.ac == "full"):
-            return (f"parallel.ep_overlap runs with pp = 1, ZeRO 0-2 and no full recomputation (pp = {lay.pp}, "
-                    f"ZeRO {lay.zero}, ac = {lay.ac})")
+        if self.timing.ep_overlap == "merged_pairs" and (
+                lay.pp > 1 and lay.schedule not in ("1f1b", "interleaved_1f1b") or lay.zero == 3 or lay.ac == "full"):
+            return (f"parallel.ep_overlap runs with the 1F1B schedules, ZeRO 0-2 and no full recomputation "
+                    f"(schedule {lay.schedule}, ZeRO {lay.zero}, ac = {lay.ac})")
         div = 2 * lay.cp if lay.cp > 1 else 1
         tp_splits = lay.tp > 1 and (lay.sp or s.is_moe)  # as the config's rule: MoE splits by tp too
         if tp_splits:

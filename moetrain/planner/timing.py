@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.cluster import ClusterProfile
 
 __all__ = ["TimingAssumptions", "StepTime", "step_time", "bubble_time", "pipeline_time", "k_efficiency",
-           "gemm_pass_time", "ep_exposed", "EP_OVERLAP", "K_REF"]
+           "gemm_pass_time", "ep_exposed", "merged_pair_share", "EP_OVERLAP", "K_REF"]
 
 EP_OVERLAP = ("none", "shared_expert", "combined_1f1b", "merged_pairs")
 K_REF = 4096
@@ -80,7 +80,8 @@ class TimingAssumptions:
     ``combined_1f1b`` (the all-to-all of one micro-batch runs under the computation of another,
     DeepSeek-V3 §3.2.1's DualPipe idea as Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
     only where the schedule interleaves a forward and a backward: pp = 1 or virtual stages),
-    ``merged_pairs`` (moetrain's ``parallel.ep_overlap``: the same at pp = 1, not built for pp > 1).
+    ``merged_pairs`` (moetrain's ``parallel.ep_overlap``: each backward merged with the forward
+    after it, at any pp with the 1F1B schedules; see :func:`merged_pair_share`).
     ``tp_comm_overlap``: the TP all-gathers / reduce-scatters hide behind the layer's GEMMs
     (Megatron's ``--tp-comm-overlap``; moetrain does not overlap them).
     ``cross_entropy``: ``fused`` — the fp32 softmax cross-entropy reads and writes each logit
@@ -132,16 +133,33 @@ def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, s
       hides under the other's computation; the first forward and the last backward of a step
       have no partner, so only (m − 1)/m of the micro-batches get the overlap. With plain
       1F1B (pp > 1, no virtual stages) nothing is hidden;
-    - ``merged_pairs``: moetrain's ``parallel.ep_overlap``, as ``combined_1f1b`` at pp = 1 only.
+    - ``merged_pairs``: moetrain's ``parallel.ep_overlap``: the same hiding for the share of the
+      micro-batches that :func:`merged_pair_share` finds paired (at pp = 1 as ``combined_1f1b``).
     """
     if mode == "shared_expert":
         hf, hb = min(a2a_f, shared_f), min(a2a_b, shared_b)
-    elif layout.pp == 1 and mode in ("combined_1f1b", "merged_pairs") or mode == "combined_1f1b" and layout.vpp > 1:
-        paired = (m - 1) / m
+    elif mode == "merged_pairs" or mode == "combined_1f1b" and (layout.pp == 1 or layout.vpp > 1):
+        paired = merged_pair_share(layout.pp, layout.vpp, m) if mode == "merged_pairs" else (m - 1) / m
         hf, hb = paired * min(a2a_f, compute_b), paired * min(a2a_b, compute_f)
     else:
         hf = hb = 0.0
     return a2a_f - hf, a2a_b - hb, hf + hb
+
+
+def merged_pair_share(pp: int, vpp: int, m: int) -> float:
+    """Share of a rank's m·vpp backwards that run merged with a forward under
+    ``parallel.ep_overlap`` (``moetrain.parallel.pipeline.merge_backward_with_next_forward``), on
+    the first pipeline rank, which has the most warm-up forwards and so the fewest pairs: every
+    backward but the last is paired once the warm-up is over. pp = 1: (m − 1)/m; 1F1B: warm-up
+    min(pp − 1, m); interleaved 1F1B: (vpp − 1)·(m per round) + 2·(pp − 1), torch's count."""
+    if pp == 1:
+        warmup, total = 0, m
+    elif vpp == 1:
+        warmup, total = min(pp - 1, m), m
+    else:
+        per_round = m // max(1, m // pp)
+        warmup, total = min((vpp - 1) * per_round + 2 * (pp - 1), vpp * m), vpp * m
+    return max(0, total - warmup - 1) / total
 
 
 def pipeline_time(schedule: str, pp: int, vpp: int, m: int, t_f: float, t_b: float) -> float:

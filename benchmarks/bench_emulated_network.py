@@ -1,0 +1,199 @@
+"""The expert all-to-all across an emulated inter-node network, with and without
+``parallel.ep_overlap``, beside the planner's prediction of every step. Prints JSON.
+
+Needs the SLURM dev cluster up with its emulated network (as root)::
+
+    sudo slurm/dev-cluster up --inter-node-mbps 200
+    python benchmarks/bench_emulated_network.py [--steps 10] [--micro-batches 8]
+
+Every layout trains the same MoE (4 MoE blocks, hidden 256, 8 experts top-2, no shared expert,
+byte-level data) with ``python -m moetrain.submit`` on the dev cluster, dp = 4 × ep = 4:
+
+* ``one-node``: the 4 ranks on one node (its loopback: the all-to-all costs little), the
+  compute reference; the same 2 cores run 4 processes in every layout;
+* ``flat`` / ``flat+overlap``: 2 nodes × 2 tasks, the flat all-to-all dispatcher, ep across the
+  nodes' shaped links, without and with ``parallel.ep_overlap``;
+* ``hierarchical`` / ``hierarchical+overlap``: the same with ``moe.token_dispatcher:
+  hierarchical`` (a token crosses the link once per remote node its experts are on).
+
+Each figure is the median ``step_time_s`` of ``metrics.jsonl`` over the steps after the first
+two. ``hidden_fraction`` of an overlapped layout = (off − on) / (off − one-node): the share of
+the network's cost that the overlap removed.
+
+The planner (``moetrain.planner``) predicts each layout with the profile ``up`` wrote for the
+link rate. Its compute figures are calibrated in this run, on the one-node layout only: one factor
+scales the profile's peak FLOP/s and memory bandwidth (and divides its kernel gap) until the
+planner's one-node step equals the measured one. The two-node layouts are then predictions of what
+the network and the overlap add. Two software facts of this machine are given to the planner,
+not fitted: FSDP2's gradient all-reduce does not overlap the backward here (gloo's collectives
+run inside its hooks), and ``parallel.ep_overlap``'s hidden share is the planner's
+``merged_pairs`` term.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from conftest import ByteTokenizer, _documents, tiny_config  # noqa: E402
+from moetrain.config import to_dict  # noqa: E402
+from moetrain.data.writer import write_shards  # noqa: E402
+from moetrain.planner.layout import Layout  # noqa: E402
+from moetrain.planner.memory import MemoryAssumptions  # noqa: E402
+from moetrain.planner.model import ModelShape  # noqa: E402
+from moetrain.planner.search import Planner  # noqa: E402
+from moetrain.planner.timing import TimingAssumptions  # noqa: E402
+from moetrain.topology.cluster import ClusterProfile, load_profile  # noqa: E402
+
+SCRIPT = ROOT / "slurm" / "dev-cluster"
+MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn_hidden": 688, "vocab_size": 384,
+         "seq_len": 256}
+MOE = {"num_experts": 8, "top_k": 2, "every": 1, "ffn_hidden": 256, "shared_experts": 0}
+LAYOUTS = {  # name: (nodes, moe overrides, ep_overlap)
+    "one-node": (1, {}, False),
+    "flat": (2, {}, False),
+    "flat+overlap": (2, {}, True),
+    "hierarchical": (2, {"token_dispatcher": "hierarchical"}, False),
+    "hierarchical+overlap": (2, {"token_dispatcher": "hierarchical"}, True),
+}
+
+
+def emulated_rate() -> tuple[float, Path]:
+    """The dev cluster's link rate (Mbit/s) and the profile ``up`` wrote for it.
+
+    Raises:
+        SystemExit: the cluster is not up with an emulated network (says the command to run).
+    """
+    out = subprocess.run([str(SCRIPT), "status"], capture_output=True, text=True).stdout
+    m = re.search(r"^network: emulated, each node link (\S+) Mbit/s", out, re.M)
+    state = Path(os.environ.get("MOETRAIN_SLURM_DIR", "/var/tmp/moetrain-slurm"))
+    if not m:
+        raise SystemExit("the SLURM dev cluster is not up with an emulated network: run "
+                         "`sudo slurm/dev-cluster down && sudo slurm/dev-cluster up --inter-node-mbps 200` "
+                         f"(status said:\n{out})")
+    return float(m.group(1)), state / "profiles" / "dev-emulated.yaml"
+
+
+def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batches: int, profile: Path):
+    nodes, moe, overlap = LAYOUTS[name]
+    return tiny_config(data, run_dir, run={"name": f"bench-net-{name}"}, model=MODEL, moe={**MOE, **moe},
+                       parallel={"dp": 4, "ep": 4, "ep_overlap": overlap},
+                       train={"steps": steps, "micro_batch_size": 2, "global_batch_size": 2 * 4 * micro_batches,
+                              "grad_clip": 1.0, "log_every": 1},
+                       data={"verify": "size"},
+                       launch={"cluster": "slurm", "nodes": nodes, "tasks_per_node": 4 // nodes, "time_min": 30,
+                               "profile": str(profile), "max_restarts": 0})
+
+
+def run_layout(cfg, workdir: Path) -> list[float]:
+    """Train ``cfg`` on the dev cluster; its step times (seconds), in order."""
+    path = workdir / f"{cfg.run.name}.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               MOETRAIN_HOME=str(workdir / "home"))
+    res = subprocess.run([sys.executable, "-m", "moetrain.submit", "--config", str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"{cfg.run.name}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time_s"] for r in rows if "step_time_s" in r]
+
+
+def _scaled(prof: ClusterProfile, f: float) -> ClusterProfile:
+    """``prof`` with its compute ``f`` times as fast (peak FLOP/s and memory bandwidth)."""
+    return dataclasses.replace(prof, peak_tflops=prof.peak_tflops * f, hbm_gb_s=prof.hbm_gb_s * f)
+
+
+def predict(cfg, prof: ClusterProfile, f: float) -> dict:
+    """The planner's step (seconds) for ``cfg`` on ``prof`` with compute scaled by ``f``."""
+    nodes = cfg.launch.nodes
+    gpn = cfg.launch.resolved_tasks_per_node(4)
+    if nodes == 1:  # the 4 ranks share one node's loopback: one domain of 4
+        prof = dataclasses.replace(prof, gpus_per_node=gpn, nvswitch_domain_gpus=gpn)
+    ta = TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
+                           overlap_grad_reduce=False, kernel_gap_us=TimingAssumptions.kernel_gap_us / f)
+    planner = Planner(ModelShape.from_config(cfg), _scaled(prof, f), nodes, cfg.train.global_batch_size,
+                      gpus_per_node=gpn, mem=MemoryAssumptions.for_train(cfg.train), timing=ta)
+    t = planner.evaluate(Layout.from_config(cfg)).time
+    assert t is not None
+    return {"step_s": t.step, "ep_exposed_s": t.breakdown.get("ep_comm", 0.0), "ep_hidden_s": t.ep_hidden,
+            "dp_exposed_s": t.breakdown.get("dp_comm_exposed", 0.0)}
+
+
+def calibrate(cfg, prof: ClusterProfile, measured: float) -> float:
+    """The compute factor f at which the planner's step for ``cfg`` equals ``measured`` (bisection
+    on log f; the predicted step falls as f grows)."""
+    lo, hi = 1e-3, 1e3
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        if predict(cfg, prof, mid)["step_s"] > measured:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=10, help="steps per layout (the first 2 are not counted)")
+    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step per rank")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
+    args = ap.parse_args()
+    names = args.layouts.split(",")
+    if "one-node" not in names:
+        raise SystemExit("--layouts must include one-node: the planner's compute is calibrated on it")
+    mbps, profile_path = emulated_rate()
+    prof = load_profile(profile_path)
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-net-", dir="/tmp") as tmp:
+        work = Path(tmp)
+        write_shards(_documents(1500), ByteTokenizer(), work / "shards", shard_tokens=200_000, val_docs=10,
+                     progress=False)
+        cfgs = {n: layout_config(n, work / "shards", work / n, args.steps, args.micro_batches, profile_path)
+                for n in names}
+        measured = {}
+        for n in names:
+            times = run_layout(cfgs[n], work)
+            measured[n] = {"step_s": statistics.median(times[2:]), "steps": times}
+            print(f"{n}: {measured[n]['step_s']:.3f} s per step", file=sys.stderr, flush=True)
+    f = calibrate(cfgs["one-node"], prof, measured["one-node"]["step_s"])
+    rows = {}
+    ref = measured["one-node"]["step_s"]
+    for n in names:
+        pred = predict(cfgs[n], prof, f)
+        row = {"measured_step_s": measured[n]["step_s"], "predicted_step_s": pred["step_s"],
+               "predicted_over_measured": pred["step_s"] / measured[n]["step_s"],
+               "planner": pred, "steps_s": measured[n]["steps"]}
+        base = n.removesuffix("+overlap")
+        if n.endswith("+overlap") and base in measured:
+            off, on = measured[base]["step_s"], measured[n]["step_s"]
+            row["on_over_off"] = on / off
+            row["hidden_fraction"] = (off - on) / (off - ref) if off > ref else None
+            pred_off = predict(cfgs[base], prof, f)["step_s"] if base in cfgs else None
+            row["predicted_on_over_off"] = pred["step_s"] / pred_off if pred_off else None
+        rows[n] = row
+    out = {"bench": "emulated_network", "link_mbit_s": mbps, "profile": str(profile_path),
+           "model": {**MODEL, **MOE}, "parallel": "dp4 x ep4, 2 nodes x 2 tasks (one-node: 1 x 4)",
+           "micro_batches_per_rank": args.micro_batches, "micro_batch_size": 2,
+           "calibration": {"layout": "one-node", "compute_factor": f,
+                           "peak_tflops": prof.peak_tflops * f, "hbm_gb_s": prof.hbm_gb_s * f},
+           "layouts": rows, "wall_s": time.time() - t_start}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
