@@ -21,13 +21,19 @@ two. ``hidden_fraction`` of an overlapped layout = (off − on) / (off − one-n
 the network's cost that the overlap removed.
 
 The planner (``moetrain.planner``) predicts each layout with the profile ``up`` wrote for the
-link rate. Its compute figures are calibrated in this run, on the one-node layout only: one factor
-scales the profile's peak FLOP/s and memory bandwidth (and divides its kernel gap) until the
-planner's one-node step equals the measured one. The two-node layouts are then predictions of what
-the network and the overlap add. Two software facts of this machine are given to the planner,
-not fitted: FSDP2's gradient all-reduce does not overlap the backward here (gloo's collectives
-run inside its hooks), and ``parallel.ep_overlap``'s hidden share is the planner's
-``merged_pairs`` term.
+link rate, after two fits in this run, each on one layout:
+
+1. compute: one factor scales the profile's peak FLOP/s and memory bandwidth until the planner's
+   one-node step equals the measured one;
+2. the overlap: ``ep_overlap_efficiency``, the share of the ideal hiding of the planner's
+   ``merged_pairs`` pieces (:func:`moetrain.planner.timing.merged_pair_hidden`), is solved so
+   that the planner's step of ``--fit-overlap`` (``flat+overlap``) equals the measured one.
+
+The other layouts are predictions: what the network adds without the overlap (``flat``,
+``hierarchical``), and the overlap with the other dispatcher. ``predicted_with_profile_efficiency_s``
+uses the profile's own ``ep_overlap_efficiency`` instead (the committed, earlier measurement).
+One software fact of this machine is given to the planner, not fitted: FSDP2's gradient
+all-reduce does not overlap the backward here (gloo's collectives run inside its hooks).
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batche
                               "grad_clip": 1.0, "log_every": 1},
                        data={"verify": "size"},
                        launch={"cluster": "slurm", "nodes": nodes, "tasks_per_node": 4 // nodes, "time_min": 30,
-                               "profile": str(profile), "max_restarts": 0})
+                               "cpus_per_task": 1, "profile": str(profile), "max_restarts": 0})
 
 
 def run_layout(cfg, workdir: Path) -> list[float]:
@@ -113,20 +119,23 @@ def run_layout(cfg, workdir: Path) -> list[float]:
     return [r["step_time_s"] for r in rows if "step_time_s" in r]
 
 
-def _scaled(prof: ClusterProfile, f: float) -> ClusterProfile:
-    """``prof`` with its compute ``f`` times as fast (peak FLOP/s and memory bandwidth)."""
-    return dataclasses.replace(prof, peak_tflops=prof.peak_tflops * f, hbm_gb_s=prof.hbm_gb_s * f)
+def fitted(prof: ClusterProfile, f: float, e: float | None = None) -> ClusterProfile:
+    """``prof`` with its compute ``f`` times as fast (peak FLOP/s and memory bandwidth) and, when
+    given, ``ep_overlap_efficiency`` e."""
+    prof = dataclasses.replace(prof, peak_tflops=prof.peak_tflops * f, hbm_gb_s=prof.hbm_gb_s * f)
+    return prof if e is None else dataclasses.replace(prof, ep_overlap_efficiency=e)
 
 
-def predict(cfg, prof: ClusterProfile, f: float) -> dict:
-    """The planner's step (seconds) for ``cfg`` on ``prof`` with compute scaled by ``f``."""
+def predict(cfg, prof: ClusterProfile) -> dict:
+    """The planner's step (seconds) for ``cfg`` on ``prof``."""
     nodes = cfg.launch.nodes
     gpn = cfg.launch.resolved_tasks_per_node(4)
     if nodes == 1:  # the 4 ranks share one node's loopback: one domain of 4
         prof = dataclasses.replace(prof, gpus_per_node=gpn, nvswitch_domain_gpus=gpn)
+    # FSDP2's gradient all-reduce blocks in its backward hooks on gloo: not overlapped here.
     ta = TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
-                           overlap_grad_reduce=False, kernel_gap_us=TimingAssumptions.kernel_gap_us / f)
-    planner = Planner(ModelShape.from_config(cfg), _scaled(prof, f), nodes, cfg.train.global_batch_size,
+                           overlap_grad_reduce=False)
+    planner = Planner(ModelShape.from_config(cfg), prof, nodes, cfg.train.global_batch_size,
                       gpus_per_node=gpn, mem=MemoryAssumptions.for_train(cfg.train), timing=ta)
     t = planner.evaluate(Layout.from_config(cfg)).time
     assert t is not None
@@ -134,17 +143,16 @@ def predict(cfg, prof: ClusterProfile, f: float) -> dict:
             "dp_exposed_s": t.breakdown.get("dp_comm_exposed", 0.0)}
 
 
-def calibrate(cfg, prof: ClusterProfile, measured: float) -> float:
-    """The compute factor f at which the planner's step for ``cfg`` equals ``measured`` (bisection
-    on log f; the predicted step falls as f grows)."""
-    lo, hi = 1e-3, 1e3
+def solve(step_of, measured: float, lo: float, hi: float, geometric: bool = False) -> float:
+    """x in [lo, hi] at which ``step_of(x)`` (falling as x grows) equals ``measured`` (bisection;
+    clamped to the interval)."""
     for _ in range(60):
-        mid = (lo * hi) ** 0.5
-        if predict(cfg, prof, mid)["step_s"] > measured:
+        mid = (lo * hi) ** 0.5 if geometric else (lo + hi) / 2
+        if step_of(mid) > measured:
             lo = mid
         else:
             hi = mid
-    return (lo * hi) ** 0.5
+    return (lo * hi) ** 0.5 if geometric else (lo + hi) / 2
 
 
 def main() -> None:
@@ -152,6 +160,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps per layout (the first 2 are not counted)")
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step per rank")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
+    ap.add_argument("--fit-overlap", default="flat+overlap",
+                    help="the overlapped layout the planner's ep_overlap_efficiency is fitted on ('' for none: "
+                         "the profile's value)")
     args = ap.parse_args()
     names = args.layouts.split(",")
     if "one-node" not in names:
@@ -170,27 +181,37 @@ def main() -> None:
             times = run_layout(cfgs[n], work)
             measured[n] = {"step_s": statistics.median(times[2:]), "steps": times}
             print(f"{n}: {measured[n]['step_s']:.3f} s per step", file=sys.stderr, flush=True)
-    f = calibrate(cfgs["one-node"], prof, measured["one-node"]["step_s"])
+    # 1. compute: the factor that makes the planner's one-node step the measured one.
+    f = solve(lambda x: predict(cfgs["one-node"], fitted(prof, x))["step_s"], measured["one-node"]["step_s"],
+              1e-3, 1e3, geometric=True)
+    # 2. the overlap: the share of merged_pairs' ideal hiding that makes the planner's step of the
+    #    fitted layout the measured one (the other overlapped layouts are then predictions).
+    fit = args.fit_overlap if args.fit_overlap in measured else None
+    e = (solve(lambda x: predict(cfgs[fit], fitted(prof, f, x))["step_s"], measured[fit]["step_s"], 0.0, 1.0)
+         if fit else None)
     rows = {}
     ref = measured["one-node"]["step_s"]
     for n in names:
-        pred = predict(cfgs[n], prof, f)
+        pred = predict(cfgs[n], fitted(prof, f, e))
         row = {"measured_step_s": measured[n]["step_s"], "predicted_step_s": pred["step_s"],
                "predicted_over_measured": pred["step_s"] / measured[n]["step_s"],
+               "fitted_here": n == "one-node" or n == fit,
+               "predicted_with_profile_efficiency_s": predict(cfgs[n], fitted(prof, f))["step_s"],
                "planner": pred, "steps_s": measured[n]["steps"]}
         base = n.removesuffix("+overlap")
         if n.endswith("+overlap") and base in measured:
             off, on = measured[base]["step_s"], measured[n]["step_s"]
             row["on_over_off"] = on / off
             row["hidden_fraction"] = (off - on) / (off - ref) if off > ref else None
-            pred_off = predict(cfgs[base], prof, f)["step_s"] if base in cfgs else None
-            row["predicted_on_over_off"] = pred["step_s"] / pred_off if pred_off else None
+            row["predicted_on_over_off"] = pred["step_s"] / predict(cfgs[base], fitted(prof, f, e))["step_s"]
         rows[n] = row
     out = {"bench": "emulated_network", "link_mbit_s": mbps, "profile": str(profile_path),
            "model": {**MODEL, **MOE}, "parallel": "dp4 x ep4, 2 nodes x 2 tasks (one-node: 1 x 4)",
            "micro_batches_per_rank": args.micro_batches, "micro_batch_size": 2,
-           "calibration": {"layout": "one-node", "compute_factor": f,
-                           "peak_tflops": prof.peak_tflops * f, "hbm_gb_s": prof.hbm_gb_s * f},
+           "calibration": {"compute": {"layout": "one-node", "factor": f, "peak_tflops": prof.peak_tflops * f,
+                                       "hbm_gb_s": prof.hbm_gb_s * f},
+                           "ep_overlap_efficiency": {"layout": fit, "value": e,
+                                                     "profile_value": prof.ep_overlap_efficiency}},
            "layouts": rows, "wall_s": time.time() - t_start}
     print(json.dumps(out, indent=1))
 

@@ -268,6 +268,24 @@ def test_ep_overlap_by_schedule():
         TimingAssumptions(ep_overlap="dualpipe")
 
 
+def test_merged_pairs_hide_each_transfer_behind_the_partner_piece_in_flight_with_it():
+    """parallel.ep_overlap's turns: the forward's dispatch under the backward's expert piece, its
+    combine under the attention backward; the backward's combine gradient under the forward's
+    attention, its dispatch gradient under the forward's experts. A transfer longer than its
+    piece shows the rest; the profile's measured efficiency scales what is hidden."""
+    from moetrain.planner.timing import merged_pair_hidden
+
+    # transfers: dispatch f, combine f, combine b, dispatch b; pieces: attn f, moe f, attn b, moe b
+    assert merged_pair_hidden(1.0, 1.0, 1.0, 1.0, 0.5, 0.25, 2.0, 3.0) == (2.0, 0.75)
+    assert merged_pair_hidden(1.0, 4.0, 1.0, 1.0, 0.5, 0.25, 2.0, 3.0) == (3.0, 0.75)
+    flat = Layout(pp=1, dp=8, ep=8)
+    seg = (1.0, 1.0, 1.0, 1.0, 0.5, 0.25, 2.0, 3.0)
+    full = ep_exposed(2.0, 2.0, 0.75, 5.0, 0.0, 0.0, "merged_pairs", flat, 4, seg)
+    assert full == (pytest.approx(2.0 - 0.75 * 2.0), pytest.approx(2.0 - 0.75 * 0.75), pytest.approx(0.75 * 2.75))
+    half = ep_exposed(2.0, 2.0, 0.75, 5.0, 0.0, 0.0, "merged_pairs", flat, 4, seg, efficiency=0.5)
+    assert half[2] == pytest.approx(full[2] / 2)
+
+
 def test_merged_pairs_hide_the_share_of_backwards_paired_on_the_first_pipeline_rank():
     """moetrain's ``parallel.ep_overlap``: at pp = 1 as combined 1F1B; with pp > 1 the share of
     the first pp rank's backwards that have a forward after them (its merged 1F1B order)."""

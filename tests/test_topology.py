@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import yaml
 
 from moetrain.config import config_from_dict
 from moetrain.topology import (
@@ -122,6 +123,16 @@ def test_profiles_load_and_reject():
     assert NVL72.domain_nodes == 18 and H100.domain_nodes == 1
     with pytest.raises(ProfileError, match="no such file"):
         load_profile("no-such-cluster")
+    assert load_profile("dev-emulated").ep_overlap_efficiency < 1.0 == H100.ep_overlap_efficiency  # measured / ideal
+
+
+def test_profile_rejects_an_overlap_efficiency_outside_0_1(tmp_path):
+    raw = load_profile("cpu-local").to_dict()
+    raw.pop("path")
+    raw["ep_overlap_efficiency"] = 1.5
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ProfileError, match="ep_overlap_efficiency=1.5 must lie in"):
+        load_profile(tmp_path / "bad.yaml")
 
 
 # ---------------------------------------------------------------------------------------------

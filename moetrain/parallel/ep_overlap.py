@@ -135,8 +135,8 @@ def forward_of(slot: Slot) -> Iterator[None]:
         _slot.reset(token)
 
 
-def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int], input_splits: list[int],
-              group: dist.ProcessGroup, slot: Slot | None) -> None:
+def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
+              input_splits: list[int] | None, group: dist.ProcessGroup, slot: Slot | None) -> None:
     """Uneven all-to-all of ``inp`` into ``out`` (rows; ``*_splits``: host ints per rank): issue,
     let the partner compute while it is in flight, then wait."""
     work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=group, async_op=True)
@@ -144,6 +144,18 @@ def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int], in
         slot.while_in_flight()
     with waiting_on_peers():
         work.wait()
+
+
+def all_to_all_in_turn(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                       output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
+    """``all_to_all_single`` of ``inp`` into ``out`` (no autograd: counts, expert ids) by the
+    micro-batch whose forward runs here, handing over to its partner while in flight.
+
+    Why not synchronous: a collective queues behind whatever the partner left in flight on the
+    same group (gloo sends a pair's messages in order on one connection; NCCL runs a
+    communicator's work in order), so a small synchronous exchange right after a hand-over would
+    wait for the partner's whole transfer and expose it."""
+    _exchange(out, inp, output_splits, input_splits, group, current_slot())
 
 
 class RowExchange(torch.autograd.Function):

@@ -28,7 +28,9 @@ again is exact: the dispatch adds no rounding that one process does not have.
 With ``parallel.ep_overlap`` the rows' all-to-alls (phase 3 and its reverse, in both
 directions of autograd) are where the forward of one micro-batch and the backward of another
 take turns, each transfer in flight while the other side computes
-(:mod:`moetrain.parallel.ep_overlap`); the counts' exchange stays synchronous.
+(:mod:`moetrain.parallel.ep_overlap`); so do the small exchanges (counts, and the hierarchical
+dispatcher's expert ids and routing weights), which would otherwise queue behind the partner's
+rows in flight on the same group.
 
 Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
 """
@@ -49,7 +51,7 @@ from moetrain.config import Config, field_error
 from moetrain.model import fp8
 from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, MoE, MoEParallel, expert_counts,
                                 permute_by_expert, sort_by_expert, unpermute, weighted_sum)
-from moetrain.parallel.ep_overlap import exchange_rows
+from moetrain.parallel.ep_overlap import all_to_all_in_turn, exchange_rows
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 
@@ -292,7 +294,10 @@ class HierarchicalDispatcher:
         self.rows_sent[1] += inter
         arrive = send_rows(x_TD[token_of_row], output_splits, input_splits, self.rail, self.wire, self.overlap)
         ids_recv = ids_send.new_empty(sum(output_splits), K)
-        dist.all_to_all_single(ids_recv, ids_send, output_splits, input_splits, group=self.rail)
+        if self.overlap:
+            all_to_all_in_turn(ids_recv, ids_send, self.rail, output_splits, input_splits)
+        else:
+            dist.all_to_all_single(ids_recv, ids_send, output_splits, input_splits, group=self.rail)
         # 2. within the domain: every valid slot of the received rows is an assignment.
         E_dom = self.inner.num_experts
         key = torch.where(ids_recv >= 0, self.local_of_expert[ids_recv.clamp(min=0)], E_dom).reshape(-1)
@@ -316,7 +321,10 @@ class HierarchicalDispatcher:
         K = weights_TK.shape[1]
         y_VD = self.inner.combine_rows(y_ND, handle.inner)  # [R_recv·K, D], zeros at other domains' slots
         w_send = torch.where(handle.slot_mask, weights_TK[handle.token_of_row], 0.0)
-        w_recv = all_to_all_single_autograd(w_send, handle.output_splits, handle.input_splits, self.rail)
+        if self.overlap:
+            w_recv = exchange_rows(w_send, handle.output_splits, handle.input_splits, self.rail)
+        else:
+            w_recv = all_to_all_single_autograd(w_send, handle.output_splits, handle.input_splits, self.rail)
         y_RD = (y_VD.view(-1, K, y_VD.shape[-1]).float() * w_recv.unsqueeze(-1)).sum(1).to(y_ND.dtype)
         if self.overlap:
             y_back = exchange_rows(y_RD, handle.input_splits, handle.output_splits, self.rail)

@@ -45,7 +45,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrain.topology.cluster import ClusterProfile
 
 __all__ = ["TimingAssumptions", "StepTime", "step_time", "bubble_time", "pipeline_time", "k_efficiency",
-           "gemm_pass_time", "ep_exposed", "merged_pair_share", "EP_OVERLAP", "K_REF"]
+           "gemm_pass_time", "ep_exposed", "merged_pair_hidden", "merged_pair_share", "EP_OVERLAP",
+           "K_REF"]
 
 EP_OVERLAP = ("none", "shared_expert", "combined_1f1b", "merged_pairs")
 K_REF = 4096
@@ -121,7 +122,8 @@ class TimingAssumptions:
 
 
 def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, shared_f: float, shared_b: float,
-               mode: str, layout: Layout, m: int) -> tuple[float, float, float]:
+               mode: str, layout: Layout, m: int, segments: tuple[float, ...] | None = None,
+               efficiency: float = 1.0) -> tuple[float, float, float]:
     """(exposed forward, exposed backward, hidden) seconds of one MoE layer's all-to-alls for one
     micro-batch (``a2a_*``: dispatch + combine in that direction; ``compute_*``: the layer's
     computation; ``shared_*``: its shared experts' part).
@@ -133,17 +135,45 @@ def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, s
       hides under the other's computation; the first forward and the last backward of a step
       have no partner, so only (m − 1)/m of the micro-batches get the overlap. With plain
       1F1B (pp > 1, no virtual stages) nothing is hidden;
-    - ``merged_pairs``: moetrain's ``parallel.ep_overlap``: the same hiding for the share of the
-      micro-batches that :func:`merged_pair_share` finds paired (at pp = 1 as ``combined_1f1b``).
+    - ``merged_pairs``: moetrain's ``parallel.ep_overlap``, for the share of the micro-batches
+      that :func:`merged_pair_share` finds paired. With ``segments`` (the layer's transfers
+      and compute pieces, :func:`merged_pair_hidden`) each transfer hides only behind the one
+      piece of the partner that runs while it is in flight, and ``efficiency`` (the share of
+      that ideal which was measured, ``ClusterProfile.ep_overlap_efficiency``) scales it;
+      without ``segments`` as ``combined_1f1b``.
     """
     if mode == "shared_expert":
         hf, hb = min(a2a_f, shared_f), min(a2a_b, shared_b)
+    elif mode == "merged_pairs" and segments is not None:
+        paired = merged_pair_share(layout.pp, layout.vpp, m) * efficiency
+        hf, hb = (paired * h for h in merged_pair_hidden(*segments))
     elif mode == "merged_pairs" or mode == "combined_1f1b" and (layout.pp == 1 or layout.vpp > 1):
         paired = merged_pair_share(layout.pp, layout.vpp, m) if mode == "merged_pairs" else (m - 1) / m
         hf, hb = paired * min(a2a_f, compute_b), paired * min(a2a_b, compute_f)
     else:
         hf = hb = 0.0
     return a2a_f - hf, a2a_b - hb, hf + hb
+
+
+def merged_pair_hidden(dispatch_f: float, combine_f: float, combine_b: float, dispatch_b: float, attn_f: float,
+                       moe_f: float, attn_b: float, moe_b: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE layer's all-to-alls that a merged pair hides
+    (``parallel.ep_overlap``, moetrain/parallel/ep_overlap.py), per paired micro-batch.
+
+    The two sides take turns at their transfers, so each transfer is in flight while exactly one
+    piece of the partner computes, the piece between two of the partner's own transfers:
+
+    1. the backward's combine gradient travels while the forward runs attention and router;
+    2. the forward's dispatch travels while the backward runs the experts' backward;
+    3. the backward's dispatch gradient travels while the forward runs the experts;
+    4. the forward's combine travels while the backward runs the router and attention backward.
+
+    Megatron-Core's combined 1F1B pairs the same pieces (``TransformerLayerSchedulePlan.run``).
+    A transfer longer than its piece shows the rest; the pieces are the layer's, whatever the
+    neighbouring layer's transfers cost."""
+    hf = min(dispatch_f, moe_b) + min(combine_f, attn_b)
+    hb = min(combine_b, attn_f) + min(dispatch_b, moe_f)
+    return hf, hb
 
 
 def merged_pair_share(pp: int, vpp: int, m: int) -> float:
@@ -448,8 +478,10 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         t_disp = (ep_all_to_all(sz["ep"] * shape.dispatch_ratio(mem.act_bytes), places["ep"], prof,
                                 shape.expert_copies(ta.moe_imbalance), *shape.dedup_args())[0]
                   if shape.dispatch_fp8 else t_a2a)
+        segments = (t_disp, t_a2a, t_a2a, t_a2a, att_f + core_f, moe_f, att_b + core_b, moe_b)
         ep_f, ep_b, ep_hidden = ep_exposed(t_disp + t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
-                                           shared_f, shared_b, ta.ep_overlap, lay, m)
+                                           shared_f, shared_b, ta.ep_overlap, lay, m, segments,
+                                           prof.ep_overlap_efficiency)
         if lay.etp > 1:
             t_etp = (comm_time("all_gather", sz["etp"], places["tp"], prof)[0]
                      + comm_time("reduce_scatter", sz["etp"], places["tp"], prof)[0])

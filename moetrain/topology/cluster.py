@@ -78,7 +78,10 @@ class ClusterProfile:
     cores, e.g. A100); ``fp8_gemm_efficiency``: the fraction of it a large FP8 GEMM sustains
     (``null``: ``gemm_efficiency``). ``memory_gib``: device memory as the driver reports it;
     ``reserved_gib``: what the CUDA context, NCCL buffers, cuBLAS workspaces and allocator
-    fragmentation take from it.
+    fragmentation take from it. ``ep_overlap_efficiency``: the share of the ideal all-to-all
+    hiding of ``parallel.ep_overlap`` (the planner's ``merged_pairs`` pieces,
+    :func:`moetrain.planner.timing.merged_pair_hidden`) that this cluster achieves, as
+    ``benchmarks/bench_emulated_network.py`` measures it (1.0, the ideal, where not measured).
     """
 
     name: str
@@ -105,6 +108,7 @@ class ClusterProfile:
     rail_latency_us: float = 10.0
     spine_latency_us: float = 15.0
     reserved_gib: float = 5.0
+    ep_overlap_efficiency: float = 1.0
     sources: tuple[str, ...] = ()
     path: str | None = None
 
@@ -163,6 +167,9 @@ def _profile_from_dict(raw: dict[str, Any], where: str) -> ClusterProfile:
               "nvlink_gb_s", "rail_gb_s", "spine_gb_s"):
         if getattr(prof, k) <= 0:
             raise ProfileError(f"{where}: {k}={getattr(prof, k)!r} must be positive")
+    if not 0 <= prof.ep_overlap_efficiency <= 1:
+        raise ProfileError(f"{where}: ep_overlap_efficiency={prof.ep_overlap_efficiency!r} must lie in [0, 1] "
+                           "(the measured share of the ideal hiding)")
     return prof
 
 
