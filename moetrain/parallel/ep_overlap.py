@@ -22,9 +22,13 @@ ranks, and each micro-batch's arithmetic is the step without overlap's, op for o
 gradients are equal to it bit for bit (tests/test_ep_overlap.py). The transfer itself proceeds
 in the communication library's own threads (gloo) or stream (NCCL) while the other side computes.
 
+Under pipeline parallelism the 1F1B schedules pair each backward with the forward that follows
+it on the rank (:class:`moetrain.parallel.pipeline.MergedPairsSchedule`), with the same
+:class:`MergedPair`.
+
 What it costs: two micro-batches' activations are alive in a pair (as in Megatron-Core). What it
-needs (refused otherwise by :func:`moetrain.config.validate`): ep > 1, pp = 1 (pipeline schedules
-are not merged yet), no full-block recomputation, no ``train.compile`` (the hand-overs are
+needs (refused otherwise by :func:`moetrain.config.validate`): ep > 1, with pp > 1 the 1F1B or
+interleaved 1F1B schedule, no full-block recomputation, no ``train.compile`` (the hand-overs are
 Python), and ZeRO stage 0-2: under ZeRO-3 FSDP frees a block's parameters after that block's
 backward, while the other micro-batch's forward may be inside the same block.
 """
