@@ -152,8 +152,9 @@ def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | N
 
 def all_to_all_in_turn(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
                        output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
-    """``all_to_all_single`` of ``inp`` into ``out`` (no autograd: counts, expert ids) by the
-    micro-batch whose forward runs here, handing over to its partner while in flight.
+    """``all_to_all_single`` of ``inp`` into ``out`` (no autograd: the hierarchical dispatcher's
+    expert ids) by the micro-batch whose forward runs here, handing over to its partner while in
+    flight.
 
     Why not synchronous: a collective queues behind whatever the partner left in flight on the
     same group (gloo sends a pair's messages in order on one connection; NCCL runs a

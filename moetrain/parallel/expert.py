@@ -28,9 +28,11 @@ again is exact: the dispatch adds no rounding that one process does not have.
 With ``parallel.ep_overlap`` the rows' all-to-alls (phase 3 and its reverse, in both
 directions of autograd) are where the forward of one micro-batch and the backward of another
 take turns, each transfer in flight while the other side computes
-(:mod:`moetrain.parallel.ep_overlap`); so do the small exchanges (counts, and the hierarchical
-dispatcher's expert ids and routing weights), which would otherwise queue behind the partner's
-rows in flight on the same group.
+(:mod:`moetrain.parallel.ep_overlap`); so do the hierarchical dispatcher's expert ids and
+routing weights, which would otherwise queue behind the partner's rows in flight on the rail.
+The counts' exchange stays synchronous: its split sizes must reach the host before the rows go,
+and handing over there pairs the partner's long piece with a transfer of a few bytes (measured
+slower: docs/performance.md §5).
 
 Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
 """
