@@ -57,6 +57,7 @@ Composition with the other axes (each part goes through steps 3-8 of
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Callable
 
 import torch
@@ -69,15 +70,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
-from torch.distributed.pipelining.schedules import (
-    FORWARD,
-    FULL_BACKWARD,
-    OVERLAP_F_B,
-    _Action,
-    _PipelineContext,
-    _PipelineScheduleRuntime,
-    _wait_batch_p2p,
-)
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _PipelineScheduleRuntime, _wait_batch_p2p
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import Config, pipeline_stage_layers
@@ -145,6 +139,10 @@ def split_model(model: Transformer, stages: list[int], num_stages: int, first: i
 
 # -- parallel.ep_overlap under pipeline parallelism ---------------------------------------------
 
+# The merged action of torch's pipeline runtime (torch >= 2.8, with ScheduleDualPipeV); None where
+# this torch lacks it, and MergedPairsSchedule then refuses to build.
+OVERLAP_F_B = getattr(_schedules, "OVERLAP_F_B", None)
+
 
 def one_f_one_b_order(rank: int, pp: int, n: int) -> list[_Action]:
     """1F1B's compute order on pp rank ``rank`` (one stage per rank, stage = rank): ``pp - 1 -
@@ -192,6 +190,10 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
     """
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, interleaved: bool):
+        if OVERLAP_F_B is None or not hasattr(_PipelineScheduleRuntime, "register_custom_function"):
+            raise NotImplementedError(f"parallel.ep_overlap with pp > 1 needs the OVERLAP_F_B actions and custom "
+                                      f"functions of torch's pipeline runtime, which torch {torch.__version__} "
+                                      f"lacks: use pp = 1 or a newer torch")
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         self.n_local_stages = len(stages)
         if interleaved:  # ScheduleInterleaved1F1B's order, computed by its own method
@@ -211,6 +213,10 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
         self.events: list[tuple[str, str]] | None = None
         self._slots: dict[tuple[int, int], Slot] = {}  # (stage, micro-batch) → its slot, this step
         self._stage_of = {s.stage_index: s for s in stages}
+        # forward_one_chunk keeps each output for the step's return value unless told not to
+        # (the switch is newer than some torch versions this runs on).
+        params = inspect.signature(PipelineStage.forward_one_chunk).parameters
+        self._no_saved_output = {"save_forward_output": False} if "save_forward_output" in params else {}
         if any(s + 1 in self._stage_of for s in self._stage_of):
             raise ValueError("two adjacent stages on one rank (V placement) are not supported here")
         self.register_custom_function(FORWARD, self._run_forward)
@@ -227,11 +233,11 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
         elif action.computation_type == FULL_BACKWARD and not stage.is_last:
             _wait_batch_p2p(self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index)))
 
-    def _forward(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _forward(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
         stage, mb = self._stage_of[action.stage_index], action.microbatch_index
         self._assert_unsharded(stage)
         # The outputs are not returned (PipelineRunner steps with return_outputs=False): keep none.
-        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], **self._no_saved_output)
         self._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
 
     def _backward(self, action: _Action, at_end: Callable[[], None] | None) -> None:
@@ -254,13 +260,13 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
         last = self.backward_counter[action.stage_index] == self._n_microbatches
         stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
 
-    def _run_forward(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _run_forward(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
         self._wait_recv(action)
         slot = self._slots[(action.stage_index, action.microbatch_index)] = Slot()
         with forward_of(slot):
             self._forward(action, ctx)
 
-    def _run_pair(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _run_pair(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
         fwd, bwd = action.sub_actions
         self._wait_recv(fwd)
         self._wait_recv(bwd)
