@@ -3,7 +3,7 @@
 
 Needs the SLURM dev cluster up with its emulated network (as root)::
 
-    sudo slurm/dev-cluster up --inter-node-mbps 200
+    sudo slurm/dev-cluster up --inter-node-mbps 300   # the README's figures (also measured at 200)
     python benchmarks/bench_emulated_network.py [--steps 10] [--micro-batches 8]
 
 Every layout trains the same MoE (4 MoE blocks, hidden 256, 8 experts top-2, no shared expert,
@@ -89,7 +89,7 @@ def emulated_rate() -> tuple[float, Path]:
     state = Path(os.environ.get("MOETRAIN_SLURM_DIR", "/var/tmp/moetrain-slurm"))
     if not m:
         raise SystemExit("the SLURM dev cluster is not up with an emulated network: run "
-                         "`sudo slurm/dev-cluster down && sudo slurm/dev-cluster up --inter-node-mbps 200` "
+                         "`sudo slurm/dev-cluster down && sudo slurm/dev-cluster up --inter-node-mbps 300` "
                          f"(status said:\n{out})")
     return float(m.group(1)), state / "profiles" / "dev-emulated.yaml"
 
