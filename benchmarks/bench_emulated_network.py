@@ -14,7 +14,10 @@ byte-level data) with ``python -m moetrain.submit`` on the dev cluster, dp = 4 �
 * ``flat`` / ``flat+overlap``: 2 nodes × 2 tasks, the flat all-to-all dispatcher, ep across the
   nodes' shaped links, without and with ``parallel.ep_overlap``;
 * ``hierarchical`` / ``hierarchical+overlap``: the same with ``moe.token_dispatcher:
-  hierarchical`` (a token crosses the link once per remote node its experts are on).
+  hierarchical`` (a token crosses the link once per remote node its experts are on);
+* ``…+overlap+delay_wgrad``: the overlap with ``parallel.delay_wgrad_compute`` (the backward's
+  weight gradients computed while its all-to-alls travel); ``over_overlap_alone`` compares it
+  with the overlap without it.
 
 Each figure is the median ``step_time_s`` of ``metrics.jsonl`` over the steps after the first
 two. ``hidden_fraction`` of an overlapped layout = (off − on) / (off − one-node): the share of
@@ -69,12 +72,17 @@ SCRIPT = ROOT / "slurm" / "dev-cluster"
 MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn_hidden": 688, "vocab_size": 384,
          "seq_len": 256}
 MOE = {"num_experts": 8, "top_k": 2, "every": 1, "ffn_hidden": 256, "shared_experts": 0}
-LAYOUTS = {  # name: (nodes, moe overrides, ep_overlap)
-    "one-node": (1, {}, False),
-    "flat": (2, {}, False),
-    "flat+overlap": (2, {}, True),
-    "hierarchical": (2, {"token_dispatcher": "hierarchical"}, False),
-    "hierarchical+overlap": (2, {"token_dispatcher": "hierarchical"}, True),
+OVERLAP = {"ep_overlap": True}
+DELAY_WGRAD = {"ep_overlap": True, "delay_wgrad_compute": True}
+HIER = {"token_dispatcher": "hierarchical"}
+LAYOUTS = {  # name: (nodes, moe overrides, parallel overrides)
+    "one-node": (1, {}, {}),
+    "flat": (2, {}, {}),
+    "flat+overlap": (2, {}, OVERLAP),
+    "flat+overlap+delay_wgrad": (2, {}, DELAY_WGRAD),
+    "hierarchical": (2, HIER, {}),
+    "hierarchical+overlap": (2, HIER, OVERLAP),
+    "hierarchical+overlap+delay_wgrad": (2, HIER, DELAY_WGRAD),
 }
 
 
@@ -95,9 +103,9 @@ def emulated_rate() -> tuple[float, Path]:
 
 
 def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batches: int, profile: Path):
-    nodes, moe, overlap = LAYOUTS[name]
-    return tiny_config(data, run_dir, run={"name": f"bench-net-{name}"}, model=MODEL, moe={**MOE, **moe},
-                       parallel={"dp": 4, "ep": 4, "ep_overlap": overlap},
+    nodes, moe, parallel = LAYOUTS[name]
+    return tiny_config(data, run_dir, run={"name": f"bench-net-{name}"}, model=MODEL,
+                       moe={**MOE, **moe}, parallel={"dp": 4, "ep": 4, **parallel},
                        train={"steps": steps, "micro_batch_size": 2, "global_batch_size": 2 * 4 * micro_batches,
                               "grad_clip": 1.0, "log_every": 1},
                        data={"verify": "size"},
@@ -134,7 +142,7 @@ def predict(cfg, prof: ClusterProfile) -> dict:
         prof = dataclasses.replace(prof, gpus_per_node=gpn, nvswitch_domain_gpus=gpn)
     # FSDP2's gradient all-reduce blocks in its backward hooks on gloo: not overlapped here.
     ta = TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
-                           overlap_grad_reduce=False)
+                           delay_wgrad=cfg.parallel.delay_wgrad_compute, overlap_grad_reduce=False)
     planner = Planner(ModelShape.from_config(cfg), prof, nodes, cfg.train.global_batch_size,
                       gpus_per_node=gpn, mem=MemoryAssumptions.for_train(cfg.train), timing=ta)
     t = planner.evaluate(Layout.from_config(cfg)).time
@@ -198,8 +206,10 @@ def main() -> None:
                "fitted_here": n == "one-node" or n == fit,
                "predicted_with_profile_efficiency_s": predict(cfgs[n], fitted(prof, f))["step_s"],
                "planner": pred, "steps_s": measured[n]["steps"]}
-        base = n.removesuffix("+overlap")
-        if n.endswith("+overlap") and base in measured:
+        base = n.split("+overlap")[0]
+        if n.endswith("+delay_wgrad") and f"{base}+overlap" in measured:
+            row["over_overlap_alone"] = measured[n]["step_s"] / measured[f"{base}+overlap"]["step_s"]
+        if "+overlap" in n and base in measured:
             off, on = measured[base]["step_s"], measured[n]["step_s"]
             row["on_over_off"] = on / off
             row["hidden_fraction"] = (off - on) / (off - ref) if off > ref else None

@@ -305,7 +305,13 @@ class ParallelConfig:
     micro-batch computes (Megatron-Core's ``--overlap-moe-expert-parallel-comm``;
     :mod:`moetrain.parallel.ep_overlap`): needs ep > 1 and two or more micro-batches per step to
     hide anything; with pp > 1 the 1F1B schedules (``1f1b``, ``interleaved_1f1b``) merge each
-    backward with the forward that follows it; ZeRO 0-2, no full recomputation, no compile."""
+    backward with the forward that follows it; ZeRO 0-2, no full recomputation, no compile.
+    ``delay_wgrad_compute`` (with ``ep_overlap``; Megatron-Core's ``--delay-wgrad-compute``): in
+    a merged pair's backward the GEMMs return their input gradient at once and compute their
+    weight gradient after the backward's next token all-to-all is issued, while it travels
+    (:mod:`moetrain.model.wgrad`): the experts' behind the dispatch's backward, the attention's
+    and shared experts' behind the combine's backward of the layer below. Tensor-parallel
+    (DTensor) linears, fp8 GEMMs and the output head compute theirs at once."""
 
     dp: int = 1
     tp: int = 1
@@ -323,6 +329,7 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
     ep_overlap: bool = False
+    delay_wgrad_compute: bool = False
 
     @property
     def world_size(self) -> int:
@@ -923,6 +930,10 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
                           "set parallel.sequence_parallel=false or tp >= 2")
     if par.ep_overlap:
         _check_ep_overlap(cfg)
+    elif par.delay_wgrad_compute:
+        raise field_error("parallel.delay_wgrad_compute", True, "defers weight gradients behind the token "
+                          "all-to-alls of ep_overlap's merged pairs, and ep_overlap is off",
+                          "set parallel.ep_overlap: true, or parallel.delay_wgrad_compute: false")
 
 
 def _check_ep_overlap(cfg: Config) -> None:

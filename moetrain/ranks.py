@@ -106,17 +106,19 @@ def _traffic(cfg: Config, rm: RankMap) -> list[dict[str, Any]]:
 
 
 def _ep_overlap(cfg: Config, rm: RankMap) -> dict[str, Any] | None:
-    """The planner's step for this layout and rank map without and with ``parallel.ep_overlap``
-    (seconds: step, EP all-to-all exposed, hidden); None without expert parallelism."""
+    """The planner's step for this layout and rank map without ``parallel.ep_overlap``, with it,
+    and with it and ``parallel.delay_wgrad_compute`` (seconds: step, EP all-to-all exposed,
+    hidden); None without expert parallelism."""
     shape = ModelShape.from_config(cfg)
     if not shape.is_moe or cfg.parallel.ep == 1:
         return None
     lay = Layout.from_config(cfg)
-    out: dict[str, Any] = {"enabled": cfg.parallel.ep_overlap}
-    for key, mode in (("without", "none"), ("with", "merged_pairs")):
+    out: dict[str, Any] = {"enabled": cfg.parallel.ep_overlap, "delay_wgrad": cfg.parallel.delay_wgrad_compute}
+    for key, mode, delay in (("without", "none", False), ("with", "merged_pairs", False),
+                             ("with_delay_wgrad", "merged_pairs", True)):
         planner = Planner(shape, rm.profile, len(rm.allocation), cfg.train.global_batch_size, rm.allocation,
                           gpus_per_node=rm.tasks_per_node, mem=MemoryAssumptions.for_train(cfg.train),
-                          timing=TimingAssumptions(ep_overlap=mode))
+                          timing=TimingAssumptions(ep_overlap=mode, delay_wgrad=delay))
         try:
             t = planner.evaluate(lay).time
         except ValueError as e:  # e.g. ZeRO-3 or pp_schedule gpipe: not with the overlap
@@ -202,11 +204,13 @@ def _table(cfg: Config, rm: RankMap, report: dict[str, Any], show_all: bool, con
         lines.append("  (none: one rank per group on every axis)")
     ov = report.get("ep_overlap")
     if ov:
-        lines += ["", f"EP all-to-all overlap (parallel.ep_overlap: {'on' if ov['enabled'] else 'off'}; "
+        lines += ["", f"EP all-to-all overlap (parallel.ep_overlap: {'on' if ov['enabled'] else 'off'}, "
+                      f"delay_wgrad_compute: {'on' if ov.get('delay_wgrad') else 'off'}; "
                       "the planner's step for this layout, moetrain.plan explains it)"]
-        for key in ("without", "with"):
+        for key in ("without", "with", "with_delay_wgrad"):
             r = ov[key]
-            lines.append(f"  {key:7s} " + (f"not available: {r['error']}" if "error" in r else
+            label = {"with_delay_wgrad": "with + delay_wgrad"}.get(key, key)
+            lines.append(f"  {label:18s} " + (f"not available: {r['error']}" if "error" in r else
                                            f"{_fmt_s(r['step_s'])}/step, EP exposed {_fmt_s(r['ep_exposed_s'])}, "
                                            f"hidden {_fmt_s(r['ep_hidden_s'])}"))
     return "\n".join(lines)

@@ -32,6 +32,8 @@ STEPS = 20
 def overlap_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict, overlap: bool,
                     domains: list[int] | None = None, model: dict | None = None) -> dict:
     # micro_batch_size 1: 8 / (1 · data-parallel ranks) = 2-8 micro-batches per step to merge.
+    if not overlap:  # the plain step to compare with: no overlap, hence no delayed weight gradients
+        parallel = {k: v for k, v in parallel.items() if k != "delay_wgrad_compute"}
     cfg = tiny_config(data, run_dir, parallel={**parallel, "ep_overlap": overlap}, moe=moe,
                       model={"vocab_size": 260, **(model or {})},  # a multiple of tp
                       train={"steps": STEPS, "micro_batch_size": 1, "grad_clip": 1.0})
@@ -86,6 +88,15 @@ CASES = {  # world, parallel, moe, rank domains, model
     "pp2-ep2-1f1b": (4, {"pp": 2, "dp": 2, "ep": 2}, {}, None),
     "pp2-ep2-interleaved-zero1": (4, {"pp": 2, "dp": 2, "ep": 2, "pp_schedule": "interleaved_1f1b",
                                       "virtual_stages": 2, "zero_stage": 1}, {}, None, {"layers": 4}),
+    # weight gradients computed after the backward's next all-to-all is issued
+    "dp2-ep2-delay-wgrad": (2, {"dp": 2, "ep": 2, "delay_wgrad_compute": True}, {}, None),
+    "dp2-ep2-zero2-grouped-mm-delay-wgrad": (2, {"dp": 2, "ep": 2, "zero_stage": 2, "delay_wgrad_compute": True},
+                                             {"expert_backend": "grouped_mm"}, None),
+    "tp2-sp-ep2-delay-wgrad": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2,
+                                   "delay_wgrad_compute": True}, {}, None),
+    "pp2-ep2-1f1b-delay-wgrad": (4, {"pp": 2, "dp": 2, "ep": 2, "delay_wgrad_compute": True}, {}, None),
+    "ep4-hierarchical-delay-wgrad": (4, {"dp": 4, "ep": 4, "delay_wgrad_compute": True},
+                                     {"token_dispatcher": "hierarchical"}, [0, 0, 1, 1]),
 }
 
 
@@ -109,6 +120,8 @@ def test_overlap_is_the_same_step(case, tiny_shards, tmp_path):
         per_layer = 2 if parallel.get("ep") == 4 and moe.get("token_dispatcher") == "hierarchical" else 1
         exchanges = 2 * per_layer * on[r]["moe_layers"] // parallel.get("virtual_stages", 1)
         check_pairs(pairs, exchanges)
+        if parallel.get("delay_wgrad_compute"):
+            check_weight_grads_flushed(pairs, on[r]["moe_layers"] // parallel.get("virtual_stages", 1))
     assert off[0]["events"] == []
 
 
@@ -121,6 +134,20 @@ def check_pairs(pairs: list[list], exchanges: int) -> None:
                 resumed = next((j for j in range(k + 1, len(pair)) if pair[j] == (side, "resume")), None)
                 if resumed is not None:
                     assert any(s != side for s, _ in pair[k + 1:resumed]), pair
+
+
+def check_weight_grads_flushed(pairs: list[list], moe_layers: int) -> None:
+    """With delay_wgrad_compute each pair's backward computed its deferred weight gradients
+    right after issuing a transfer and before handing over (the experts' at each MoE layer's
+    dispatch backward), and once more at its end (what is left: the first layer's attention)."""
+    for pair in pairs:
+        flushes = [k for k, e in enumerate(pair) if e == ("backward", "wgrad")]
+        assert len(flushes) >= moe_layers, pair
+        forward_done = pair.index(("forward", "done"))
+        for k in flushes:
+            if k < forward_done:  # while the partner runs: the hand-over with the transfer in flight comes next
+                after = next(e for e in pair[k + 1:] if e[0] == "backward")
+                assert after in (("backward", "issue"), ("backward", "done")), pair
 
 
 # -- the turn-taking itself, without a model ----------------------------------------------------
@@ -256,3 +283,11 @@ def test_merged_1f1b_orders_lower_to_a_pipeline_with_every_micro_batch_once(pp, 
             assert pairs or r < pp - 1  # the last stage pairs from its first backward on
         stage_to_rank = generate_stage_to_rank_mapping(pp, pp * v)
         _add_send_recv(merged, stage_to_rank=lambda s: stage_to_rank[s], num_stages=pp * v)
+
+
+def test_delayed_weight_gradients_without_the_overlap_are_refused(tmp_path):
+    from moetrain.config import validate
+
+    with pytest.raises(ConfigError, match="parallel.delay_wgrad_compute.*ep_overlap is off"):
+        validate(tiny_config(tmp_path, tmp_path / "run", parallel={"dp": 2, "ep": 2, "delay_wgrad_compute": True}),
+                 "cpu")

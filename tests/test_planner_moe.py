@@ -284,6 +284,31 @@ def test_merged_pairs_hide_each_transfer_behind_the_partner_piece_in_flight_with
     assert full == (pytest.approx(2.0 - 0.75 * 2.0), pytest.approx(2.0 - 0.75 * 0.75), pytest.approx(0.75 * 2.75))
     half = ep_exposed(2.0, 2.0, 0.75, 5.0, 0.0, 0.0, "merged_pairs", flat, 4, seg, efficiency=0.5)
     assert half[2] == pytest.approx(full[2] / 2)
+    # delayed weight gradients: the backward's own weight GEMMs join the cover of its transfers
+    # (the layer above's projections under the combine gradient, the experts' under the dispatch
+    # gradient); the forward's transfers keep their pieces
+    assert merged_pair_hidden(1.0, 1.0, 1.0, 1.0, 0.5, 0.25, 2.0, 3.0, 0.25, 0.5) == (2.0, 0.75 + 0.75)
+    assert merged_pair_hidden(1.0, 1.0, 1.0, 1.0, 0.5, 0.25, 2.0, 3.0, 1.0, 1.0) == (2.0, 2.0)
+
+
+def test_the_planner_counts_delayed_weight_gradients_only_where_moetrain_defers_them(tmp_path):
+    """The step with ``delay_wgrad_compute`` hides more of the backward's all-to-all; under tp
+    only the experts' weight gradients are deferred (tensor-parallel linears compute theirs at
+    once), so the gain is smaller there."""
+    from moetrain.planner.search import Planner
+    from moetrain.planner.timing import TimingAssumptions
+    from moetrain.topology.cluster import load_profile
+
+    cfg = load_config("configs/deepseek-v3-like.yaml")
+    prof = load_profile("h100-superpod")
+    hidden = {}
+    for lay in (Layout(tp=1, pp=1, dp=1024, ep=64, zero=2), Layout(tp=2, pp=1, dp=512, ep=64, zero=2)):
+        for delay in (False, True):
+            planner = Planner(ModelShape.from_config(cfg), prof, 128, 4096,
+                              timing=TimingAssumptions(ep_overlap="merged_pairs", delay_wgrad=delay))
+            hidden[lay.tp, delay] = planner.evaluate(lay).time.ep_hidden
+    assert hidden[1, True] > hidden[1, False] and hidden[2, True] > hidden[2, False]
+    assert hidden[1, True] / hidden[1, False] > hidden[2, True] / hidden[2, False]
 
 
 def test_merged_pairs_hide_the_share_of_backwards_paired_on_the_first_pipeline_rank():

@@ -40,6 +40,10 @@ def test_json_lists_ranks_groups_traffic_and_rules(capsys):
     for t in out["traffic"]:
         assert t["bytes_per_step"] and all(v > 0 for v in t["bytes_per_step"].values())
     assert {r["name"] for r in out["rules"]} >= {"tp_in_domain", "pp_same_rail", "pp_in_rail_group"}
+    # the planner's step without the EP overlap, with it, and with delayed weight gradients too
+    ov = out["ep_overlap"]
+    assert ov["without"]["step_s"] > ov["with"]["step_s"] >= ov["with_delay_wgrad"]["step_s"]
+    assert ov["with_delay_wgrad"]["ep_hidden_s"] >= ov["with"]["ep_hidden_s"] > 0
 
 
 def test_json_is_the_map_the_trainer_builds(capsys):

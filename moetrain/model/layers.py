@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.attention import DocumentMask, sdpa_attention
+from moetrain.model import wgrad
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_linear
 
 
@@ -47,10 +48,12 @@ class Linear(nn.Linear):
     """``nn.Linear`` (tensor parallelism styles accept it) computing in ``compute_dtype``:
     x: [..., in] → [..., out] in ``compute_dtype`` (or the weight's dtype when ``None``). With
     ``fp8`` (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`) its GEMMs run in fp8, forward and
-    backward; the bias is added in the compute dtype."""
+    backward; the bias is added in the compute dtype. Without bias and fp8 its weight gradient
+    may be deferred (``defer_wgrad``, :mod:`moetrain.model.wgrad`)."""
 
     compute_dtype: torch.dtype | None = None
     fp8: Fp8Recipe | None = None
+    defer_wgrad = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = cast(self.weight, self.compute_dtype)
@@ -58,6 +61,8 @@ class Linear(nn.Linear):
         if self.fp8 is not None:
             y = fp8_linear(x.to(w.dtype), w, self.fp8)
             return y if b is None else y + b
+        if b is None and self.defer_wgrad:
+            return wgrad.linear(x.to(w.dtype), w)
         return F.linear(x.to(w.dtype), w, b)
 
 

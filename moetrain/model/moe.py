@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model import wgrad
 from moetrain.model.fp8 import round_trip
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_mm
 from moetrain.model.layers import FeedForward, Linear, local
@@ -208,7 +209,8 @@ class GroupedExperts(nn.Module):
     Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`). With ``fp8``
     (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`, ``train.precision: fp8``) each expert's three
     GEMMs run in fp8, forward and backward, on the ``loop`` backend (per expert, so every scale
-    covers one expert's rows or weights).
+    covers one expert's rows or weights). On ``loop`` and ``grouped_mm`` without fp8 the weight
+    gradients may be deferred (:mod:`moetrain.model.wgrad`, ``parallel.delay_wgrad_compute``).
     """
 
     compute_dtype: torch.dtype | None = None
@@ -239,12 +241,12 @@ class GroupedExperts(nn.Module):
         if self.backend == "grouped_mm":
             # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
             offs = torch.cumsum(counts_El, 0, dtype=torch.int32)
-            gate, up = F.grouped_mm(x_ND, w1, offs=offs), F.grouped_mm(x_ND, w3, offs=offs)
+            gate, up = wgrad.grouped_mm(x_ND, w1, offs), wgrad.grouped_mm(x_ND, w3, offs)
             if b1 is not None:  # each row's expert's biases
                 row = torch.repeat_interleave(torch.arange(len(counts_El), device=x_ND.device), counts_El,
                                               output_size=x_ND.shape[0])
                 gate, up = gate + b1[row], up + b3[row]
-            out = F.grouped_mm(self.act(gate, up), w2, offs=offs)
+            out = wgrad.grouped_mm(self.act(gate, up), w2, offs)
             return out + b2[row] if b2 is not None else out
         if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
@@ -274,7 +276,7 @@ def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: to
     GEMMs in fp8 with ``fp8`` (an empty expert's plain: no scale to take of zero rows)."""
 
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return fp8_mm(a, b, fp8) if fp8 is not None and a.shape[0] else a @ b
+        return fp8_mm(a, b, fp8) if fp8 is not None and a.shape[0] else wgrad.mm(a, b)
 
     outs = []
     biases = (b1.unbind(0), b3.unbind(0), b2.unbind(0)) if b1 is not None else ((None,) * len(sizes),) * 3

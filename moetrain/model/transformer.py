@@ -150,6 +150,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
+        # The head's weight gets several gradient terms (the MTP heads, a tied embedding): computed
+        # at once, so they add up in the order they do without delay_wgrad_compute.
+        self.output.defer_wgrad = False
         # Multi-token prediction: keyed by their global index after the last block (the names
         # DeepSeek-V3's checkpoints give them), on the last pipeline stage.
         self.mtp = nn.ModuleDict({str(m.layers + k): MTPModule(cfg, m.layers + k) for k in range(m.mtp_depth)})

@@ -43,7 +43,8 @@ from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
-from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, queue_at_end_of_backward
+from moetrain.parallel.ep_overlap import (MergedPair, Slot, forward_of, hold_post_backward_for_weight_grads,
+                                          queue_at_end_of_backward)
 from moetrain.parallel.expert import apply_expert_parallel
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype, fp8_recipe
@@ -68,9 +69,10 @@ class SingleStageRunner:
     ``ep_overlap`` (``parallel.ep_overlap``) the forward of each micro-batch runs merged with the
     backward of the one before it (:mod:`moetrain.parallel.ep_overlap`)."""
 
-    def __init__(self, model: Transformer, ps: ParallelState, ep_overlap: bool = False):
+    def __init__(self, model: Transformer, ps: ParallelState, ep_overlap: bool = False,
+                 delay_wgrad: bool = False):
         self.model, self.ps, self.device = model, ps, ps.device
-        self.ep_overlap = ep_overlap
+        self.ep_overlap, self.delay_wgrad = ep_overlap, delay_wgrad
         # Called as (index, count) before each micro-batch's backward is due (before its forward
         # without overlap): FSDP's gradient sync and resharding (MicroBatchSync); None in one
         # process. Its settings act in the backward only.
@@ -108,7 +110,7 @@ class SingleStageRunner:
         all-to-alls."""
         n = len(micro_batches)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        slots = [Slot() for _ in micro_batches]
+        slots = [Slot(self.delay_wgrad) for _ in micro_batches]
 
         def backward(i: int, loss: torch.Tensor, at_end: Callable[[], None] | None = None) -> None:
             if self.before_micro_batch is not None:
@@ -224,7 +226,11 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
 
     # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
     runner: StepRunner = (PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1
-                          else SingleStageRunner(parts[0], ps, cfg.parallel.ep_overlap))
+                          else SingleStageRunner(parts[0], ps, cfg.parallel.ep_overlap, cfg.parallel.delay_wgrad_compute))
+    if cfg.parallel.delay_wgrad_compute and fsdp_modules:
+        # FSDP reduces a group's gradients once its module has its input gradient: with weight
+        # gradients deferred past that point, it waits for them (moetrain.parallel.ep_overlap).
+        hold_post_backward_for_weight_grads(fsdp_modules)
     # Gradient sync / resharding per micro-batch (under pp the schedule drives FSDP: pipeline.py)
     if fsdp_modules and ps.size(PP) == 1:
         runner.before_micro_batch = MicroBatchSync(fsdp_modules, cfg.parallel.zero_stage, cfg.parallel.ep_overlap)

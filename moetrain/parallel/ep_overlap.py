@@ -26,6 +26,17 @@ Under pipeline parallelism the 1F1B schedules pair each backward with the forwar
 it on the rank (:class:`moetrain.parallel.pipeline.MergedPairsSchedule`), with the same
 :class:`MergedPair`.
 
+With ``parallel.delay_wgrad_compute`` a pair's backward also splits its GEMMs' weight gradients
+from their input gradients (:mod:`moetrain.model.wgrad`): the GEMMs leave dW in the micro-batch's
+:class:`Slot`, which computes it right after the backward issues its next transfer, before the
+hand-over, so the transfer leaves earlier and travels during the weight GEMMs as well:
+
+    backward (mb i):  ... experts dX ─ dispatch-bwd a2a issued ─ experts dW ─┐
+    forward (mb i+1):                                                        └─ experts ...
+
+FSDP2's post-backward of a parameter group waits for the group's deferred gradients
+(:func:`hold_post_backward_for_weight_grads`). Still bit for bit the step without overlap.
+
 What it costs: two micro-batches' activations are alive in a pair (as in Megatron-Core). What it
 needs (refused otherwise by :func:`moetrain.config.validate`): ep > 1, with pp > 1 the 1F1B or
 interleaved 1F1B schedule, no full-block recomputation, no ``train.compile`` (the hand-overs are
@@ -43,6 +54,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from moetrain.model.wgrad import weight_grads_to
 from moetrain.parallel.peers import waiting_on_peers
 
 FORWARD, BACKWARD = 0, 1
@@ -108,17 +120,58 @@ class TurnTaking:
 class Slot:
     """One micro-batch's place in the schedule: which pair it belongs to now and on which side.
     Its all-to-alls keep a reference to it, so the backward of micro-batch i (paired with the
-    forward of i+1) hands over in the pair it belongs to by then."""
+    forward of i+1) hands over in the pair it belongs to by then.
 
-    def __init__(self) -> None:
+    With ``delay_wgrad`` (``parallel.delay_wgrad_compute``) it is also the micro-batch's
+    :class:`~moetrain.model.wgrad.WeightGradStore`: while its backward runs in a pair, its GEMMs
+    leave their weight gradients here, and :meth:`flush_weight_grads` computes them right after
+    the backward issues its next all-to-all (they run while it travels) and at the backward's end.
+    """
+
+    def __init__(self, delay_wgrad: bool = False) -> None:
         self.turns: TurnTaking | None = None
         self.side = FORWARD
+        self.delay_wgrad = delay_wgrad
+        self._pending: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        # FSDP post-backwards that waited for this micro-batch's deferred weight gradients
+        self._owed: list[Callable[[], None]] = []
 
     def while_in_flight(self) -> None:
         """Called with one of this micro-batch's all-to-alls in flight: the partner's turn."""
         turns = self.turns
         if turns is not None:
             turns.hand_over(self.side)
+
+    # -- WeightGradStore (moetrain.model.wgrad) --
+
+    def deferring(self) -> bool:
+        """True while this micro-batch's backward runs in a pair with ``delay_wgrad``."""
+        return self.delay_wgrad and self.turns is not None and self.side == BACKWARD
+
+    def put(self, weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
+        self._pending.append((weight, compute))
+
+    def has_pending_weight_grads(self) -> bool:
+        return bool(self._pending)
+
+    def owe(self, post_backward: Callable[[], None]) -> None:
+        """Run ``post_backward`` (an FSDP parameter group's) after the next flush."""
+        self._owed.append(post_backward)
+
+    def flush_weight_grads(self) -> None:
+        """Compute the deferred weight gradients and back-propagate them from the weights the
+        GEMMs saw, in one ``torch.autograd.backward`` (so an unbound expert stack is stacked back
+        once, as without the delay); then the FSDP post-backwards that waited for them."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            with torch.no_grad():
+                grads = [compute() for _, compute in pending]
+            torch.autograd.backward([w for w, _ in pending], grads)
+            if self.turns is not None:
+                self.turns._log(BACKWARD, "wgrad")
+        owed, self._owed = self._owed, []
+        for post_backward in owed:
+            post_backward()
 
 
 _slot: ContextVar[Slot | None] = ContextVar("moetrain_ep_overlap_slot", default=None)
@@ -131,20 +184,70 @@ def current_slot() -> Slot | None:
 
 @contextmanager
 def forward_of(slot: Slot) -> Iterator[None]:
-    """The enclosed forward belongs to ``slot``'s micro-batch."""
+    """The enclosed forward belongs to ``slot``'s micro-batch (and its GEMMs' weight gradients
+    go to it when it delays them)."""
     token = _slot.set(slot)
     try:
-        yield
+        with weight_grads_to(slot if slot.delay_wgrad else None):
+            yield
     finally:
         _slot.reset(token)
 
 
+# The slot whose backward runs in a pair with delayed weight gradients now (one per process: the
+# pairs run one after the other), for the FSDP post-backward gate.
+_deferring: list[Slot] = []
+
+
+def hold_post_backward_for_weight_grads(modules: list) -> None:
+    """Make every FSDP parameter group of ``modules`` (FSDP2 modules: ``fully_shard`` or
+    ``replicate``) run its post-backward — the gradient accumulation or reduce-scatter of its
+    parameters, which FSDP starts when the group's module has its input gradient — only once the
+    weight gradients deferred so far have landed: a post-backward that comes while some are
+    pending is held by the slot and run after its next flush.
+
+    An adapter on FSDP2's private parameter groups (``FSDPState._fsdp_param_groups``, torch
+    2.11's ``_fsdp_param_group``): each group's ``post_backward`` is wrapped on the instance, so
+    both FSDP's hook and its end-of-backward callback go through the gate.
+
+    Raises:
+        NotImplementedError: this torch's FSDP2 keeps its parameter groups elsewhere.
+    """
+    for module in modules:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            if not hasattr(state, "_fsdp_param_group"):
+                raise NotImplementedError(f"parallel.delay_wgrad_compute: torch {torch.__version__}'s FSDP2 "
+                                          f"keeps its parameter groups where moetrain does not look")
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
+            if getattr(group, "_moetrain_gated", False):
+                continue
+            group.post_backward = _gated(group.post_backward)
+            group._moetrain_gated = True
+
+
+def _gated(post_backward: Callable[..., None]) -> Callable[..., None]:
+    def gate(*args: object) -> None:
+        slot = _deferring[-1] if _deferring else None
+        if slot is not None and slot.has_pending_weight_grads():
+            slot.owe(lambda: post_backward(*args))
+        else:
+            post_backward(*args)
+    return gate
+
+
 def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
-              input_splits: list[int] | None, group: dist.ProcessGroup, slot: Slot | None) -> None:
+              input_splits: list[int] | None, group: dist.ProcessGroup, slot: Slot | None,
+              backward: bool = False) -> None:
     """Uneven all-to-all of ``inp`` into ``out`` (rows; ``*_splits``: host ints per rank): issue,
-    let the partner compute while it is in flight, then wait."""
+    let the partner compute while it is in flight, then wait. In a ``backward`` the deferred
+    weight gradients are computed first, while the transfer travels."""
     work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=group, async_op=True)
     if slot is not None:
+        if backward and slot.deferring():
+            slot.flush_weight_grads()
         slot.while_in_flight()
     with waiting_on_peers():
         work.wait()
@@ -167,14 +270,17 @@ class RowExchange(torch.autograd.Function):
     """Rows [N, D] to the ranks of ``group`` (``input_splits`` to each, ``output_splits`` from
     each), encoded for the wire by ``encode`` and decoded on arrival by ``decode`` (identity
     when None); backward: the gradient [sum(output_splits), D] back to the senders in its own
-    dtype. Both directions hand over to the partner while the transfer is in flight."""
+    dtype. Both directions hand over to the partner while the transfer is in flight; with
+    ``flush_wgrad`` the backward computes the deferred weight gradients while its transfer travels
+    (False for a transfer too short to hide them: the hierarchical dispatcher's within a node)."""
 
     @staticmethod
     def forward(ctx, x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int],  # type: ignore[override]
                 group: dist.ProcessGroup, slot: Slot | None,
                 encode: Callable[[torch.Tensor], torch.Tensor] | None,
-                decode: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+                decode: Callable[[torch.Tensor], torch.Tensor] | None, flush_wgrad: bool = True) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.slot, ctx.rows_sent = (output_splits, input_splits), group, slot, x_ND.shape[0]
+        ctx.flush_wgrad = flush_wgrad
         packet = (encode(x_ND) if encode is not None else x_ND).contiguous()
         recv = packet.new_empty((sum(output_splits), *packet.shape[1:]))
         _exchange(recv, packet, output_splits, input_splits, group, slot)
@@ -184,16 +290,18 @@ class RowExchange(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
         output_splits, input_splits = ctx.splits
         grad_sent = grad.new_empty(ctx.rows_sent, *grad.shape[1:])
-        _exchange(grad_sent, grad.contiguous(), input_splits, output_splits, ctx.group, ctx.slot)
-        return grad_sent, None, None, None, None, None, None
+        _exchange(grad_sent, grad.contiguous(), input_splits, output_splits, ctx.group, ctx.slot,
+                  backward=ctx.flush_wgrad)
+        return grad_sent, None, None, None, None, None, None, None
 
 
 def exchange_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
                   encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  decode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                  decode: Callable[[torch.Tensor], torch.Tensor] | None = None, flush_wgrad: bool = True
+                  ) -> torch.Tensor:
     """:class:`RowExchange` for the micro-batch whose forward runs here: x_ND [N, D] →
     [sum(output_splits), D], differentiable with respect to x_ND."""
-    return RowExchange.apply(x_ND, output_splits, input_splits, group, current_slot(), encode, decode)
+    return RowExchange.apply(x_ND, output_splits, input_splits, group, current_slot(), encode, decode, flush_wgrad)
 
 
 class MergedPair:
@@ -215,13 +323,26 @@ class MergedPair:
         self.nxt.turns, self.nxt.side = turns, FORWARD
         error: list[BaseException] = []
 
+        prev = self.prev
+
+        def at_end() -> None:
+            prev.flush_weight_grads()  # before FSDP's end-of-backward callback
+            turns.let_other_finish(BACKWARD)
+
         def backward_side() -> None:
+            if prev.delay_wgrad:
+                _deferring.append(prev)
             try:
                 turns.wait_turn(BACKWARD)
-                backward(lambda: turns.let_other_finish(BACKWARD))
+                backward(at_end)
+                if prev.has_pending_weight_grads():
+                    raise RuntimeError("weight gradients were deferred after the backward's end: at_end was not "
+                                       "called at the end of the backward")
             except BaseException as e:  # re-raised in the calling thread
                 error.append(e)
             finally:
+                if prev.delay_wgrad:
+                    _deferring.remove(prev)
                 turns.finish(BACKWARD)
 
         thread = threading.Thread(target=backward_side, name="moetrain-ep-overlap-backward", daemon=True)

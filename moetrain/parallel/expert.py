@@ -93,24 +93,24 @@ class _Arrive(torch.autograd.Function):
 
 
 def send_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
-              wire: torch.dtype | None, overlap: bool = False) -> Callable[[], torch.Tensor]:
+              wire: torch.dtype | None, overlap: bool = False, flush_wgrad: bool = True) -> Callable[[], torch.Tensor]:
     """Start the uneven all-to-all of x_ND [N, D] (``input_splits`` rows to each rank,
     ``output_splits`` from each) in ``wire`` (None: as they are; bf16; float8 E4M3 as
     :func:`moetrain.model.fp8.pack`); returns what waits for and decodes the received rows,
     [sum(output_splits), D] in x_ND's dtype, differentiable with respect to x_ND. With
     ``overlap`` (``parallel.ep_overlap``) the transfer hands over to the partner micro-batch
-    while in flight (:func:`moetrain.parallel.ep_overlap.exchange_rows`) and has arrived when
-    this returns."""
+    while in flight (:func:`moetrain.parallel.ep_overlap.exchange_rows`; ``flush_wgrad``: its
+    backward computes the delayed weight gradients meanwhile) and has arrived when this returns."""
     if overlap:
         D, dtype = x_ND.shape[1], x_ND.dtype
         if wire is None or wire == dtype:
-            x_recv = exchange_rows(x_ND, output_splits, input_splits, group)
+            x_recv = exchange_rows(x_ND, output_splits, input_splits, group, flush_wgrad=flush_wgrad)
         elif wire == fp8.E4M3:
             x_recv = exchange_rows(x_ND, output_splits, input_splits, group, fp8.pack,
-                                   lambda packet: fp8.unpack(packet, D, dtype))
+                                   lambda packet: fp8.unpack(packet, D, dtype), flush_wgrad)
         else:
             x_recv = exchange_rows(x_ND, output_splits, input_splits, group, lambda x: x.to(wire),
-                                   lambda packet: packet.to(dtype))
+                                   lambda packet: packet.to(dtype), flush_wgrad)
         return lambda: x_recv
     if wire is None or wire == x_ND.dtype:
         x_recv = all_to_all_single_autograd(x_ND, output_splits, input_splits, group)
@@ -130,8 +130,11 @@ class AllToAllDispatcher:
     rows travel in ``wire`` (None: as computed)."""
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, domains: list[int] | None = None,
-                 wire: torch.dtype | None = None, overlap: bool = False):
+                 wire: torch.dtype | None = None, overlap: bool = False, flush_wgrad: bool = True):
         self.group, self.wire, self.overlap = group, wire, overlap
+        # With ep_overlap: whether the rows' backward transfers are where the delayed weight
+        # gradients are computed (not the hierarchical dispatcher's within-node ones)
+        self.flush_wgrad = flush_wgrad
         self.ep = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
@@ -168,7 +171,8 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        arrive = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire, self.overlap)
+        arrive = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire, self.overlap,
+                           self.flush_wgrad)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
@@ -189,7 +193,8 @@ class AllToAllDispatcher:
         y_recv = torch.empty_like(y_ND).index_copy(0, handle.regroup, y_ND)
         # 3'. rows back to the ranks that sent them.
         if self.overlap:
-            y_sorted = exchange_rows(y_recv, handle.input_splits, handle.output_splits, self.group)
+            y_sorted = exchange_rows(y_recv, handle.input_splits, handle.output_splits, self.group,
+                                     flush_wgrad=self.flush_wgrad)
         else:
             y_sorted = all_to_all_single_autograd(y_recv, handle.input_splits, handle.output_splits, self.group)
         # 1'. unpermute to assignment order.
@@ -260,8 +265,10 @@ class HierarchicalDispatcher:
         self.rail_of_expert = torch.tensor(rail_of, dtype=torch.int64, device=device)
         self.num_rail = dist.get_world_size(rail)
         self.my_rail = dist.get_rank(rail)
+        # Under ep_overlap with delayed weight gradients, these are computed while the rail's
+        # transfers travel (across nodes), not the domain's (short: they would show).
         self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain, wire=wire,
-                                        overlap=overlap)
+                                        overlap=overlap, flush_wgrad=False)
         # Domain-local id of expert e, for the rows this rank receives (experts of its domain).
         self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
         self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher

@@ -189,7 +189,8 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
     price of the overlap at v = 1; Megatron-Core asks for virtual stages at pp > 1).
     """
 
-    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, interleaved: bool):
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, interleaved: bool,
+                 delay_wgrad: bool = False):
         if OVERLAP_F_B is None or not hasattr(_PipelineScheduleRuntime, "register_custom_function"):
             raise NotImplementedError(f"parallel.ep_overlap with pp > 1 needs the OVERLAP_F_B actions and custom "
                                       f"functions of torch's pipeline runtime, which torch {torch.__version__} "
@@ -212,6 +213,7 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
         # The turn-taking's events, (side, event) in order, when a list (tests).
         self.events: list[tuple[str, str]] | None = None
         self._slots: dict[tuple[int, int], Slot] = {}  # (stage, micro-batch) → its slot, this step
+        self.delay_wgrad = delay_wgrad  # parallel.delay_wgrad_compute
         self._stage_of = {s.stage_index: s for s in stages}
         # forward_one_chunk keeps each output for the step's return value unless told not to
         # (the switch is newer than some torch versions this runs on).
@@ -262,7 +264,7 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
 
     def _run_forward(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
         self._wait_recv(action)
-        slot = self._slots[(action.stage_index, action.microbatch_index)] = Slot()
+        slot = self._slots[(action.stage_index, action.microbatch_index)] = Slot(self.delay_wgrad)
         with forward_of(slot):
             self._forward(action, ctx)
 
@@ -270,7 +272,7 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
         fwd, bwd = action.sub_actions
         self._wait_recv(fwd)
         self._wait_recv(bwd)
-        nxt = self._slots[(fwd.stage_index, fwd.microbatch_index)] = Slot()
+        nxt = self._slots[(fwd.stage_index, fwd.microbatch_index)] = Slot(self.delay_wgrad)
         pair = MergedPair(self._slots.pop((bwd.stage_index, bwd.microbatch_index)), nxt, self.events)
         pair.run(lambda at_end: self._backward(bwd, at_end), lambda: self._forward(fwd, ctx))
 
@@ -333,6 +335,7 @@ class PipelineRunner:
         self.train_loss = _LMLoss(self.n_micro, self.mtp_coef)
         # parallel.ep_overlap: the same schedule with each backward merged with the next forward.
         self.ep_overlap = cfg.parallel.ep_overlap
+        self.delay_wgrad = cfg.parallel.delay_wgrad_compute
         self.schedule = self._build(self.schedule_cls, self.n_micro, self.train_loss, self.ep_overlap)
         # forward_only: one fill-drain schedule per number of micro-batches (validation may use
         # another n than training), with its own stage objects (stages keep per-n buffers).
@@ -359,7 +362,8 @@ class PipelineRunner:
         if merged:
             if cls not in (Schedule1F1B, ScheduleInterleaved1F1B):
                 raise ValueError(f"parallel.ep_overlap merges 1F1B schedules, not {cls.__name__}")
-            return MergedPairsSchedule(stages, n, loss_fn, interleaved=cls is ScheduleInterleaved1F1B)
+            return MergedPairsSchedule(stages, n, loss_fn, interleaved=cls is ScheduleInterleaved1F1B,
+                                       delay_wgrad=self.delay_wgrad)
         if cls in (ScheduleGPipe, Schedule1F1B):
             return cls(stages[0], n, loss_fn=loss_fn, scale_grads=False)
         return cls(stages, n, loss_fn=loss_fn, scale_grads=False)

@@ -151,7 +151,8 @@ class Planner:
                     allocation: Allocation | None = None) -> "Planner":
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
                    mem=MemoryAssumptions.for_train(cfg.train),
-                   timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none"))
+                   timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
+                                            delay_wgrad=cfg.parallel.delay_wgrad_compute))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:

@@ -83,6 +83,9 @@ class TimingAssumptions:
     only where the schedule interleaves a forward and a backward: pp = 1 or virtual stages),
     ``merged_pairs`` (moetrain's ``parallel.ep_overlap``: each backward merged with the forward
     after it, at any pp with the 1F1B schedules; see :func:`merged_pair_share`).
+    ``delay_wgrad``: with ``merged_pairs``, moetrain's ``parallel.delay_wgrad_compute`` (the
+    backward's weight-gradient GEMMs run after its next all-to-all is issued; see
+    :func:`merged_pair_hidden`).
     ``tp_comm_overlap``: the TP all-gathers / reduce-scatters hide behind the layer's GEMMs
     (Megatron's ``--tp-comm-overlap``; moetrain does not overlap them).
     ``cross_entropy``: ``fused`` — the fp32 softmax cross-entropy reads and writes each logit
@@ -109,6 +112,7 @@ class TimingAssumptions:
     overlap_grad_reduce: bool = True
     overlap_slowdown: float = 0.15
     ep_overlap: str = "none"
+    delay_wgrad: bool = False
     attention_efficiency: float | None = None
     fp8_cast_bytes: float = 5.0
     tp_comm_overlap: bool = False
@@ -156,7 +160,8 @@ def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, s
 
 
 def merged_pair_hidden(dispatch_f: float, combine_f: float, combine_b: float, dispatch_b: float, attn_f: float,
-                       moe_f: float, attn_b: float, moe_b: float) -> tuple[float, float]:
+                       moe_f: float, attn_b: float, moe_b: float, attn_dw: float = 0.0, moe_dw: float = 0.0
+                       ) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE layer's all-to-alls that a merged pair hides
     (``parallel.ep_overlap``, moetrain/parallel/ep_overlap.py), per paired micro-batch.
 
@@ -170,9 +175,15 @@ def merged_pair_hidden(dispatch_f: float, combine_f: float, combine_b: float, di
 
     Megatron-Core's combined 1F1B pairs the same pieces (``TransformerLayerSchedulePlan.run``).
     A transfer longer than its piece shows the rest; the pieces are the layer's, whatever the
-    neighbouring layer's transfers cost."""
+    neighbouring layer's transfers cost.
+
+    With delayed weight gradients (``parallel.delay_wgrad_compute``) the backward computes its
+    deferred weight GEMMs right after issuing each of its transfers, before handing over, so
+    they join the cover of its own transfers: ``attn_dw`` (the attention projections' weight
+    gradients of the layer above, deferred to the combine's backward) in 1 and ``moe_dw`` (the
+    experts') in 3. The pieces of 2 and 4 keep their length: the same work in another order."""
     hf = min(dispatch_f, moe_b) + min(combine_f, attn_b)
-    hb = min(combine_b, attn_f) + min(dispatch_b, moe_f)
+    hb = min(combine_b, attn_f + attn_dw) + min(dispatch_b, moe_f + moe_dw)
     return hf, hb
 
 
@@ -478,7 +489,11 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         t_disp = (ep_all_to_all(sz["ep"] * shape.dispatch_ratio(mem.act_bytes), places["ep"], prof,
                                 shape.expert_copies(ta.moe_imbalance), *shape.dedup_args())[0]
                   if shape.dispatch_fp8 else t_a2a)
-        segments = (t_disp, t_a2a, t_a2a, t_a2a, att_f + core_f, moe_f, att_b + core_b, moe_b)
+        segments: tuple[float, ...] = (t_disp, t_a2a, t_a2a, t_a2a, att_f + core_f, moe_f, att_b + core_b, moe_b)
+        if ta.delay_wgrad:
+            # A weight gradient costs the FLOPs of its forward GEMM. moetrain defers the experts' and,
+            # without tp (its tensor-parallel linears compute theirs at once), the projections'.
+            segments += (att_f if lay.tp == 1 else 0.0, moe_f)
         ep_f, ep_b, ep_hidden = ep_exposed(t_disp + t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
                                            shared_f, shared_b, ta.ep_overlap, lay, m, segments,
                                            prof.ep_overlap_efficiency)
