@@ -17,8 +17,8 @@ returns no gradient for it. The store later computes the dW's and sends them int
 with one ``torch.autograd.backward(weights, dWs)``: the cast's, the shard's and the stacking's
 backward run as they would have, and the gradient accumulates into the parameter the usual way.
 
-No distributed import: the model stays a single-process model; the store is the parallel
-layer's.
+Nothing of moetrain's parallel layer is imported here: the model stays a single-process model
+(DTensor only to recognise tensor-parallel operands), and the store is the parallel layer's.
 """
 
 from __future__ import annotations
@@ -54,10 +54,6 @@ def weight_grads_to(store: WeightGradStore | None) -> Iterator[None]:
         yield
     finally:
         _STORE.reset(token)
-
-
-def current_store() -> WeightGradStore | None:
-    return _STORE.get()
 
 
 def _weight_grad(store: WeightGradStore, weight: torch.Tensor, compute: Callable[[], torch.Tensor]
