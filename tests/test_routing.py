@@ -197,6 +197,25 @@ def test_hierarchical_dispatch_without_limit_and_with_capacity_equals_the_flat_o
     assert 0 < h["inter_node"] < f["inter_node"], (f, h)
 
 
+def pipelined_capture(rank: int, world: int, data: str, run_dir: str, moe: dict) -> list[float]:
+    cfg = tiny_config(data, run_dir, parallel={"pp": 2, "dp": 2, "ep": 2}, moe=moe, model={"layers": 2},
+                      train={"steps": 3, "micro_batch_size": 1})
+    results, _ = steps_with_first_grads(Trainer(cfg, write_files=False), 3)
+    return [r.loss for r in results]
+
+
+def test_hierarchical_dispatch_with_a_pipeline_stage_without_moe_layers(tiny_shards, tmp_path):
+    """Stage 0 holds only the dense first layer: its ranks never build an MoE layer, yet must
+    join the creation of the dispatcher's process groups (collective over all ranks; it hung
+    before). Same losses as the flat dispatcher."""
+    moe = {"first_dense": 1}
+    flat = run_distributed(pipelined_capture, 4, str(tiny_shards), str(tmp_path / "flat"), moe, timeout=120)
+    hier = run_distributed(pipelined_capture, 4, str(tiny_shards), str(tmp_path / "hier"), {**moe, **HIERARCHICAL},
+                           timeout=120)
+    for h, f in zip(hier, flat):  # the sums differ from the flat dispatcher's only in order
+        assert h == pytest.approx(f, rel=1e-5)
+
+
 def test_hierarchical_dispatch_over_uneven_domains_is_refused_before_launch():
     from moetrain.config import ConfigError, load_config
     from moetrain.launch.preflight import check_node_limited

@@ -45,10 +45,10 @@ from moetrain.parallel.context import apply_context_parallel
 from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
 from moetrain.parallel.ep_overlap import (MergedPair, Slot, forward_of, hold_post_backward_for_weight_grads,
                                           queue_at_end_of_backward)
-from moetrain.parallel.expert import apply_expert_parallel
+from moetrain.parallel.expert import apply_expert_parallel, hierarchical_groups
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype, fp8_recipe
-from moetrain.parallel.state import CP, PP, TP, ParallelState
+from moetrain.parallel.state import CP, EP, PP, TP, ParallelState
 from moetrain.parallel.tensor import apply_tensor_parallel, loss_context
 
 
@@ -200,6 +200,10 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
     #    with only that stage's blocks (names stay global); see moetrain.parallel.pipeline.
     parts, stages = pipeline_parts(model, cfg, ps) if ps.size(PP) > 1 else ([model], [0])
 
+    # The hierarchical dispatcher's process groups: created by every rank together (new_group is
+    # collective over all ranks), also where this rank's pipeline stage holds no MoE layer.
+    if ps.world_size > 1 and ps.size(EP) > 1 and cfg.moe.token_dispatcher == "hierarchical":
+        hierarchical_groups(ps)
     fsdp_modules: list = []
     for part in parts:
         # 3. tensor + sequence parallelism: attention / MLP / embedding / head sharded over tp.
