@@ -42,9 +42,8 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
-from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
-from moetrain.parallel.ep_overlap import (MergedPair, Slot, forward_of, hold_post_backward_for_weight_grads,
-                                          queue_at_end_of_backward)
+from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel, gate_post_backward
+from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, hold_for_weight_grads, queue_at_end_of_backward
 from moetrain.parallel.expert import apply_expert_parallel, hierarchical_groups
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype, fp8_recipe
@@ -230,11 +229,12 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
 
     # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
     runner: StepRunner = (PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1
-                          else SingleStageRunner(parts[0], ps, cfg.parallel.ep_overlap, cfg.parallel.delay_wgrad_compute))
+                          else SingleStageRunner(parts[0], ps, cfg.parallel.ep_overlap,
+                                                 cfg.parallel.delay_wgrad_compute))
     if cfg.parallel.delay_wgrad_compute and fsdp_modules:
         # FSDP reduces a group's gradients once its module has its input gradient: with weight
         # gradients deferred past that point, it waits for them (moetrain.parallel.ep_overlap).
-        hold_post_backward_for_weight_grads(fsdp_modules)
+        gate_post_backward(fsdp_modules, hold_for_weight_grads)
     # Gradient sync / resharding per micro-batch (under pp the schedule drives FSDP: pipeline.py)
     if fsdp_modules and ps.size(PP) == 1:
         runner.before_micro_batch = MicroBatchSync(fsdp_modules, cfg.parallel.zero_stage, cfg.parallel.ep_overlap)

@@ -51,6 +51,7 @@ keeps the modules' own casts (:mod:`moetrain.parallel.precision`).
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -178,6 +179,41 @@ class MicroBatchSync:
                 m.set_requires_gradient_sync(last, recurse=False)
             if self.stage in (1, 2) or self.ep_overlap:
                 m.set_reshard_after_backward(last, recurse=False)
+
+
+def gate_post_backward(modules: list[FSDPModule], hold: Callable[[Callable[[], None]], bool]) -> None:
+    """Route the post-backward of every FSDP parameter group of ``modules`` (``fully_shard`` or
+    ``replicate``) through ``hold``: ``hold(run)`` returns True when it takes ``run`` (the
+    group's post-backward, with its arguments) to call later, False to let it run now. Used by
+    ``parallel.delay_wgrad_compute``, whose weight gradients land after FSDP's hook
+    (:func:`moetrain.parallel.ep_overlap.hold_for_weight_grads`).
+
+    An adapter on FSDP2's private parameter groups (``FSDPState._fsdp_param_groups``, torch
+    2.11's ``_fsdp_param_group``): each group's ``post_backward`` is wrapped on the instance, so
+    both FSDP's hook and its end-of-backward callback go through ``hold``. Idempotent.
+
+    Raises:
+        NotImplementedError: this torch's FSDP2 keeps its parameter groups elsewhere.
+    """
+    for module in modules:
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            if not hasattr(state, "_fsdp_param_group"):
+                raise NotImplementedError(f"torch {torch.__version__}'s FSDP2 keeps its parameter groups where "
+                                          f"moetrain does not look (parallel.delay_wgrad_compute)")
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
+            if not getattr(group, "_moetrain_gated", False):
+                group.post_backward = _gated(group.post_backward, hold)
+                group._moetrain_gated = True
+
+
+def _gated(post_backward: Callable[..., None], hold: Callable[[Callable[[], None]], bool]) -> Callable[..., None]:
+    def gate(*args: object) -> None:
+        if not hold(lambda: post_backward(*args)):
+            post_backward(*args)
+    return gate
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ hand-over, so the transfer leaves earlier and travels during the weight GEMMs as
     forward (mb i+1):                                                        └─ experts ...
 
 FSDP2's post-backward of a parameter group waits for the group's deferred gradients
-(:func:`hold_post_backward_for_weight_grads`). Still bit for bit the step without overlap.
+(:func:`hold_for_weight_grads`). Still bit for bit the step without overlap.
 
 What it costs: two micro-batches' activations are alive in a pair (as in Megatron-Core). What it
 needs (refused otherwise by :func:`moetrain.config.validate`): ep > 1, with pp > 1 the 1F1B or
@@ -74,7 +74,7 @@ class TurnTaking:
         self._ending = [False, False]  # in let_other_finish: takes no more turns
         self.events = events
 
-    def _log(self, side: int, what: str) -> None:
+    def log(self, side: int, what: str) -> None:
         if self.events is not None:
             self.events.append((_SIDE_NAMES[side], what))
 
@@ -90,11 +90,11 @@ class TurnTaking:
         with self._cond:
             if self._done[1 - side] or self._ending[1 - side]:
                 return
-            self._log(side, "issue")
+            self.log(side, "issue")
             self._turn = 1 - side
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == side or self._done[1 - side])
-            self._log(side, "resume")
+            self.log(side, "resume")
 
     def let_other_finish(self, side: int) -> None:
         """``side`` has nothing left to overlap: the other side runs to its end, then this
@@ -112,7 +112,7 @@ class TurnTaking:
         """``side`` has ended (also on an error: the other side must not wait for it)."""
         with self._cond:
             self._done[side] = True
-            self._log(side, "done")
+            self.log(side, "done")
             self._turn = 1 - side
             self._cond.notify_all()
 
@@ -168,7 +168,7 @@ class Slot:
                 grads = [compute() for _, compute in pending]
             torch.autograd.backward([w for w, _ in pending], grads)
             if self.turns is not None:
-                self.turns._log(BACKWARD, "wgrad")
+                self.turns.log(BACKWARD, "wgrad")
         owed, self._owed = self._owed, []
         for post_backward in owed:
             post_backward()
@@ -199,43 +199,17 @@ def forward_of(slot: Slot) -> Iterator[None]:
 _deferring: list[Slot] = []
 
 
-def hold_post_backward_for_weight_grads(modules: list) -> None:
-    """Make every FSDP parameter group of ``modules`` (FSDP2 modules: ``fully_shard`` or
-    ``replicate``) run its post-backward — the gradient accumulation or reduce-scatter of its
-    parameters, which FSDP starts when the group's module has its input gradient — only once the
-    weight gradients deferred so far have landed: a post-backward that comes while some are
-    pending is held by the slot and run after its next flush.
-
-    An adapter on FSDP2's private parameter groups (``FSDPState._fsdp_param_groups``, torch
-    2.11's ``_fsdp_param_group``): each group's ``post_backward`` is wrapped on the instance, so
-    both FSDP's hook and its end-of-backward callback go through the gate.
-
-    Raises:
-        NotImplementedError: this torch's FSDP2 keeps its parameter groups elsewhere.
-    """
-    for module in modules:
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            if not hasattr(state, "_fsdp_param_group"):
-                raise NotImplementedError(f"parallel.delay_wgrad_compute: torch {torch.__version__}'s FSDP2 "
-                                          f"keeps its parameter groups where moetrain does not look")
-            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-        for group in groups:
-            if getattr(group, "_moetrain_gated", False):
-                continue
-            group.post_backward = _gated(group.post_backward)
-            group._moetrain_gated = True
-
-
-def _gated(post_backward: Callable[..., None]) -> Callable[..., None]:
-    def gate(*args: object) -> None:
-        slot = _deferring[-1] if _deferring else None
-        if slot is not None and slot.has_pending_weight_grads():
-            slot.owe(lambda: post_backward(*args))
-        else:
-            post_backward(*args)
-    return gate
+def hold_for_weight_grads(post_backward: Callable[[], None]) -> bool:
+    """The hold of :func:`moetrain.parallel.data_parallel.gate_post_backward` for delayed weight
+    gradients: an FSDP parameter group's post-backward — its gradient accumulation or
+    reduce-scatter, which FSDP starts when the group's module has its input gradient — that comes
+    while the backward now running has weight gradients pending is taken (True) and run after
+    that slot's next flush; otherwise (False) it runs at once."""
+    slot = _deferring[-1] if _deferring else None
+    if slot is not None and slot.has_pending_weight_grads():
+        slot.owe(post_backward)
+        return True
+    return False
 
 
 def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
