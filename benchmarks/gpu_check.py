@@ -24,6 +24,11 @@
    against bf16 (the same limits as 1.), step time, speed-up over bf16 and MFU (against the bf16
    peak, as Megatron-Core and TorchTitan report fp8 runs).
 
+7. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
+   steady state (benchmarks/kernel_sweep.py): HBM copy bandwidth, the short-K constant and the
+   large-GEMM efficiency, and the forward GEMMs of Megatron-LM's weak-scaling rows against the
+   planner's prediction; ``--seconds`` per shape (2).
+
 On a machine with no package index (the GPU machines lent to this project carry torch 2.11):
 ``pip install --no-deps -e .``. ``--cpu`` runs the same checks on the CPU (few steps, the CUDA
 sync counter left out) to prove a torch install before a GPU is at hand.
@@ -47,7 +52,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from moetrain.config import load_config  # noqa: E402
 from moetrain.launch.preflight import resolve_vocab  # noqa: E402
@@ -115,10 +120,20 @@ def main() -> int:
     ap.add_argument("--data", default=str(ROOT / "data/demo/shards"))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
+    ap.add_argument("--gemm-sweep", action="store_true",
+                    help="only measure HBM, the short-K sweep and the weak-scaling table's GEMMs (kernel_sweep.py)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="--gemm-sweep: seconds per shape (clocks settle)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.cpu
     if not cuda and not a.cpu:
         print(json.dumps({"skipped": "no CUDA device (--cpu runs the checks on the CPU)"}))
+        return 0
+    if a.gemm_sweep:
+        from kernel_sweep import kernel_sweep
+
+        name = torch.cuda.get_device_name() if cuda else "cpu"
+        res = kernel_sweep(cuda, a.seconds if cuda else min(a.seconds, 0.05), peak_tflops(name) if cuda else None)
+        print(json.dumps({"device": name, "torch": torch.__version__, **res}, indent=1, default=str))
         return 0
     if not (Path(a.data) / "manifest.json").is_file():
         sys.exit(f"no token shards in {a.data}: run `python tools/prepare_demo.py` first")

@@ -36,7 +36,7 @@ from moetrain.topology import load_profile
 
 H100 = load_profile("h100-superpod")
 RATE = H100.peak_tflops * 1e12 * H100.gemm_efficiency
-HBM = H100.hbm_gb_s * 1e9
+HBM = H100.hbm_bandwidth()
 
 
 def _moe(**kw) -> ModelShape:
@@ -232,7 +232,7 @@ def test_fp8_gemms_run_at_the_fp8_peak_after_their_casts():
     m = n = k = 8192
     f16, _ = c.gemm(m, n, k, fp8=False)
     f8, _ = c.gemm(m, n, k)
-    assert f8 == pytest.approx(f16 / 2 + 5.0 * (m * k + k * n) / (H100.hbm_gb_s * 1e9), rel=1e-4)  # 1978.9 vs 2 × 989.4
+    assert f8 == pytest.approx(f16 / 2 + 5.0 * (m * k + k * n) / H100.hbm_bandwidth(), rel=1e-4)  # 1978.9 vs 2 × 989.4
     cfg = load_config("configs/deepseek-v3-like.yaml", ["train.precision=fp8"])
     assert ModelShape.from_config(cfg).fp8_gemms and ModelShape.from_config(cfg).dispatch_fp8
     with pytest.raises(ValueError, match="fp8_peak_tflops"):

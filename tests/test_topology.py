@@ -135,6 +135,17 @@ def test_profile_rejects_an_overlap_efficiency_outside_0_1(tmp_path):
         load_profile(tmp_path / "bad.yaml")
 
 
+@pytest.mark.parametrize("value", [0.0, 1.2])
+def test_profile_rejects_an_hbm_efficiency_outside_0_1(tmp_path, value):
+    raw = load_profile("cpu-local").to_dict()
+    raw.pop("path")
+    raw["hbm_efficiency"] = value
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ProfileError, match=f"hbm_efficiency={value} must lie in"):
+        load_profile(tmp_path / "bad.yaml")
+    assert load_profile("cpu-local").hbm_efficiency == 1.0  # the datasheet where nothing was measured
+
+
 # ---------------------------------------------------------------------------------------------
 # Placement on well-shaped allocations: no rule broken
 # ---------------------------------------------------------------------------------------------

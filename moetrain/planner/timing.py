@@ -27,7 +27,12 @@ Phases of one step on the slowest pipeline rank (all times per micro-batch unles
    micro-batch's backward, the parameter all-gather with the next step's first forward
    (Megatron's overlap_grad_reduce / overlap_param_gather); ZeRO-2 reduce-scatters every
    micro-batch, ZeRO-3 also gathers parameters for every forward and backward.
-5. optimizer: Adam reads and writes 30 bytes per local parameter shard at HBM bandwidth.
+5. optimizer: Adam reads and writes 30 bytes per local parameter shard at HBM bandwidth; the
+   software's passes over the whole gradient buffer (``grad_buffer_bytes`` per local parameter:
+   Megatron-Core zeroes, NaN-checks and pre-scales it) likewise.
+
+Every memory-bound term runs at the profile's achievable HBM bandwidth
+(``ClusterProfile.hbm_bandwidth``: the datasheet × the measured ``hbm_efficiency``).
 """
 
 from __future__ import annotations
@@ -95,6 +100,13 @@ class TimingAssumptions:
     backward that reads the saved softmax, scales it and casts it back (18 bytes).
     ``attention_efficiency``: the attention kernel of that run, when not the profile's
     (FlashAttention-1-era kernels reach 25-40 % of A100 peak, Dao 2023 §1).
+    ``grad_buffer_bytes``: HBM bytes per local parameter per step that the software moves over its
+    whole (unsharded) gradient buffer outside the optimizer. 0 for moetrain (its optimizer sets
+    gradients to None, so no zeroing pass; none other is counted); 16 for Megatron-Core r0.8's DDP with its
+    defaults: ``zero_grad_buffer`` writes the fp32 buffer (4), ``check_for_nan_in_grad``
+    (``--check-for-nan-in-loss-and-grad``, on unless ``--no-…`` is passed) takes each bucket's
+    norm (4) and ``start_grad_sync`` scales it by 1/dp before the reduce-scatter (read + write 8)
+    (``megatron/core/distributed/param_and_grad_buffer.py``, ``Bucket.start_grad_sync``).
     ``fp8_cast_bytes``: HBM bytes per element to quantize a GEMM operand to fp8 with a current
     scale: read it for the amax (2), read it again and write the float8 copy (2 + 1), as
     unfused kernels do (torchao fuses some under torch.compile: an upper bound).
@@ -115,6 +127,7 @@ class TimingAssumptions:
     delay_wgrad: bool = False
     attention_efficiency: float | None = None
     fp8_cast_bytes: float = 5.0
+    grad_buffer_bytes: float = 0.0
     tp_comm_overlap: bool = False
     cross_entropy: str = "fused"
 
@@ -295,7 +308,7 @@ class _Compute:
         self.act_bytes = act_bytes
         self.grad_bytes = grad_bytes
         self.rate = prof.peak_tflops * 1e12 * prof.gemm_efficiency
-        self.hbm = prof.hbm_gb_s * 1e9
+        self.hbm = prof.hbm_bandwidth()
         if shape.fp8_gemms and not prof.fp8_peak_tflops:
             raise ValueError(f"profile {prof.name!r} has no fp8_peak_tflops (no FP8 tensor cores): plan it with "
                              f"train.precision bf16, or give the profile fp8_peak_tflops")
@@ -596,9 +609,11 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     # 5. optimizer
     shard_d = lay.dp * lay.cp if z >= 1 else 1
     shard_e = lay.expert_shard if z >= 1 else 1
-    t_opt = ta.adam_bytes * (dense_p / shard_d + expert_p / shard_e) / (prof.hbm_gb_s * 1e9)
+    t_opt = ta.adam_bytes * (dense_p / shard_d + expert_p / shard_e) / prof.hbm_bandwidth()
+    # passes over the whole (unsharded) gradient buffer, on the compute stream, once a step
+    t_grad = ta.grad_buffer_bytes * (dense_p + expert_p) / prof.hbm_bandwidth()
 
-    step = t_pipe + dp_exposed + overlap_cost + t_opt
+    step = t_pipe + dp_exposed + overlap_cost + t_opt + t_grad
     useful = m * (t_f + t_b)
     scale = useful / (t_f + t_b) if t_f + t_b else 0.0  # = m
     bd = {
@@ -614,6 +629,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         "dp_comm_exposed": dp_exposed,
         "overlap_slowdown": overlap_cost,
         "optimizer": t_opt,
+        "grad_buffer": t_grad,
     }
     tokens = global_batch * shape.seq_len
     model_flops = tokens * shape.model_flops_per_token()

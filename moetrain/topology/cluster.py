@@ -76,7 +76,10 @@ class ClusterProfile:
     clocks under the power cap). ``attention_efficiency``: the same for the fused attention
     kernel. ``fp8_peak_tflops``: dense FP8 tensor-core peak per GPU (``null``: no FP8 tensor
     cores, e.g. A100); ``fp8_gemm_efficiency``: the fraction of it a large FP8 GEMM sustains
-    (``null``: ``gemm_efficiency``). ``memory_gib``: device memory as the driver reports it;
+    (``null``: ``gemm_efficiency``). ``hbm_gb_s``: datasheet HBM bandwidth, GB/s;
+    ``hbm_efficiency``: the fraction of it a streaming kernel reaches (a device-to-device copy,
+    bytes read + written; 1.0 where not measured): what every memory-bound term of the planner
+    runs at. ``memory_gib``: device memory as the driver reports it;
     ``reserved_gib``: what the CUDA context, NCCL buffers, cuBLAS workspaces and allocator
     fragmentation take from it. ``ep_overlap_efficiency``: the share of the ideal all-to-all
     hiding of ``parallel.ep_overlap`` (the planner's ``merged_pairs`` pieces,
@@ -102,6 +105,7 @@ class ClusterProfile:
     attention_efficiency: float = 0.45
     fp8_peak_tflops: float | None = None
     fp8_gemm_efficiency: float | None = None
+    hbm_efficiency: float = 1.0
     nvlink_efficiency: float = 0.80
     network_efficiency: float = 0.90
     nvlink_latency_us: float = 5.0
@@ -126,6 +130,10 @@ class ClusterProfile:
         if tier == "spine":
             return self.spine_gb_s * 1e9 * self.network_efficiency
         raise ValueError(f"tier {tier!r}: not one of nvlink, rail, spine")
+
+    def hbm_bandwidth(self) -> float:
+        """Achievable HBM bandwidth per GPU, bytes/s (datasheet × ``hbm_efficiency``)."""
+        return self.hbm_gb_s * 1e9 * self.hbm_efficiency
 
     def latency(self, tier: str) -> float:
         """Latency of one collective step on ``tier``, seconds."""
@@ -167,6 +175,9 @@ def _profile_from_dict(raw: dict[str, Any], where: str) -> ClusterProfile:
               "nvlink_gb_s", "rail_gb_s", "spine_gb_s"):
         if getattr(prof, k) <= 0:
             raise ProfileError(f"{where}: {k}={getattr(prof, k)!r} must be positive")
+    if not 0 < prof.hbm_efficiency <= 1:
+        raise ProfileError(f"{where}: hbm_efficiency={prof.hbm_efficiency!r} must lie in (0, 1] "
+                           "(the measured share of hbm_gb_s a device-to-device copy reaches)")
     if not 0 <= prof.ep_overlap_efficiency <= 1:
         raise ProfileError(f"{where}: ep_overlap_efficiency={prof.ep_overlap_efficiency!r} must lie in [0, 1] "
                            "(the measured share of the ideal hiding)")
