@@ -132,7 +132,7 @@ def main() -> int:
         from kernel_sweep import kernel_sweep
 
         name = torch.cuda.get_device_name() if cuda else "cpu"
-        res = kernel_sweep(cuda, a.seconds if cuda else min(a.seconds, 0.05), peak_tflops(name) if cuda else None)
+        res = kernel_sweep(cuda, a.seconds if cuda else min(a.seconds, 0.05), name, peak_tflops(name) if cuda else None)
         print(json.dumps({"device": name, "torch": torch.__version__, **res}, indent=1, default=str))
         return 0
     if not (Path(a.data) / "manifest.json").is_file():

@@ -286,12 +286,11 @@ def test_megatron_core_weak_scaling_table_is_held(published_rows, monkeypatch):
     assert len(rows) == 9 and all(r["held"] for r in rows.values())
     errors = [abs(r["error"]) for r in rows.values()]
     assert max(errors) <= 0.20 and statistics.median(errors) <= 0.12, [(k, r["error"]) for k, r in rows.items()]
-    # each of the two terms is needed: without the gradient-buffer passes 7.1B and 70B are above
-    # 20 % again, without the HBM efficiency 70B (the margins are small: 20.9, 20.8 and 20.1 %)
+    # each of the two terms is needed: without either some row is above 20 % again (today: without
+    # the gradient-buffer passes 7.1B and 70B, 20.9 and 20.8 %; without the HBM efficiency 70B, 20.1 %)
     mlm = [e for e in published.PUBLISHED if e.key.startswith("megatron-core-r0.8-")]
     plan = published._planner
-    for drop, over in (("grad_buffer", {"megatron-core-r0.8-7.1b", "megatron-core-r0.8-70b"}),
-                       ("hbm", {"megatron-core-r0.8-70b"})):
+    for drop in ("grad_buffer", "hbm"):
         def without(entry, drop=drop):
             planner = plan(entry)
             if drop == "hbm":
@@ -300,12 +299,13 @@ def test_megatron_core_weak_scaling_table_is_held(published_rows, monkeypatch):
                 planner.timing = dataclasses.replace(planner.timing, grad_buffer_bytes=0.0)
             return planner
         monkeypatch.setattr(published, "_planner", without)
-        assert {e.key for e in mlm if published.predict(e)["error"] > 0.20} == over, drop
+        assert any(published.predict(e)["error"] > 0.20 for e in mlm), drop
 
 
 def test_grad_buffer_passes_and_hbm_efficiency_cost_what_they_should():
-    """grad_buffer_bytes moves that many bytes per local parameter once a step (tp shards them);
-    hbm_efficiency slows every memory-bound term by its inverse and nothing compute-bound."""
+    """grad_buffer_bytes moves that many bytes per local parameter once a step (tp shards them;
+    a negative count is refused); hbm_efficiency slows the memory-bound terms (elementwise
+    kernels, optimizer) by its inverse and leaves communication alone."""
     import dataclasses
 
     from moetrain.planner.published import model_shape
@@ -329,6 +329,8 @@ def test_grad_buffer_passes_and_hbm_efficiency_cost_what_they_should():
     for key in ("elementwise", "optimizer"):
         assert plain.breakdown[key] == pytest.approx(datasheet.breakdown[key] / 0.9, rel=1e-9), key
     assert plain.breakdown["tp_comm"] == datasheet.breakdown["tp_comm"]
+    with pytest.raises(ValueError, match="grad_buffer_bytes"):
+        TimingAssumptions(grad_buffer_bytes=-4.0)
 
 
 def test_megatron_software_facts_cost_what_they_should():

@@ -383,6 +383,7 @@ def predict(entry: Published) -> dict[str, Any]:
         return out | {"predicted": None, "error": None, "layout": None, "note": entry.note or "no layout fits"}
     predicted = getattr(best, entry.metric)
     out |= {"predicted": round(predicted, 1), "error": predicted / entry.value - 1, "layout": best.layout.short(),
+            "mbs": best.layout.mbs,
             "mfu": best.mfu, "fits": best.fits, "memory_gib": round(best.memory_gib, 1),
             "capacity_gib": round(best.capacity_gib, 1)}
     if entry.metric == "tflops_per_gpu" and not planner.shape.is_moe:

@@ -32,7 +32,7 @@ Phases of one step on the slowest pipeline rank (all times per micro-batch unles
    Megatron-Core zeroes, NaN-checks and pre-scales it) likewise.
 
 Every memory-bound term runs at the profile's achievable HBM bandwidth
-(``ClusterProfile.hbm_bandwidth``: the datasheet × the measured ``hbm_efficiency``).
+(``ClusterProfile.hbm_bandwidth``: the datasheet × the profile's ``hbm_efficiency``).
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ class TimingAssumptions:
             raise ValueError(f"cross_entropy {self.cross_entropy!r}: use fused or unfused")
         if self.ep_overlap not in EP_OVERLAP:
             raise ValueError(f"ep_overlap {self.ep_overlap!r}: use one of {', '.join(EP_OVERLAP)}")
+        if self.grad_buffer_bytes < 0:
+            raise ValueError(f"grad_buffer_bytes {self.grad_buffer_bytes!r}: bytes per parameter, 0 or more")
 
 
 def ep_exposed(a2a_f: float, a2a_b: float, compute_f: float, compute_b: float, shared_f: float, shared_b: float,
