@@ -275,7 +275,7 @@ def test_published_results_within_tolerance(published_rows):
 def test_megatron_core_weak_scaling_table_is_held(published_rows, monkeypatch):
     """The Megatron-LM README's H100 table of dense GPTs, 1.7B to 462B (issue 21 held it back while
     its smallest rows came out 22-33 % too fast): held now, every row within 20 %. What closed the
-    gap (docs/topology.md §5): the H100's measured HBM efficiency and Megatron-Core r0.8's passes
+    gap (docs/topology.md §5): the H100's reported HBM efficiency and Megatron-Core r0.8's passes
     over its gradient buffer; without either, a row is above 20 % again."""
     import dataclasses
     import statistics
