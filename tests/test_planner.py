@@ -302,15 +302,10 @@ def test_megatron_core_weak_scaling_table_is_held(published_rows, monkeypatch):
         assert any(published.predict(e)["error"] > 0.20 for e in mlm), drop
 
 
-def test_grad_buffer_passes_and_hbm_efficiency_cost_what_they_should():
-    """grad_buffer_bytes moves that many bytes per local parameter once a step (tp shards them;
-    a negative count is refused); hbm_efficiency slows the memory-bound terms (elementwise
-    kernels, optimizer) by its inverse and leaves communication alone."""
-    import dataclasses
-
+def _megatron_1p7b_tp2():
+    """(shape, layout, places, profile): the weak-scaling table's 1.7B shape at tp2 + SP, dp8 on
+    the H100 profile, one NVLink tp group and a rail dp group."""
     from moetrain.planner.published import model_shape
-    from moetrain.planner.timing import TimingAssumptions, step_time
-    from moetrain.planner.traffic import AxisPlace
 
     shape = model_shape(24, 2048, 16, 131072, 4096, ffn=8192, mlp_matrices=2)
     lay = Layout(tp=2, pp=1, dp=8, zero=1, mbs=1, sp=True)
@@ -318,6 +313,18 @@ def test_grad_buffer_passes_and_hbm_efficiency_cost_what_they_should():
     places = {"tp": AxisPlace(2, "nvlink", 2), "cp": none, "pp": none, "dp_cp": AxisPlace(8, "rail", 1),
               "ep": none, "edp": none, "edp_tp": none}
     prof = load_profile("h100-superpod")
+    return shape, lay, places, prof
+
+
+def test_grad_buffer_passes_and_hbm_efficiency_cost_what_they_should():
+    """grad_buffer_bytes moves that many bytes per local parameter once a step (tp shards them;
+    a negative count is refused); hbm_efficiency slows the memory-bound terms (elementwise
+    kernels, optimizer) by its inverse and leaves communication alone."""
+    import dataclasses
+
+    from moetrain.planner.timing import TimingAssumptions, step_time
+
+    shape, lay, places, prof = _megatron_1p7b_tp2()
     assert prof.hbm_efficiency == 0.90 and prof.hbm_bandwidth() == pytest.approx(3350e9 * 0.9)
     plain = step_time(shape, lay, 64, prof, places)
     passes = step_time(shape, lay, 64, prof, places, ta=TimingAssumptions(grad_buffer_bytes=16.0))
@@ -336,16 +343,9 @@ def test_grad_buffer_passes_and_hbm_efficiency_cost_what_they_should():
 def test_megatron_software_facts_cost_what_they_should():
     """tp_comm_overlap hides the TP collectives behind the layer's GEMMs; the unfused cross-entropy
     moves 56 instead of 24 bytes per logit; both are refused when misspelt."""
-    from moetrain.planner.published import model_shape
     from moetrain.planner.timing import TimingAssumptions, step_time
-    from moetrain.planner.traffic import AxisPlace
 
-    shape = model_shape(24, 2048, 16, 131072, 4096, ffn=8192, mlp_matrices=2)
-    lay = Layout(tp=2, pp=1, dp=8, zero=1, mbs=1, sp=True)
-    none = AxisPlace(1, "none", 1)
-    places = {"tp": AxisPlace(2, "nvlink", 2), "cp": none, "pp": none, "dp_cp": AxisPlace(8, "rail", 1),
-              "ep": none, "edp": none, "edp_tp": none}
-    prof = load_profile("h100-superpod")
+    shape, lay, places, prof = _megatron_1p7b_tp2()
     plain = step_time(shape, lay, 64, prof, places)
     overlapped = step_time(shape, lay, 64, prof, places, ta=TimingAssumptions(tp_comm_overlap=True))
     assert plain.breakdown["tp_comm"] > 0 and overlapped.breakdown["tp_comm"] < 0.2 * plain.breakdown["tp_comm"]
