@@ -34,6 +34,7 @@ __all__ = [
     "MoEConfig",
     "ParallelConfig",
     "DataConfig",
+    "BlendSource",
     "TrainConfig",
     "CheckpointConfig",
     "LaunchConfig",
@@ -342,25 +343,75 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """``path``: directory holding ``manifest.json`` and token shards (written by
-    ``tools/tokenize_corpus.py``). ``verify``: checked before training, each rank checking a
-    disjoint share of the files (about 1/ranks of the bytes) and one collective agreeing on the
-    result: ``sha256`` checks every shard's checksum once per content — a shard whose size and
-    mtime match a verified entry of the cache (``<path>/.moetrain-verified.json``, or
-    ``<run.dir>/verified-shards.json`` when the data directory is read-only) is not read again —
-    ``size`` only lengths (instant; catches truncation, not altered bytes).
-    ``val_batches``: validation micro-batches per evaluation. ``document_mask``: attention stays
-    inside each document of a packed sample (documents as the shards' index records them)
-    instead of seeing the end of the previous one. ``reset_position_ids``: with
-    ``document_mask``, RoPE positions restart at 0 at every document start (Megatron's
-    ``--reset-position-ids``)."""
+class BlendSource:
+    """One source of ``data.blend``: a shard directory and its share of the samples."""
 
-    path: str = "data/demo/shards"
+    path: str = ""
+    """A shard directory (``manifest.json`` and token shards) written by
+    ``tools/tokenize_corpus.py`` or ``tools/import_megatron.py``."""
+    weight: float = 1.0
+    """Relative share of the training samples drawn from this source (> 0); the weights of a blend
+    are normalised to sum to 1 (Megatron-LM's ``--data-path 0.3 web 0.7 code``)."""
+    name: str | None = None
+    """The source's name in metrics (``consumed_samples_by_source``, ``val_loss_by_source``) and
+    checkpoints; ``null``: the directory's name. Unique within a blend."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name if self.name is not None else Path(self.path.rstrip("/")).name
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training data: one shard directory (``path``) or a weighted blend of several
+    (``blend``), how it is checked, and how samples are masked. The sample order is
+    :mod:`moetrain.data.order`'s; the blend's, :mod:`moetrain.data.blend`'s."""
+
+    path: str | None = None
+    """One shard directory (``manifest.json`` and token shards, from ``tools/tokenize_corpus.py``
+    or ``tools/import_megatron.py``): the one-source case of ``blend``. Unset (``null``) when
+    ``blend`` is given."""
+    blend: tuple[BlendSource, ...] = ()
+    """Several sources mixed by weight, e.g. ``[{path: data/web, weight: 0.7}, {path: data/code,
+    weight: 0.3, name: code}]`` (:class:`BlendSource`). Every source must share the tokenizer,
+    vocabulary and token dtype; each draws its own samples in its own order and starts a new
+    (reshuffled) epoch when it runs out."""
     verify: Literal["sha256", "size"] = "sha256"
+    """Checked before training, each rank a disjoint share of the files (about 1/ranks of the
+    bytes) and one collective agreeing: ``sha256`` every shard's checksum once per content (a
+    shard whose size and mtime match a verified entry of the cache, ``<path>/.moetrain-verified.json``
+    or, when the data directory is read-only, ``<run.dir>/verified-shards.json`` for ``path`` and
+    ``<run.dir>/verified-shards-<name>.json`` for a blend's source, is not read again); ``size``
+    only the lengths (instant; catches truncation, not altered bytes)."""
     val_batches: int = 4
+    """Validation micro-batches per evaluation, per source."""
     document_mask: bool = False
+    """Attention stays inside each document of a packed sample (documents as the shards' index
+    records them) instead of seeing the end of the previous one."""
     reset_position_ids: bool = False
+    """With ``document_mask``: RoPE positions restart at 0 at every document start (Megatron's
+    ``--reset-position-ids``)."""
+    max_open_maps: int = 256
+    """Files (token shards, loss masks, document indexes) each rank keeps memory-mapped at once,
+    least recently used out first; each also holds a file descriptor, so stay below
+    ``ulimit -n`` and ``vm.max_map_count`` (:class:`~moetrain.data.reader.MapCache`)."""
+    loss_mask: bool = False
+    """Train only the tokens the data's loss mask marks (fine-tuning data written by
+    ``tools/tokenize_corpus.py --chat``: assistant / completion tokens); the loss is the mean
+    over the trained tokens of the whole global batch, the same in every layout."""
+
+    def sources(self) -> list[BlendSource]:
+        """The sources as a blend: ``path`` as one source of weight 1, or ``blend``.
+
+        Raises:
+            ConfigError: neither is set (checked where data is read, so that the planner and the
+                rank map need none).
+        """
+        if self.path is None and not self.blend:
+            raise field_error("data.path", None, "no training data: neither data.path nor data.blend is set",
+                              "set data.path to a shard directory (tools/tokenize_corpus.py --out DIR) or list "
+                              "sources in data.blend")
+        return [BlendSource(path=self.path)] if self.path is not None else list(self.blend)
 
 
 @dataclass(frozen=True)
@@ -763,6 +814,8 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 def to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {_key(f): to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(x) for x in obj]
     return obj
 
 
@@ -1168,14 +1221,36 @@ def _check_train(cfg: Config, device: str | None) -> None:
 
 
 def _check_data(cfg: Config, device: str | None) -> None:
-    data, pp = cfg.data, cfg.parallel.pp
-    _bounds(cfg, "data", non_negative="val_batches")
+    data = cfg.data
+    _bounds(cfg, "data", non_negative="val_batches", positive="max_open_maps")
+    if data.path is not None and data.blend:
+        raise field_error("data.path", data.path, "set together with data.blend; a blend lists every source",
+                          "remove data.path (or add it to data.blend as one more source)")
+    if data.path is not None and not data.path.strip():
+        raise field_error("data.path", data.path, "an empty path", "give a shard directory")
+    seen: dict[str, int] = {}
+    for i, src in enumerate(data.blend):
+        if not src.path.strip():
+            raise field_error(f"data.blend[{i}].path", src.path, "every source needs a shard directory",
+                              "write `{path: DIR, weight: W}`")
+        if not (src.weight > 0 and math.isfinite(src.weight)):
+            raise field_error(f"data.blend[{i}].weight", src.weight, "a weight must be a positive number",
+                              "give the source's relative share, e.g. 0.3, or remove the source")
+        name = src.resolved_name
+        if not name or name in (".", ".."):
+            raise field_error(f"data.blend[{i}].name", src.name, f"no usable name from the path {src.path!r}",
+                              "give the source a name")
+        if name in seen:
+            raise field_error(f"data.blend[{i}].name", name, f"the same name as data.blend[{seen[name]}]; metrics "
+                              "and checkpoints count samples by source name", "give one of them another `name`")
+        seen[name] = i
     if data.reset_position_ids and not data.document_mask:
         raise field_error("data.reset_position_ids", True, "positions restart per document only with document masking",
                           "set data.document_mask=true as well, or reset_position_ids=false")
-    if device and data.document_mask and pp > 1:
-        raise field_error("data.document_mask", True, f"not supported with parallel.pp = {pp} yet (the document ids "
-                          "would have to travel between stages)", "set document_mask=false or pp=1")
+    if data.loss_mask and cfg.model.mtp_depth:
+        raise field_error("data.loss_mask", True, f"not supported with model.mtp_depth = {cfg.model.mtp_depth} yet "
+                          "(the MTP modules read their input tokens from the masked targets)",
+                          "set model.mtp_depth=0 for fine-tuning with a loss mask, or data.loss_mask=false")
 
 
 def _check_checkpoint(cfg: Config, device: str | None) -> None:

@@ -130,7 +130,9 @@ def format_metrics(rec: dict, total: int) -> str:
     parts = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}", f"aux {rec['aux_loss']:.3f}",
              f"lr {rec['lr']:.2e}", f"{rec.get('tokens_per_s', 0):.0f} tok/s"]
     if "val_loss" in rec:
-        parts.append(f"val {rec['val_loss']:.4f}")
+        by_source = rec.get("val_loss_by_source") or {}
+        detail = f" ({', '.join(f'{n} {v:.4f}' for n, v in by_source.items())})" if len(by_source) > 1 else ""
+        parts.append(f"val {rec['val_loss']:.4f}{detail}")
     if "elapsed_s" in rec:
         parts.append(f"{format_duration(rec['elapsed_s'])} elapsed, eta {format_duration(rec.get('eta_s'))}")
     return " | ".join(parts)
@@ -146,6 +148,11 @@ def format_event(e: dict) -> str | None:
     if kind == "schedule_changed":
         return (f"the learning-rate schedule differs from the one steps 1-{e.get('step')} were trained with "
                 f"({e.get('changed')}){e.get('hint', '')}")
+    if kind == "data_epoch":
+        return (f"data source {e.get('source')!r} ran through its {e.get('samples'):,} samples in step {e.get('step')}: "
+                f"epoch {e.get('epoch')} begins, reshuffled")
+    if kind == "data_changed":
+        return f"the data differs from what steps 1-{e.get('step')} were trained with: {e.get('changed')}"
     if kind == "restart":
         return (f"restarting from the latest complete checkpoint (restart {e.get('restart')} of "
                 f"{e.get('max_restarts')}): {e.get('cause')}")

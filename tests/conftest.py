@@ -17,10 +17,11 @@ os.environ.setdefault("MOETRAIN_FAULT_HOOK", f"{Path(__file__).resolve().parent 
 
 
 class ByteTokenizer:
-    """Bytes as tokens (ids 0-255) plus EOS 256: a real, lossless tokenizer with no files."""
+    """Bytes as tokens (ids 0-255) plus EOS 256: a real, lossless tokenizer with no files; no BOS."""
 
     vocab_size = 257
     eos_id = 256
+    bos_id = None
     identity = {"name": "bytes", "vocab_size": 257, "sha256": hashlib.sha256(b"bytes-v1").hexdigest()}
 
     def encode_batch(self, texts):

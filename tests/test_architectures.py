@@ -104,12 +104,15 @@ def assert_layout_matches(arch: str, parallel: dict, data_section: dict, shards,
             assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: MTP loss {a} vs single-process {b}"
 
 
-# Document masks (several short documents per sample) under ring attention: MLA's narrower
+# Document masks (several short documents per sample) under ring attention and across pipeline
+# stages: MLA's narrower
 # values and the sliding window with sinks cross the chunk and document boundaries. The
 # recomputation options: MLA's up-projections only (Megatron-Core's mla_up_proj) and full.
 EXTRA = [
     ("deepseek_v3", {"cp": 2, "ep": 2}, True),
     ("gpt_oss", {"cp": 2, "dp": 2, "ep": 2}, True),
+    # Under pipeline parallelism the document ids reach every stage (a keyword argument).
+    ("glm4_moe", {"pp": 2, "dp": 2, "ep": 2}, True),
     ("deepseek_v3", {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "mla_up_proj"}, False),
     ("deepseek_v3", {"dp": 2, "ep": 2, "zero_stage": 3, "activation_checkpointing": "full"}, False),
 ]

@@ -269,12 +269,16 @@ def test_document_mask_changes_training(doc_reference, short_doc_shards, tmp_pat
     ({"moe": {"expert_backend": "megablocks"}}, "cpu", "CUDA only"),
     ({"moe": {"expert_backend": "megablocks"}, "train": {"precision": "bf16"}}, "cuda", "not installed"),
     ({"moe": {"expert_backend": "grouped_mm"}}, "cuda", "bf16"),
-    ({"data": {"document_mask": True}, "parallel": {"pp": 2}, "model": {"layers": 4}}, "cpu", "data.document_mask"),
 ])
 def test_unsupported_backends_are_refused(sections, device, field, tmp_path):
     cfg = tiny_config(tmp_path, tmp_path, **sections)
     with pytest.raises(ConfigError, match=field):
         check_supported(cfg, device)
+
+
+def test_loss_mask_is_refused_with_multi_token_prediction(tmp_path):
+    with pytest.raises(ConfigError, match="data.loss_mask.*mtp_depth"):
+        tiny_config(tmp_path, tmp_path, data={"loss_mask": True}, model={"mtp_depth": 1})
 
 
 def test_reset_positions_need_the_mask(tmp_path):

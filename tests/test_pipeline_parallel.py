@@ -61,7 +61,8 @@ def run_layouts(rank: int, world: int, data: str, run_dir: str, cases: list[dict
         if case.get("save"):
             trainer.save_checkpoint()
         out.append({"start": start, "losses": [r.loss for r in results], "aux": [r.aux_loss for r in results],
-                    "z": [r.z_loss for r in results], "grads": captured, "val": [val_before, trainer.evaluate()]})
+                    "z": [r.z_loss for r in results], "grads": captured,
+                    "val": [val_before[0], trainer.evaluate()[0]]})
     return out
 
 

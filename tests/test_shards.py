@@ -27,7 +27,7 @@ class CharTokenizer:
     """One id per character (ord + 1), EOS 0: trivially invertible, any vocab size."""
 
     def __init__(self, vocab_size: int = 300):
-        self.vocab_size, self.eos_id = vocab_size, 0
+        self.vocab_size, self.eos_id, self.bos_id = vocab_size, 0, None
         self.identity = {"name": f"chars-{vocab_size}", "vocab_size": vocab_size,
                          "sha256": hashlib.sha256(f"chars-{vocab_size}".encode()).hexdigest()}
 

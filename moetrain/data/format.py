@@ -11,15 +11,17 @@ Layout of a shard directory (written by :class:`~moetrain.data.writer.ShardWrite
     train_00001.bin ...
     val_00000.bin / .idx the validation split, same format
 
-Every document is followed by one EOS token. Shards are cut at exactly ``shard_tokens`` tokens
-(the last shard of a split is shorter), so a document may run on from one shard into the next;
-the ``.idx`` of the next shard then does not list it.
+Every document is ``[BOS] + text + EOS``: one EOS token after it and, when the tokenizer's family
+starts documents with one (``bos_id`` not null: Llama 3, Mixtral, DeepSeek-V3), one BOS token
+before it (:mod:`moetrain.data.tokenizer` says how both are chosen). Shards are cut at exactly
+``shard_tokens`` tokens (the last shard of a split is shorter), so a document may run on from
+one shard into the next; the ``.idx`` of the next shard then does not list it.
 
 ``manifest.json`` (``format_version`` 1)::
 
     {
       "format": "moetrain-token-shards", "format_version": 1,
-      "dtype": "uint16", "vocab_size": 8192, "eos_id": 0,
+      "dtype": "uint16", "vocab_size": 8192, "eos_id": 0, "bos_id": null,
       "tokenizer": {"name": ..., "vocab_size": ..., "sha256": ...},
       "shard_tokens": 134217728,
       "val_split": {"rule": "every_kth", "k": 100, "description": ...},
@@ -43,8 +45,23 @@ the range), ``first_document`` (documents before it), ``tokens`` and ``documents
 the directory or absolute, so a manifest can describe Megatron files where they already are.
 ``dtype`` is any integer dtype Megatron writes (``uint16``, ``int32``, ...); ``shard_tokens`` is
 ``null``. Version-1 readers refuse it (they would misread the ``.idx``); this one reads both.
-Written by the corpus pipeline, a manifest also has ``"skipped_documents": {"total",
-"by_reason", "log"}`` (``log``: ``skipped_documents.jsonl`` beside it, a sample of locations).
+``bos_id`` is absent from manifests written before it was recorded; :func:`read_manifest` reads
+those as ``null`` (they never had a BOS). Written by the corpus pipeline, a manifest also has
+``"skipped_documents": {"total", "by_reason", "log"}`` (``log``: ``skipped_documents.jsonl``
+beside it, a sample of locations).
+
+Fine-tuning data (``tools/tokenize_corpus.py --chat``, :mod:`moetrain.data.chat`) adds, in the
+version-1 layout only::
+
+    "loss_mask": true,                   every shard has a train_NNNNN.mask: one uint8 per token,
+                                         1 where the token is trained as a target
+    "packed": {"seq_len": 4096, "pad_id": 2, "padding_tokens": {"train": ..., "val": ...}},
+    shard entries: ..., "mask_name": "train_00000.mask", "mask_bytes": ..., "mask_sha256": ...
+
+``packed``: the records were packed into blocks of ``seq_len + 1`` tokens, padded with
+``pad_id`` (masked out, each padding run a document of its own in the ``.idx`` and in the
+documents counts), and shards hold whole blocks: such data trains at that ``model.seq_len`` only
+(``moetrain.data.sources`` refuses another before launch).
 """
 
 from __future__ import annotations
@@ -77,10 +94,17 @@ class ShardError(ValueError):
 
 
 class TokenizerLike(Protocol):
-    """What :func:`~moetrain.data.writer.write_shards` needs of a tokenizer (``TextTokenizer`` has it)."""
+    """What :func:`~moetrain.data.writer.write_shards` needs of a tokenizer (``TextTokenizer`` has it).
+
+    ``eos_id`` ends every document; ``bos_id`` starts every document, ``None`` for no BOS;
+    ``identity`` is ``{"name", "vocab_size", "sha256"}``, where ``sha256`` changes whenever the
+    ids of a document would (BOS / EOS included); ``encode_batch`` gives each text's ids without
+    BOS or EOS.
+    """
 
     vocab_size: int
     eos_id: int
+    bos_id: int | None
     identity: dict
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
@@ -116,6 +140,7 @@ def _megatron_hint(path: Path) -> str | None:
 
 def read_manifest(path: str | os.PathLike) -> dict:
     """Read and check ``<path>/manifest.json`` (format, version, keys); no shard file is opened.
+    A manifest without ``bos_id`` (written before it was recorded) gets ``"bos_id": None``.
 
     Raises:
         ShardError: directory or manifest missing (with a hint when ``path`` is a Megatron
@@ -149,6 +174,7 @@ def read_manifest(path: str | os.PathLike) -> dict:
         missing.append("index_format: megatron")
     if missing or manifest["dtype"] not in dtypes:
         raise ShardError(f"{mpath}: malformed (missing {missing} or bad dtype). {fix_hint(directory)}")
+    manifest.setdefault("bos_id", None)
     return manifest
 
 

@@ -240,8 +240,8 @@ def _scan_bin(path: Path, dtype: np.dtype, bar) -> tuple[str, int]:
 
 
 def import_megatron(train: list[str | os.PathLike], out_dir: str | os.PathLike, *, vocab_size: int, eos_id: int,
-                    tokenizer_identity: dict, val: list[str | os.PathLike] = (), val_last_docs: int = 0,
-                    progress: bool = True) -> dict:
+                    tokenizer_identity: dict, bos_id: int | None = None, val: list[str | os.PathLike] = (),
+                    val_last_docs: int = 0, progress: bool = True) -> dict:
     """Describe existing Megatron-LM datasets with a shard manifest (format version 2), in place.
 
     No token is copied: ``<out_dir>/manifest.json`` lists the ``.bin/.idx`` files where they are
@@ -253,6 +253,8 @@ def import_megatron(train: list[str | os.PathLike], out_dir: str | os.PathLike, 
             ``.bin`` or ``.idx`` path works too), one shard each, in this order.
         vocab_size, eos_id, tokenizer_identity: the tokenizer the data was written with (the
             model's vocabulary comes from here; every id must be below ``vocab_size``).
+        bos_id: the id that starts each document when the data was written with one (Megatron's
+            tokenizers add it for Llama-family models), else ``None``; recorded, not checked.
         val: prefixes of the validation split, or
         val_last_docs: hold out the last N documents of the last train prefix (Megatron's own
             ``--split`` also puts validation after training).
@@ -315,7 +317,8 @@ def import_megatron(train: list[str | os.PathLike], out_dir: str | os.PathLike, 
             sh.pop("_starts")
     manifest = {
         "format": FORMAT_NAME, "format_version": MEGATRON_FORMAT_VERSION, "index_format": "megatron",
-        "dtype": dtypes.pop(), "vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": dict(tokenizer_identity),
+        "dtype": dtypes.pop(), "vocab_size": vocab_size, "eos_id": eos_id, "bos_id": bos_id,
+        "tokenizer": dict(tokenizer_identity),
         "shard_tokens": None, "val_split": rule, "sources": [str(p) for _, p in prefixes],
         "total_tokens": sum(sh["tokens"] for s in splits.values() for sh in s),
         "total_documents": sum(sh["documents"] for s in splits.values() for sh in s),

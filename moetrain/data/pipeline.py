@@ -5,10 +5,11 @@ A :class:`TokenizeJob` runs in three phases:
 1. **plan** — the inputs become input units (:func:`moetrain.data.corpus.plan_units`: whole
    files, byte ranges of large ``.jsonl``, row-group ranges of large ``.parquet``). A unit's
    *key* hashes the unit (file, range, size, mtime) and every setting that changes its tokens
-   (tokenizer sha256, text key, ``on_bad_document``, token dtype).
+   (tokenizer sha256 — which covers the BOS / EOS framing —, EOS and BOS ids, text key,
+   ``on_bad_document``, token dtype).
 2. **tokenize** — each unit, in any process, on any node, in any order, is read, encoded and
-   written to ``<out>/.tokenize/parts/<key>.tokens`` (its documents' ids, EOS after each, back
-   to back) and ``<key>.lengths`` (int64 tokens per document), then its completion record
+   written to ``<out>/.tokenize/parts/<key>.tokens`` (its documents' ids, each ``[BOS] + text +
+   EOS``, back to back) and ``<key>.lengths`` (int64 tokens per document), then its completion record
    ``<key>.json`` (documents, tokens, skipped documents per reason and a sample of where, the
    node, seconds) — written last, so a record means the unit is done. A rerun after a kill or a
    preemption skips the units that have a record and redoes the others.
@@ -60,6 +61,7 @@ from moetrain.data.corpus import (
     plan_units,
     read_unit,
 )
+from moetrain.data.chat import ChatEncoder, ChatError
 from moetrain.data.format import DEFAULT_SHARD_TOKENS, ShardError, TokenizerLike, read_manifest, token_dtype
 from moetrain.data.verify import verify_shards
 from moetrain.data.writer import Layout, ShardWriter, batch_texts, encode_documents
@@ -168,6 +170,11 @@ class TokenizeJob:
         batch_docs, batch_chars: encode batches, as :func:`~moetrain.data.writer.write_shards`.
         keep_parts: keep the per-unit parts after the merge (a later run with other shard or
             split settings then re-merges without re-tokenizing).
+        chat: fine-tuning records (:mod:`moetrain.data.chat`) encoded with this encoder, with a
+            loss mask (a ``<key>.mask`` part per unit, ``.mask`` files beside the shards); None:
+            text documents.
+        pack_seq_len: with ``chat``, pack the records into sequences of this length
+            (:class:`~moetrain.data.writer.ShardWriter`).
 
     Raises:
         FileNotFoundError, ValueError: bad inputs (see :func:`~moetrain.data.corpus.plan_units`)
@@ -178,14 +185,18 @@ class TokenizeJob:
                  text_key: str = "text", on_bad_document: OnBad = "skip",
                  shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float | None = None,
                  val_docs: int | None = None, layout: Layout = "moetrain", unit_bytes: int = DEFAULT_UNIT_BYTES,
-                 batch_docs: int = 256, batch_chars: int = 8 * 2**20, keep_parts: bool = False):
+                 batch_docs: int = 256, batch_chars: int = 8 * 2**20, keep_parts: bool = False,
+                 chat: ChatEncoder | None = None, pack_seq_len: int | None = None):
         if on_bad_document not in ("skip", "fail"):
             raise ValueError(f"on_bad_document={on_bad_document!r}: must be 'skip' or 'fail'")
         self.sources = [str(p) for p in inputs]
         self.tokenizer = tokenizer
+        self.chat = chat
         self.out = Path(out_dir).resolve()  # SLURM tasks may start elsewhere
         self.text_key, self.on_bad = text_key, on_bad_document
         self.writer_args = dict(shard_tokens=shard_tokens, val_fraction=val_fraction, val_docs=val_docs, layout=layout)
+        if chat is not None:
+            self.writer_args.update(loss_mask=True, pack_seq_len=pack_seq_len)
         # Check the shard settings now, not after hours of tokenizing.
         ShardWriter.check_args(vocab_size=tokenizer.vocab_size, **self.writer_args)
         self.batch_docs, self.batch_chars, self.keep_parts = batch_docs, batch_chars, keep_parts
@@ -193,6 +204,10 @@ class TokenizeJob:
         self.dtype = token_dtype(tokenizer.vocab_size)  # of the parts; the merge converts for Megatron
         settings = {"tokenizer": tokenizer.identity.get("sha256"), "text_key": text_key,
                     "on_bad_document": on_bad_document, "dtype": self.dtype.str, "eos_id": tokenizer.eos_id}
+        if tokenizer.bos_id is not None:  # only then: the keys of parts written before BOS existed stay valid
+            settings["bos_id"] = tokenizer.bos_id
+        if chat is not None:  # records with masks: another kind of part, keyed by the template too
+            settings["chat"] = chat.template.sha256 if chat.template is not None else "prompt-completion"
         self.keys = [hashlib.sha256(json.dumps([u.to_dict(), settings], sort_keys=True).encode()).hexdigest()[:32]
                      for u in self.units]
         self.work = self.out / WORK_DIR
@@ -210,7 +225,8 @@ class TokenizeJob:
             rec = json.loads(self._part(i, "json").read_text())
             ok = (rec["key"] == self.keys[i]
                   and self._part(i, "tokens").stat().st_size == rec["tokens"] * self.dtype.itemsize
-                  and self._part(i, "lengths").stat().st_size == rec["documents"] * 8)
+                  and self._part(i, "lengths").stat().st_size == rec["documents"] * 8
+                  and (self.chat is None or self._part(i, "mask").stat().st_size == rec["tokens"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
         return rec if ok else None
@@ -269,31 +285,36 @@ class TokenizeJob:
         self.parts.mkdir(parents=True, exist_ok=True)
         skipped, progress = SkipLog(_SKIP_SAMPLE_PER_UNIT), ReadProgress()
         tag = f".tmp-{socket.gethostname()}-{os.getpid()}"
-        tmp_tokens = self.parts / f".{self.keys[i]}.tokens{tag}"
-        tmp_lengths = self.parts / f".{self.keys[i]}.lengths{tag}"
+        tmp = {ext: self.parts / f".{self.keys[i]}.{ext}{tag}"
+               for ext in ("tokens", "lengths", *(("mask",) if self.chat is not None else ()))}
         documents = tokens = reported = 0
         try:
-            with open(tmp_tokens, "wb") as tok_f, open(tmp_lengths, "wb") as len_f:
-                texts = (t for _, t in read_unit(unit, self.text_key, self.on_bad, skipped, progress) if t)
-                for batch in batch_texts(texts, self.batch_docs, self.batch_chars):
+            files = {ext: open(path, "wb") for ext, path in tmp.items()}
+            try:
+                for batch in self._encoded_batches(unit, skipped, progress):
                     if should_stop is not None and should_stop():
                         raise _Stopped()
-                    ids, lengths = encode_documents(self.tokenizer, batch, self.dtype)
-                    tok_f.write(ids.tobytes())
-                    len_f.write(lengths.astype("<i8").tobytes())
+                    ids, lengths = batch[0], batch[1]
+                    files["tokens"].write(ids.tobytes())
+                    files["lengths"].write(lengths.astype("<i8").tobytes())
+                    if self.chat is not None:
+                        files["mask"].write(batch[2].tobytes())
                     documents += len(lengths)
                     tokens += len(ids)
                     if report is not None:
                         report(progress.raw_bytes - reported, len(lengths), len(ids))
                         reported = progress.raw_bytes
-                for f in (tok_f, len_f):  # durable before the rename (moetrain.utils.atomic_write)
+                for f in files.values():  # durable before the rename (moetrain.utils.atomic_write)
                     f.flush()
                     os.fsync(f.fileno())
-            os.replace(tmp_tokens, self._part(i, "tokens"))
-            os.replace(tmp_lengths, self._part(i, "lengths"))
+            finally:
+                for f in files.values():
+                    f.close()
+            for ext, path in tmp.items():
+                os.replace(path, self._part(i, ext))
         except BaseException:
-            tmp_tokens.unlink(missing_ok=True)
-            tmp_lengths.unlink(missing_ok=True)
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
             raise
         rec = {"key": self.keys[i], "unit": unit.to_dict(), "documents": documents, "tokens": tokens,
                "skipped": dict(sorted(skipped.counts.items())), "skipped_sample": skipped.sample,
@@ -301,6 +322,34 @@ class TokenizeJob:
                "seconds": round(time.perf_counter() - t0, 3)}
         atomic_write(self._part(i, "json"), json.dumps(rec, indent=1) + "\n")
         return rec
+
+    def _encoded_batches(self, unit: InputUnit, skipped: SkipLog, progress: ReadProgress):
+        """The unit's documents encoded, batch by batch: ``(tokens, lengths)``, or with ``chat``
+        ``(tokens, lengths, mask)``. A record the chat template cannot render is a bad document
+        (reason ``bad_chat``), skipped or raised as ``on_bad_document`` says."""
+        if self.chat is None:
+            texts = (t for _, t in read_unit(unit, self.text_key, self.on_bad, skipped, progress) if t)
+            for batch in batch_texts(texts, self.batch_docs, self.batch_chars):
+                yield encode_documents(self.tokenizer, batch, self.dtype)
+            return
+        ids, lengths, masks = [], [], []
+        for doc_id, record in read_unit(unit, self.text_key, self.on_bad, skipped, progress, chat=True):
+            try:
+                i, m = self.chat.encode(record)
+            except ChatError as e:
+                bad = BadDocument(unit.path, doc_id.rpartition(":")[2] or doc_id, "bad_chat", str(e))
+                if self.on_bad == "fail":
+                    raise bad from None
+                skipped.add(bad)
+                continue
+            ids.append(np.asarray(i, dtype=self.dtype))
+            masks.append(np.asarray(m, dtype=np.uint8))
+            lengths.append(len(i))
+            if len(lengths) >= self.batch_docs:
+                yield np.concatenate(ids), np.asarray(lengths, dtype=np.int64), np.concatenate(masks)
+                ids, lengths, masks = [], [], []
+        if lengths:
+            yield np.concatenate(ids), np.asarray(lengths, dtype=np.int64), np.concatenate(masks)
 
     # -- phase 2: many units ------------------------------------------------------------------
 
@@ -419,7 +468,8 @@ class TokenizeJob:
             raise IncompleteError(f"{len(missing)} of {len(self.units)} inputs are not tokenized yet "
                                   f"(e.g. {', '.join(missing[:3])}); run the tokenize step again")
         writer = ShardWriter(self.out, vocab_size=self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id,
-                             tokenizer_identity=self.tokenizer.identity, **self.writer_args)
+                             bos_id=self.tokenizer.bos_id, tokenizer_identity=self.tokenizer.identity,
+                             **self.writer_args)
         skipped, sample = Counter(), []
         bar = tqdm(total=sum(r["tokens"] for r in records), unit=" tokens", unit_scale=True, dynamic_ncols=True,
                    disable=not progress, desc=f"merge → {self.out}")
@@ -432,6 +482,10 @@ class TokenizeJob:
             total = sum(skipped.values())
             extra = {"skipped_documents": {"total": total, "by_reason": dict(sorted(skipped.items())),
                                            "log": SKIPPED_LOG if total else None}}
+            if self.chat is not None and self.chat.template is not None:
+                # The export ships it with the model (moetrain.hf): what the fine-tuned model was trained on.
+                t = self.chat.template
+                extra["chat"] = {"template": t.template, "source": t.source, "sha256": t.sha256}
             manifest = writer.finish(self.sources, extra)
         except BaseException:
             writer.abort()
@@ -452,6 +506,7 @@ class TokenizeJob:
 
     def _merge_unit(self, i: int, writer: ShardWriter, bar: tqdm) -> None:
         tokens = np.memmap(self._part(i, "tokens"), dtype=self.dtype, mode="r")
+        mask = np.memmap(self._part(i, "mask"), dtype=np.uint8, mode="r") if self.chat is not None else None
         lengths = np.fromfile(self._part(i, "lengths"), dtype="<i8")
         ends = np.cumsum(lengths)
         a = 0
@@ -459,10 +514,11 @@ class TokenizeJob:
             # Documents [a, b): at least one, and at most a window of tokens.
             start = int(ends[a - 1]) if a else 0
             b = max(a + 1, int(np.searchsorted(ends, start + _MERGE_WINDOW_TOKENS, side="right")))
-            writer.add(tokens[start:int(ends[b - 1])], lengths[a:b])
-            bar.update(int(ends[b - 1]) - start)
+            stop = int(ends[b - 1])
+            writer.add(tokens[start:stop], lengths[a:b], *([mask[start:stop]] if mask is not None else []))
+            bar.update(stop - start)
             a = b
-        del tokens
+        del tokens, mask
 
 
 # -- worker processes ------------------------------------------------------------------------

@@ -1,16 +1,29 @@
-"""Reading token shards: one split of a shard directory, verified, memory-mapped, cut into
-training samples.
+"""Reading token shards: one split of a shard directory, verified, memory-mapped when read,
+cut into training samples.
 
 Training samples (:class:`TokenShards`): sample ``j`` of a shard with ``T`` tokens is tokens
 ``[j * L, j * L + L + 1)`` (``L`` = seq_len: ``L`` inputs and the ``L`` next-token targets,
 shifted by one). A sample never crosses a shard boundary, so a shard holds ``(T - 1) // L``
-samples; global sample indices run over the shards in manifest order.
+samples; global sample indices run over the shards in manifest order. Packed fine-tuning data
+(a manifest with ``packed``, :mod:`moetrain.data.format`) is cut into blocks of ``L + 1``
+tokens that never share a token: sample ``j`` is ``[j (L + 1), (j + 1)(L + 1))``, ``T // (L + 1)``
+per shard, and ``L`` must be the length it was packed for.
+
+Memory: a file (token shard, loss mask, document index) is memory-mapped when a sample first
+needs it, and a :class:`MapCache` keeps at most ``limit`` files mapped, least recently used out
+first. One cache serves every split and source of a process (the trainer makes one per rank):
+each mapping also holds a file descriptor (Python's ``mmap`` keeps a duplicate), and a 20T-token
+corpus is ~18,600 files at 2^30 tokens each, ~149,000 at the default 2^27 — above Linux's
+default ``vm.max_map_count`` (65,530) and most ``ulimit -n``. Document indexes are searched
+where they are mapped (a binary search reads a few pages), never loaded whole. Opening a split
+reads its manifest only.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,11 +32,42 @@ from moetrain.data.format import is_megatron
 from moetrain.data.megatron import read_index
 from moetrain.data.verify import VerifyMode, verify_shards
 
-__all__ = ["TokenShards"]
+__all__ = ["TokenShards", "MapCache", "DEFAULT_MAX_OPEN_MAPS"]
+
+DEFAULT_MAX_OPEN_MAPS = 256
+
+
+class MapCache:
+    """The memory-mapped files of a process, at most ``limit`` at a time (least recently used
+    first out). Keys are ``(path, kind)``; a mapping evicted while a caller still holds it stays
+    valid until the caller drops it (it is then not counted).
+
+    Raises:
+        ValueError: ``limit`` < 1.
+    """
+
+    def __init__(self, limit: int = DEFAULT_MAX_OPEN_MAPS):
+        if limit < 1:
+            raise ValueError(f"max_open_maps={limit}: must be >= 1")
+        self.limit = limit
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key, make: Callable[[], np.ndarray]) -> np.ndarray:
+        value = self._entries.get(key)
+        if value is None:
+            value = self._entries[key] = make()
+            if len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class TokenShards:
-    """One split of a shard directory, verified, memory-mapped read-only, cut into samples.
+    """One split of a shard directory, verified, memory-mapped read-only when read, cut into samples.
 
     Either layout (:mod:`moetrain.data.format`): moetrain shards, or Megatron-LM ``.bin/.idx`` files (whole
     or token ranges of them) described by a version-2 manifest.
@@ -33,62 +77,94 @@ class TokenShards:
         split: ``"train"`` or ``"val"``.
         verify: checked before mapping, see :func:`verify_shards` (``"sha256"`` reads every byte
             once; ``"size"`` is instant; ``"none"`` only checks the files exist).
+        maps: the process's :class:`MapCache` (shared by every split and source); None: a cache
+            of its own of ``DEFAULT_MAX_OPEN_MAPS`` files.
+        manifest: the directory's manifest as :func:`verify_shards` returned it, already
+            verified: then nothing is read or checked again (``verify`` is not used).
 
     Attributes:
         manifest: the manifest dict. ``num_tokens``: tokens in this split. ``vocab_size``,
-        ``eos_id``: from the manifest. ``shards``: this split's manifest entries, in order.
+        ``eos_id``, ``bos_id`` (None when the tokenizer adds none): from the manifest.
+        ``shards``: this split's manifest entries, in order. ``has_loss_mask``: the shards carry
+        a loss mask (``.mask`` files). ``packed_seq_len``: the sequence length packed data was
+        cut for, or None.
 
     Raises:
         ShardError: see :func:`verify_shards`.
 
-    Pickling reopens the memory maps in the new process without re-verifying.
+    Pickling reopens nothing: a new process maps shards as it reads them, without re-verifying.
     """
 
-    def __init__(self, path: str | os.PathLike, split: str = "train", verify: VerifyMode = "sha256"):
+    def __init__(self, path: str | os.PathLike, split: str = "train", verify: VerifyMode = "sha256",
+                 maps: MapCache | None = None, manifest: dict | None = None):
         self.path = Path(path)
         self.split = split
-        self.manifest: dict = verify_shards(self.path, verify, split=split)
+        self.maps = maps if maps is not None else MapCache()
+        self.manifest: dict = manifest if manifest is not None else verify_shards(self.path, verify, split=split)
         self.vocab_size: int = self.manifest["vocab_size"]
         self.eos_id: int = self.manifest["eos_id"]
+        self.bos_id: int | None = self.manifest.get("bos_id")
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self.shards: list[dict] = self.manifest["splits"][split]["shards"]
         self.num_tokens: int = sum(sh["tokens"] for sh in self.shards)
+        self.has_loss_mask: bool = bool(self.manifest.get("loss_mask"))
+        packed = self.manifest.get("packed")
+        self.packed_seq_len: int | None = int(packed["seq_len"]) if packed else None
         self._open()
 
     def _open(self) -> None:
-        self._maps = [
-            np.memmap(self.path / sh["name"], dtype=self.dtype, mode="r", shape=(sh["tokens"],),
-                      offset=sh.get("token_offset", 0) * self.dtype.itemsize)
-            for sh in self.shards
-        ]
         self._cum_cache: dict[int, np.ndarray] = {}
-        self._doc_starts: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        del state["_maps"], state["_cum_cache"], state["_doc_starts"]
+        del state["_cum_cache"]
+        state["maps"] = self.maps.limit  # a new process maps its own files
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update(state, maps=MapCache(state["maps"]))
         self._open()
+
+    def _tokens(self, shard: int) -> np.memmap:
+        sh = self.shards[shard]
+        return self.maps.get((self.path / sh["name"], "tokens", shard, self.split), lambda: np.memmap(
+            self.path / sh["name"], dtype=self.dtype, mode="r", shape=(sh["tokens"],),
+            offset=sh.get("token_offset", 0) * self.dtype.itemsize))
+
+    def _stride(self, seq_len: int) -> int:
+        """Tokens from one sample's start to the next's: ``L`` (samples share their boundary
+        token), or ``L + 1`` for packed data (whole blocks).
+
+        Raises:
+            ValueError: ``seq_len`` < 1, or packed data and ``seq_len`` is not its length.
+        """
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+            raise ValueError(f"seq_len={seq_len!r}: must be a positive int")
+        if self.packed_seq_len is None:
+            return int(seq_len)
+        if seq_len != self.packed_seq_len:
+            raise ValueError(f"{self.path}: packed for sequences of {self.packed_seq_len} tokens, not {seq_len}; "
+                             f"set model.seq_len={self.packed_seq_len} or re-tokenize with --seq-len {seq_len}")
+        return int(seq_len) + 1
 
     def _cumulative(self, seq_len: int) -> np.ndarray:
         """cum[i] = samples in shards 0..i (inclusive)."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-            raise ValueError(f"seq_len={seq_len!r}: must be a positive int")
+        stride = self._stride(seq_len)
         cum = self._cum_cache.get(seq_len)
         if cum is None:
-            per_shard = [(sh["tokens"] - 1) // seq_len if sh["tokens"] > 0 else 0 for sh in self.shards]
-            cum = np.cumsum(np.asarray(per_shard, dtype=np.int64))
+            tokens = np.fromiter((sh["tokens"] for sh in self.shards), dtype=np.int64, count=len(self.shards))
+            # A sample needs stride + 1 tokens unless packed (stride = L + 1 holds the targets too).
+            per_shard = tokens // stride if self.packed_seq_len is not None else np.maximum(tokens - 1, 0) // stride
+            cum = np.cumsum(per_shard)
             self._cum_cache[int(seq_len)] = cum
         return cum
 
     def num_samples(self, seq_len: int) -> int:
-        """Number of samples of ``seq_len + 1`` tokens: ``sum((T_shard - 1) // seq_len)``.
+        """Number of samples of ``seq_len + 1`` tokens: ``sum((T_shard - 1) // seq_len)``
+        (packed data: ``sum(T_shard // (seq_len + 1))``).
 
         Raises:
-            ValueError: ``seq_len`` < 1.
+            ValueError: ``seq_len`` < 1, or not the packed length.
         """
         cum = self._cumulative(seq_len)
         return int(cum[-1]) if len(cum) else 0
@@ -98,10 +174,25 @@ class TokenShards:
 
         Raises:
             IndexError: ``index`` not in ``[0, num_samples(seq_len))``.
-            ValueError: ``seq_len`` < 1.
+            ValueError: ``seq_len`` < 1, or not the packed length.
         """
         shard, start = self._locate(index, seq_len)
-        return np.asarray(self._maps[shard][start : start + seq_len + 1], dtype=np.int64)
+        return np.asarray(self._tokens(shard)[start : start + seq_len + 1], dtype=np.int64)
+
+    def sample_loss_mask(self, index: int, seq_len: int) -> np.ndarray:
+        """The loss mask of sample ``index``: bool ``[seq_len + 1]``, True where the token is
+        trained as a target (the data's ``.mask`` files; all True for data without one).
+
+        Raises:
+            IndexError, ValueError: as :meth:`sample`.
+        """
+        shard, start = self._locate(index, seq_len)
+        if not self.has_loss_mask:
+            return np.ones(seq_len + 1, dtype=bool)
+        sh = self.shards[shard]
+        mask = self.maps.get((self.path / sh["mask_name"], "mask"), lambda: np.memmap(
+            self.path / sh["mask_name"], dtype=np.uint8, mode="r", shape=(sh["tokens"],)))
+        return np.asarray(mask[start : start + seq_len + 1]) != 0
 
     def _locate(self, index: int, seq_len: int) -> tuple[int, int]:
         """(shard, first token offset in it) of sample ``index``."""
@@ -114,7 +205,7 @@ class TokenShards:
             )
         shard = int(np.searchsorted(cum, index, side="right"))
         local = int(index) - (int(cum[shard - 1]) if shard else 0)
-        return shard, local * seq_len
+        return shard, local * self._stride(seq_len)
 
     def sample_document_ids(self, index: int, seq_len: int) -> np.ndarray:
         """The document of every token of sample ``index``: int64 ``[seq_len + 1]``, 0 for the
@@ -125,11 +216,20 @@ class TokenShards:
             IndexError, ValueError: as :meth:`sample`.
         """
         shard, start = self._locate(index, seq_len)
-        starts = self._doc_starts.get(shard)
-        if starts is None:
-            starts = self._doc_starts[shard] = np.sort(self.document_starts(shard))
+        starts = self._document_starts(shard)
         ids = np.searchsorted(starts, np.arange(start, start + seq_len + 1), side="right")
         return (ids - ids[0]).astype(np.int64)
+
+    def _document_starts(self, shard: int) -> np.ndarray:
+        """Shard ``shard``'s document starts, ascending, as a mapped array (moetrain layout: the
+        ``.idx`` itself) or, for a Megatron token range, computed from its index and cached."""
+        sh = self.shards[shard]
+        path = self.path / sh["index_name"]
+        if not is_megatron(self.manifest):
+            if sh["index_bytes"] == 0:  # a shard inside one long document: nothing to map
+                return np.zeros(0, dtype=np.int64)
+            return self.maps.get((path, "index"), lambda: np.memmap(path, dtype="<i8", mode="r"))
+        return self.maps.get((path, "index", shard, self.split), lambda: self.document_starts(shard))
 
     def samples(self, indices: Sequence[int], seq_len: int) -> np.ndarray:
         """Several samples stacked: int64 of shape ``[len(indices), seq_len + 1]``."""
@@ -140,7 +240,7 @@ class TokenShards:
 
     def shard_tokens(self, shard: int) -> np.memmap:
         """The read-only token array of shard ``shard`` (manifest order), shape ``[tokens]``."""
-        return self._maps[shard]
+        return self._tokens(shard)
 
     def document_starts(self, shard: int) -> np.ndarray:
         """int64 offsets, within shard ``shard``, of the documents that start in it."""

@@ -53,7 +53,8 @@ def verify_shards(
     path: str | os.PathLike, mode: VerifyMode = "sha256", split: str | None = None, *, rank: int = 0,
     world: int = 1, agree: Callable[[dict], list[dict]] | None = None, cache: str | os.PathLike | None = None,
 ) -> dict:
-    """Check the shards in ``path`` against their manifest; return the manifest.
+    """Check the shards in ``path`` (token, index and loss-mask files) against their manifest;
+    return the manifest.
 
     Args:
         path: the shard directory (holding ``manifest.json``).
@@ -104,6 +105,11 @@ def verify_shards(
                                  f"tokens but {sh['bytes']} bytes. {fix_hint(directory)}")
             files[sh["name"]] = (sh["bytes"], sh["sha256"])
             files[sh["index_name"]] = (sh["index_bytes"], sh["index_sha256"])
+            if "mask_name" in sh:  # fine-tuning data: one loss-mask byte per token
+                if sh["mask_bytes"] != sh["tokens"]:
+                    raise ShardError(f"{directory / MANIFEST}: shard {sh['name']} lists {sh['tokens']} tokens but a "
+                                     f"mask of {sh['mask_bytes']} bytes. {fix_hint(directory)}")
+                files[sh["mask_name"]] = (sh["mask_bytes"], sh["mask_sha256"])
             megatron_checks.setdefault(sh["name"], []).append(sh)
 
     owners = split_by_bytes([size for size, _ in files.values()], world)
@@ -132,22 +138,31 @@ def _check_files(directory: Path, manifest: dict, files: dict[str, tuple[int, st
                  cached: dict, verified: dict, megatron_checks: dict[str, list[dict]]) -> None:
     """Check ``files`` (name -> expected bytes, sha256) as :func:`verify_shards` says; adds the
     files hashed to ``verified`` (name -> bytes, mtime_ns, sha256)."""
-    stats = {}
+    if mode == "none":  # existence only: one listing per directory, not one stat per file
+        listed: dict[Path, set[str]] = {}
+        for name in files:
+            f = directory / name
+            if f.parent not in listed:
+                listed[f.parent] = set(os.listdir(f.parent)) if f.parent.is_dir() else set()
+            if f.name not in listed[f.parent]:
+                raise ShardError(f"{f}: shard file missing (listed in {MANIFEST}). {fix_hint(directory)}")
+        return
+    stats: dict[str, tuple[int, int]] = {}  # name -> (bytes, mtime_ns): one stat per file, nothing more kept
     for name, (size, _) in files.items():
         f = directory / name
-        if not f.is_file():
-            raise ShardError(f"{f}: shard file missing (listed in {MANIFEST}). {fix_hint(directory)}")
-        stats[name] = f.stat()
-        if mode == "none":
-            continue
-        actual = stats[name].st_size
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            raise ShardError(f"{f}: shard file missing (listed in {MANIFEST}). {fix_hint(directory)}") from None
+        actual = st.st_size
+        stats[name] = (actual, st.st_mtime_ns)
         if actual != size:
             what = "truncated" if actual < size else "longer than written (appended to?)"
             raise ShardError(
                 f"{f}: size {actual} bytes differs from the manifest's {size} bytes: the file is "
                 f"{what}. {fix_hint(directory)}"
             )
-    if mode != "none" and is_megatron(manifest):
+    if is_megatron(manifest):
         for name in files:
             for sh in megatron_checks.get(name, []):
                 _check_megatron_shard(directory, sh)
@@ -155,9 +170,9 @@ def _check_files(directory: Path, manifest: dict, files: dict[str, tuple[int, st
         return
 
     def fresh(name: str) -> bool:
-        entry, st = cached.get(name), stats[name]
+        entry, (nbytes, mtime_ns) = cached.get(name), stats[name]
         return (isinstance(entry, dict) and entry.get("sha256") == files[name][1]
-                and entry.get("bytes") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns)
+                and entry.get("bytes") == nbytes and entry.get("mtime_ns") == mtime_ns)
 
     todo = [name for name in files if not fresh(name)]
     total = sum(files[name][0] for name in todo)
@@ -171,7 +186,7 @@ def _check_files(directory: Path, manifest: dict, files: dict[str, tuple[int, st
                     f"{f}: sha256 mismatch (manifest {expected[:16]}…, file {actual[:16]}…): "
                     f"the file was altered or corrupted. {fix_hint(directory)}"
                 )
-            verified[name] = {"bytes": stats[name].st_size, "mtime_ns": stats[name].st_mtime_ns, "sha256": actual}
+            verified[name] = {"bytes": stats[name][0], "mtime_ns": stats[name][1], "sha256": actual}
 
 
 def _check_megatron_shard(directory: Path, sh: dict) -> None:

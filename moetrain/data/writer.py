@@ -8,6 +8,14 @@ Validation split (deterministic, decided per document in stream order, before to
 document 0 is always held out and ``ceil(n / k)`` of ``n`` documents are; ``val_docs=N`` holds
 out the first ``N`` documents. By position, not by hash of an id: inputs need no ids, and the
 same inputs in the same order always give the same split.
+
+Fine-tuning data (``loss_mask=True``) carries one mask byte per token, written to
+``<split>_NNNNN.mask`` beside each shard (1: trained as a target). With ``pack_seq_len=L`` the
+documents of each split are packed into blocks of ``L + 1`` tokens (a sample's inputs and its
+shifted targets, :class:`~moetrain.data.reader.TokenShards`): a document goes into the current
+block when it fits, else the block is filled with padding (``pad_id``, mask 0, a document of
+its own in the index) and the document starts the next; only a document longer than a block is
+split over blocks. Shards then hold whole blocks.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from moetrain.utils import atomic_write
 
 __all__ = ["Layout", "ShardWriter", "encode_documents", "batch_texts", "write_shards"]
 
-_SHARD_FILE = re.compile(r"^(train|val)(_\d{5})?\.(bin|idx)$")  # both layouts' file names
+_SHARD_FILE = re.compile(r"^(train|val)(_\d{5})?\.(bin|idx|mask)$")  # both layouts' file names
 Layout = Literal["moetrain", "megatron"]
 
 
@@ -42,54 +50,71 @@ class _SplitWriter:
     place when full (or at :meth:`close`).
     """
 
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int, loss_mask: bool = False):
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.loss_mask = loss_mask
         self.shards: list[dict] = []
         self.tokens = 0
+        self.trained = 0  # tokens the loss mask trains
         self.documents = 0
-        self._file = None
+        self._file = self._mask_file = None
         self._tmp: Path | None = None
-        self._hash = None
+        self._mask_tmp: Path | None = None
+        self._hash = self._mask_hash = None
         self._n = 0  # tokens in the open shard
         self._starts: list[np.ndarray] = []  # document starts within the open shard
 
     def _open(self) -> None:
-        name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._tmp = self.out_dir / f".{name}.tmp-{os.getpid()}"
+        name = f"{self.split}_{len(self.shards):05d}"
+        self._tmp = self.out_dir / f".{name}.bin.tmp-{os.getpid()}"
         self._file = open(self._tmp, "wb")
         self._hash = hashlib.sha256()
+        if self.loss_mask:
+            self._mask_tmp = self.out_dir / f".{name}.mask.tmp-{os.getpid()}"
+            self._mask_file = open(self._mask_tmp, "wb")
+            self._mask_hash = hashlib.sha256()
         self._n = 0
         self._starts = []
 
     def _finish_shard(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())  # the fsync policy of moetrain.utils.atomic_write
-        self._file.close()
+        for f in (self._file, self._mask_file):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())  # the fsync policy of moetrain.utils.atomic_write
+                f.close()
         name = f"{self.split}_{len(self.shards):05d}.bin"
         index_name = name[: -len(".bin")] + ".idx"
         starts = np.concatenate(self._starts) if self._starts else np.zeros(0)
         idx = starts.astype("<i8").tobytes()
         atomic_write(self.out_dir / index_name, idx)
+        entry = {
+            "name": name,
+            "tokens": self._n,
+            "documents": len(starts),
+            "bytes": self._n * self.dtype.itemsize,
+            "sha256": self._hash.hexdigest(),
+            "index_name": index_name,
+            "index_bytes": len(idx),
+            "index_sha256": hashlib.sha256(idx).hexdigest(),
+        }
+        if self.loss_mask:
+            mask_name = name[: -len(".bin")] + ".mask"
+            os.replace(self._mask_tmp, self.out_dir / mask_name)
+            entry.update(mask_name=mask_name, mask_bytes=self._n, mask_sha256=self._mask_hash.hexdigest())
         os.replace(self._tmp, self.out_dir / name)
-        self.shards.append(
-            {
-                "name": name,
-                "tokens": self._n,
-                "documents": len(starts),
-                "bytes": self._n * self.dtype.itemsize,
-                "sha256": self._hash.hexdigest(),
-                "index_name": index_name,
-                "index_bytes": len(idx),
-                "index_sha256": hashlib.sha256(idx).hexdigest(),
-            }
-        )
-        self._file = self._tmp = None
+        self.shards.append(entry)
+        self._file = self._tmp = self._mask_file = self._mask_tmp = None
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents: ``tokens`` their ids (EOS included) back to back, ``lengths`` int
-        ``[documents]``. A document runs on into the next shard when this one fills up."""
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append documents: ``tokens`` their ids (BOS and EOS included) back to back, ``lengths``
+        int ``[documents]``, ``mask`` uint8 ``[tokens]`` with a loss mask (required then, refused
+        otherwise). A document runs on into the next shard when this one fills up."""
+        if (mask is not None) != self.loss_mask:
+            raise ValueError("a loss mask is required with loss_mask=True and refused without")
         if not len(lengths):
             return
+        if mask is not None:
+            self.trained += int(np.count_nonzero(mask))
         # Position of each document's first token within this split (all >= self.tokens).
         starts = self.tokens + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)])
         self.documents += len(lengths)
@@ -104,6 +129,10 @@ class _SplitWriter:
             blob = np.ascontiguousarray(tokens[pos:pos + take], dtype=self.dtype).tobytes()
             self._file.write(blob)
             self._hash.update(blob)
+            if mask is not None:
+                mblob = np.ascontiguousarray(mask[pos:pos + take], dtype=np.uint8).tobytes()
+                self._mask_file.write(mblob)
+                self._mask_hash.update(mblob)
             self._n += take
             self.tokens += take
             pos += take
@@ -113,17 +142,65 @@ class _SplitWriter:
     def close(self) -> dict:
         if self._file is not None:
             self._finish_shard()
-        return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
+        trained = {"trained_tokens": self.trained} if self.loss_mask else {}
+        return {"tokens": self.tokens, "documents": self.documents, **trained, "shards": self.shards}
 
     def abort(self) -> None:
-        """Delete what this writer wrote: the open shard's temporary file and the full shards."""
-        if self._file is not None:
-            self._file.close()
-            self._tmp.unlink(missing_ok=True)
-            self._file = None
+        """Delete what this writer wrote: the open shard's temporary files and the full shards."""
+        for f, tmp in ((self._file, self._tmp), (self._mask_file, self._mask_tmp)):
+            if f is not None:
+                f.close()
+                tmp.unlink(missing_ok=True)
+        self._file = self._mask_file = None
         for sh in self.shards:
-            for name in (sh["name"], sh["index_name"]):
-                (self.out_dir / name).unlink(missing_ok=True)
+            for name in (sh["name"], sh["index_name"], sh.get("mask_name")):
+                if name:
+                    (self.out_dir / name).unlink(missing_ok=True)
+
+
+class _Packer:
+    """Packs a split's documents into blocks of ``block`` tokens before its writer (module
+    docstring): padding with ``pad_id`` (mask 0), each padding run a document of its own."""
+
+    def __init__(self, writer: _SplitWriter, block: int, pad_id: int):
+        self.writer, self.block, self.pad_id = writer, block, pad_id
+        self.fill = 0  # tokens in the current block
+        self.padding = 0  # padding tokens written
+
+    @property
+    def documents(self) -> int:
+        return self.writer.documents
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
+        out_t, out_l, out_m = [], [], []
+        pos = 0
+        for n in lengths.tolist():
+            if self.fill and n > self.block - self.fill:  # does not fit: pad the block, start the next
+                pad = self.block - self.fill
+                out_t.append(np.full(pad, self.pad_id, dtype=tokens.dtype))
+                out_m.append(np.zeros(pad, dtype=np.uint8))
+                out_l.append(pad)
+                self.padding += pad
+                self.fill = 0
+            out_t.append(tokens[pos:pos + n])
+            out_m.append(mask[pos:pos + n])
+            out_l.append(n)
+            self.fill = (self.fill + n) % self.block
+            pos += n
+        if out_l:
+            self.writer.add_documents(np.concatenate(out_t), np.asarray(out_l, dtype=np.int64), np.concatenate(out_m))
+
+    def close(self) -> dict:
+        if self.fill:
+            pad = self.block - self.fill
+            self.writer.add_documents(np.full(pad, self.pad_id, dtype=self.writer.dtype), np.array([pad]),
+                                      np.zeros(pad, dtype=np.uint8))
+            self.padding += pad
+            self.fill = 0
+        return {**self.writer.close(), "padding_tokens": self.padding}
+
+    def abort(self) -> None:
+        self.writer.abort()
 
 
 class _MegatronSplitWriter:
@@ -180,7 +257,7 @@ def _val_rule(val_fraction: float | None, val_docs: int | None) -> tuple[dict, C
 class ShardWriter:
     """The train and val splits of a shard directory, being written from a stream of documents.
 
-    Documents arrive in stream order, as token arrays (EOS included); each goes to train or val
+    Documents arrive in stream order, as token arrays (BOS and EOS included); each goes to train or val
     by the validation rule (module docstring), decided on its position in the stream.
     :func:`write_shards` feeds it from text; ``moetrain.data.pipeline`` from the per-input parts
     that its worker processes wrote.
@@ -190,23 +267,35 @@ class ShardWriter:
             manifest always holds a complete set.
         vocab_size, eos_id, tokenizer_identity: recorded in the manifest (``vocab_size`` also
             picks the token dtype).
-        shard_tokens: tokens per shard of the ``moetrain`` layout (>= 2).
+        bos_id: recorded in the manifest: the id that starts every document, ``None`` for none.
+        shard_tokens: tokens per shard of the ``moetrain`` layout (>= 2; with packing, rounded down
+            to whole blocks of ``pack_seq_len + 1``).
         val_fraction / val_docs: the validation rule, at most one; neither means 0.01.
         layout: ``"moetrain"`` (format version 1, shards of ``shard_tokens``) or ``"megatron"``
             (format version 2: one Megatron ``<split>.bin`` / ``.idx`` per split).
+        loss_mask: documents come with a loss mask (:meth:`add`'s ``mask``), written as ``.mask``
+            files (``moetrain`` layout only).
+        pack_seq_len: pack the documents into blocks of ``pack_seq_len + 1`` tokens for sequences
+            of ``pack_seq_len`` (module docstring); needs ``loss_mask``. pad_id: the padding id
+            (default: ``eos_id``).
 
     Raises:
         ValueError: bad arguments.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, *, vocab_size: int, eos_id: int, tokenizer_identity: dict,
-                 shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float | None = None,
-                 val_docs: int | None = None, layout: Layout = "moetrain"):
+    def __init__(self, out_dir: str | os.PathLike, *, vocab_size: int, eos_id: int, bos_id: int | None,
+                 tokenizer_identity: dict, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                 val_fraction: float | None = None, val_docs: int | None = None, layout: Layout = "moetrain",
+                 loss_mask: bool = False, pack_seq_len: int | None = None, pad_id: int | None = None):
         self.rule, self._is_val, self.dtype = self.check_args(
             vocab_size=vocab_size, shard_tokens=shard_tokens, val_fraction=val_fraction, val_docs=val_docs,
-            layout=layout)
-        self.layout = layout
-        self.info = {"vocab_size": vocab_size, "eos_id": eos_id, "tokenizer": dict(tokenizer_identity),
+            layout=layout, loss_mask=loss_mask, pack_seq_len=pack_seq_len)
+        if pack_seq_len is not None:
+            shard_tokens = max(1, shard_tokens // (pack_seq_len + 1)) * (pack_seq_len + 1)
+        self.layout, self.loss_mask, self.pack_seq_len = layout, loss_mask, pack_seq_len
+        self.pad_id = eos_id if pad_id is None else pad_id
+        self.info = {"vocab_size": vocab_size, "eos_id": eos_id, "bos_id": bos_id,
+                     "tokenizer": dict(tokenizer_identity),
                      "shard_tokens": shard_tokens if layout == "moetrain" else None}
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -214,7 +303,9 @@ class ShardWriter:
         for stale in self.out.glob(".*.tmp-*"):  # left by a run that crashed
             stale.unlink()
         if layout == "moetrain":
-            self.writers = {s: _SplitWriter(self.out, s, self.dtype, shard_tokens) for s in SPLITS}
+            self.writers = {s: _SplitWriter(self.out, s, self.dtype, shard_tokens, loss_mask) for s in SPLITS}
+            if pack_seq_len is not None:
+                self.writers = {s: _Packer(w, pack_seq_len + 1, self.pad_id) for s, w in self.writers.items()}
         else:
             self.writers = {s: _MegatronSplitWriter(self.out, s, self.dtype) for s in SPLITS}
         self.documents = 0
@@ -222,7 +313,8 @@ class ShardWriter:
 
     @staticmethod
     def check_args(*, vocab_size: int, shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float | None = None,
-                   val_docs: int | None = None, layout: Layout = "moetrain"):
+                   val_docs: int | None = None, layout: Layout = "moetrain", loss_mask: bool = False,
+                   pack_seq_len: int | None = None):
         """Check the settings without writing anything; returns (val rule, its function, token dtype).
 
         Raises:
@@ -232,23 +324,32 @@ class ShardWriter:
             raise ValueError(f"shard_tokens={shard_tokens}: must be >= 2")
         if layout not in ("moetrain", "megatron"):
             raise ValueError(f"layout={layout!r}: must be 'moetrain' or 'megatron'")
+        if loss_mask and layout != "moetrain":
+            raise ValueError("a loss mask is written in the moetrain layout only (Megatron's .bin/.idx have no place "
+                             "for it); drop --format megatron")
+        if pack_seq_len is not None and (pack_seq_len < 1 or not loss_mask):
+            raise ValueError(f"pack_seq_len={pack_seq_len}: packing needs a positive length and a loss mask (the "
+                             f"padding is masked out)")
         if val_fraction is None and val_docs is None:
             val_fraction = 0.01
         rule, is_val = _val_rule(val_fraction, val_docs)
         return rule, is_val, token_dtype(vocab_size) if layout == "moetrain" else megatron_dtype(vocab_size)
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Append the next documents of the stream: ``tokens`` back to back, ``lengths`` int64
-        ``[documents]`` (each >= 1: a document ends with EOS)."""
+        ``[documents]`` (each >= 1), ``mask`` uint8 ``[tokens]`` (1: trained as a target) with
+        ``loss_mask``."""
+        if (mask is not None) != self.loss_mask:
+            raise ValueError("ShardWriter(loss_mask=True) needs a mask with every document, and refuses one otherwise")
         held_out = self._is_val(self.documents + np.arange(len(lengths), dtype=np.int64))
         self.documents += len(lengths)
         self.tokens += len(tokens)
         if not held_out.any():  # the common case: no copy
-            self.writers["train"].add_documents(tokens, lengths)
+            self.writers["train"].add_documents(tokens, lengths, *([mask] if self.loss_mask else []))
             return
         in_val = np.repeat(held_out, lengths)
-        self.writers["val"].add_documents(tokens[in_val], lengths[held_out])
-        self.writers["train"].add_documents(tokens[~in_val], lengths[~held_out])
+        for split, docs, toks in (("val", held_out, in_val), ("train", ~held_out, ~in_val)):
+            self.writers[split].add_documents(tokens[toks], lengths[docs], *([mask[toks]] if self.loss_mask else []))
 
     def abort(self) -> None:
         """Delete every file this unfinished write made (temporary and completed shards)."""
@@ -274,6 +375,10 @@ class ShardWriter:
             self.abort()
             raise ValueError(problem)
         splits = {s: w.close() for s, w in self.writers.items()}
+        packing = {}
+        if self.pack_seq_len is not None:
+            packing = {"packed": {"seq_len": self.pack_seq_len, "pad_id": self.pad_id,
+                                  "padding_tokens": {s: sp.pop("padding_tokens") for s, sp in splits.items()}}}
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION if self.layout == "moetrain" else MEGATRON_FORMAT_VERSION,
@@ -284,10 +389,13 @@ class ShardWriter:
             "sources": [str(s) for s in sources],
             "total_tokens": self.tokens,
             "total_documents": self.documents,
+            **({"loss_mask": True} if self.loss_mask else {}),
+            **packing,
             "splits": splits,
             **(extra or {}),
         }
-        listed = {f for sp in splits.values() for sh in sp["shards"] for f in (sh["name"], sh["index_name"])}
+        listed = {f for sp in splits.values() for sh in sp["shards"]
+                  for f in (sh["name"], sh["index_name"], sh.get("mask_name")) if f}
         for f in self.out.iterdir():
             if _SHARD_FILE.match(f.name) and f.name not in listed:
                 f.unlink()
@@ -296,12 +404,17 @@ class ShardWriter:
 
 
 def encode_documents(tokenizer: TokenizerLike, texts: Sequence[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Encode ``texts`` with EOS after each: ``(tokens [sum of lengths], lengths int64 [len(texts)])``."""
+    """Encode ``texts`` as documents, each ``[BOS] + ids + EOS`` (BOS when ``tokenizer.bos_id`` is
+    not None): ``(tokens [sum of lengths], lengths int64 [len(texts)])``."""
     encoded = tokenizer.encode_batch(texts)
-    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    bos = tokenizer.bos_id
+    framing = 1 if bos is None else 2
+    lengths = np.fromiter((len(ids) + framing for ids in encoded), dtype=np.int64, count=len(encoded))
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
     end = np.cumsum(lengths)
     tokens[end - 1] = tokenizer.eos_id
+    if bos is not None:
+        tokens[end - lengths] = bos
     for ids, stop in zip(encoded, end.tolist()):
         tokens[stop - 1 - len(ids):stop - 1] = ids
     return tokens, lengths
@@ -335,7 +448,7 @@ def write_shards(
     progress: bool = True,
     layout: Layout = "moetrain",
 ) -> dict:
-    """Tokenize ``documents`` (EOS after each) into train/val shards in ``out_dir``, in this process.
+    """Tokenize ``documents`` (each ``[BOS] + text + EOS``) into train/val shards in ``out_dir``, in this process.
 
     Documents are encoded in batches of up to ``batch_docs`` documents or ``batch_chars``
     characters (the tokenizer parallelises within a batch). Empty documents are skipped. Shards
@@ -348,7 +461,7 @@ def write_shards(
     Args:
         documents: texts in a fixed order (e.g. ``iter_documents(path)``); consumed once.
         tokenizer: a ``TextTokenizer`` (anything with ``encode_batch``, ``vocab_size``,
-            ``eos_id``, ``identity``).
+            ``eos_id``, ``bos_id``, ``identity``).
         out_dir: created if missing.
         shard_tokens: tokens per shard (the last of a split holds the rest); >= 2.
         val_fraction / val_docs: the validation rule (module docstring), at most one of them;
@@ -363,7 +476,7 @@ def write_shards(
     Raises:
         ValueError: bad arguments, no documents, or every document fell in the val split.
     """
-    writer = ShardWriter(out_dir, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+    writer = ShardWriter(out_dir, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
                          tokenizer_identity=tokenizer.identity, shard_tokens=shard_tokens,
                          val_fraction=val_fraction, val_docs=val_docs, layout=layout)
     bar = tqdm(desc=f"tokenize → {out_dir}", unit=" docs", disable=not progress, dynamic_ncols=True)

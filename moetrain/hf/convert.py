@@ -25,7 +25,10 @@ Export (:func:`export_hf`), in phases:
 3. stream one layer at a time: read the layer's moetrain tensors whole (DCP in no-dist mode into
    global-shape tensors), convert, append to ``model-0000i-of-0000n.safetensors`` files of at
    most ``max_shard_bytes``; then ``model.safetensors.index.json``;
-4. the tokenizer: the run's (from its data manifest, verified by sha256), or the imported one.
+4. the tokenizer: the run's (the one its data manifest names, found beside the data and verified
+   by its identity's sha256; with the ``tokenizer_config.json`` / ``special_tokens_map.json`` it
+   was loaded with), or the imported one; ``config.json`` (and ``generation_config.json``, when
+   the imported model had one) get the run's ``eos_token_id`` / ``bos_token_id`` from the manifest.
 
 Both write into ``<out>.tmp-<pid>`` and rename it when complete.
 """
@@ -39,12 +42,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import yaml
 
-from moetrain.config import Config, config_from_dict, to_dict
+from moetrain.config import Config, ConfigError, config_from_dict, to_dict
 from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, Architecture, architecture_for, choose_architecture,
                               from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
@@ -59,6 +62,9 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json")
 TOKENIZER_FILES = tuple(f for f in HF_SIDE_FILES if f not in ("config.json", "generation_config.json"))
+# What a run's tokenizer was loaded from besides tokenizer.json (moetrain.data.tokenizer.CONFIG_FILES),
+# and its chat template when kept in a file of its own: shipped with the export.
+RUN_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -342,7 +348,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in entries)
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": writer.weight_map}, indent=2))
-        shipped = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
+        shipped, run_tok = _ship_tokenizer(tmp, cfg, reader, side_dir, tokenizer)
         hf_config = to_hf(cfg, arch, base, dtype_name)
         generation = json.loads((side_dir / "generation_config.json").read_text()) \
             if side_dir is not None and (side_dir / "generation_config.json").is_file() else None
@@ -358,6 +364,10 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
                 if dropped:
                     log.warning("no tokenizer.json to check the special token ids against; dropped %s (outside the "
                                 "vocabulary of %d)", dropped, cfg.model.vocab_size)
+            if run_tok is not None:  # the ids the data was written with, as its manifest records them
+                ids["eos_token_id"] = run_tok.eos_id
+                if run_tok.bos_id is not None:
+                    ids["bos_token_id"] = run_tok.bos_id
             for conf in (hf_config, generation):
                 for key in SPECIAL_TOKEN_KEYS:
                     if conf is not None and (key in conf or ids.get(key) is not None):
@@ -438,11 +448,23 @@ def _export_sources(reader: CheckpointReader, config_path: str | os.PathLike | N
     return cfg, base, side if side is not None and side.is_dir() else None
 
 
+class RunTokenizer(NamedTuple):
+    """The tokenizer a run's data was written with: ``source`` its ``tokenizer.json`` (the config
+    files it was loaded with lie beside it) or ``"gpt2"``; the manifest's ``eos_id`` and ``bos_id``
+    (``None``: no BOS)."""
+
+    source: Path | str
+    eos_id: int
+    bos_id: int | None
+    chat_template: str | None = None  # the template fine-tuning data was rendered with (its manifest's)
+
+
 def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: Path | None,
-                    explicit: str | os.PathLike | None) -> str | None:
+                    explicit: str | os.PathLike | None) -> tuple[str | None, RunTokenizer | None]:
     """Copy the tokenizer into ``out``. Order: ``explicit``; the run's (its data manifest's
-    tokenizer, found and verified by sha256); the imported model's files. Returns which:
-    ``"explicit"``, ``"run"``, ``"imported"``, or ``None`` when there is none."""
+    tokenizer, found and verified by its identity, with the config files it was loaded with); the
+    imported model's files. Returns which — ``"explicit"``, ``"run"``, ``"imported"``, or ``None``
+    when there is none — and, for ``"run"``, the :class:`RunTokenizer`."""
     if explicit is not None:
         p = Path(explicit)
         if p.is_dir():
@@ -455,62 +477,78 @@ def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: 
             shutil.copy2(src, dst)
         if not (out / "tokenizer_config.json").is_file():
             write_tokenizer_config(out, cfg)
-        return "explicit"
+        return "explicit", None
     if reader.kind == "dcp":
         found = run_tokenizer(cfg)
         if found is not None:
-            src, _ = found
-            if src == "gpt2":
+            if found.source == "gpt2":
                 from moetrain.data.tokenizer import load_tokenizer
 
                 load_tokenizer("gpt2").hf.save(str(out / "tokenizer.json"))
             else:
-                shutil.copy2(src, out / "tokenizer.json")
-            write_tokenizer_config(out, cfg)
-            return "run"
+                shutil.copy2(found.source, out / "tokenizer.json")
+                for f in RUN_TOKENIZER_FILES:
+                    if (found.source.parent / f).is_file():
+                        shutil.copy2(found.source.parent / f, out / f)
+            if not (out / "tokenizer_config.json").is_file():
+                import tokenizers
+
+                shipped = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+                write_tokenizer_config(out, cfg, eos_token=shipped.id_to_token(found.eos_id),
+                                       bos_token=None if found.bos_id is None else shipped.id_to_token(found.bos_id))
+            if found.chat_template is not None:  # the template the fine-tuning data was rendered with
+                (out / "chat_template.jinja").write_text(found.chat_template, encoding="utf-8")
+            return "run", found
     if side_dir is not None and any((side_dir / f).is_file() for f in TOKENIZER_FILES):
         for f in TOKENIZER_FILES:
             if (side_dir / f).is_file():
                 shutil.copy2(side_dir / f, out / f)
-        return "imported"
+        return "imported", None
     log.warning("no tokenizer found for %s: the export has none and no special token ids (pass --tokenizer)",
                 reader.path)
-    return None
+    return None, None
 
 
-def run_tokenizer(cfg: Config) -> tuple[Path | str, int] | None:
-    """The tokenizer a run's data was written with, as (tokenizer.json path or "gpt2", EOS id):
-    the data manifest names it and gives its sha256; the file is looked for beside the data
-    (``data.path``, its parents, and the name relative to them) and must hash the same. None
-    when the data or the file cannot be found."""
+def run_tokenizer(cfg: Config) -> RunTokenizer | None:
+    """The tokenizer a run's data was written with. The data manifest (of the first source of
+    ``data.path`` / ``data.blend``: a blend's sources share one tokenizer) names it and records
+    its identity; the ``tokenizer.json`` is looked for beside the data (the data directory, its
+    parents, and the name relative to them) and must, loaded with the config files beside it,
+    have the same identity sha256 (which covers its BOS / EOS). None when the data or the file
+    cannot be found."""
     from moetrain.data.format import ShardError, read_manifest
-    from moetrain.data.tokenizer import canonical_sha256
+    from moetrain.data.tokenizer import TokenizerError, load_tokenizer
 
     try:
-        manifest = read_manifest(cfg.data.path)
-    except (ShardError, OSError):
+        data_path = cfg.data.sources()[0].path
+        manifest = read_manifest(data_path)
+    except (ShardError, OSError, ConfigError):
         return None
-    ident, eos = manifest["tokenizer"], int(manifest["eos_id"])
+    ident, eos, bos = manifest["tokenizer"], int(manifest["eos_id"]), manifest["bos_id"]
+    chat = (manifest.get("chat") or {}).get("template")
     if ident.get("name") == "gpt2":
-        return "gpt2", eos
-    import tokenizers
-
-    data = Path(cfg.data.path).resolve()
+        return RunTokenizer("gpt2", eos, bos, chat)
+    data = Path(data_path).resolve()
     bases = [data, *list(data.parents)[:3]]
     for cand in [b / "tokenizer.json" for b in bases] + [b / ident.get("name", "") for b in bases]:
         if cand.is_file():
             try:
-                if canonical_sha256(tokenizers.Tokenizer.from_file(str(cand))) == ident.get("sha256"):
-                    return cand, eos
-            except Exception:  # noqa: BLE001 - not a tokenizer file: keep looking
+                if load_tokenizer(cand).identity["sha256"] == ident.get("sha256"):
+                    return RunTokenizer(cand, eos, bos, chat)
+            except (TokenizerError, OSError):  # not a tokenizer file, or one moetrain refuses: keep looking
                 continue
     return None
 
 
-def write_tokenizer_config(out: Path, cfg: Config) -> None:
-    """A tokenizer_config.json so that ``AutoTokenizer.from_pretrained`` loads tokenizer.json."""
+def write_tokenizer_config(out: Path, cfg: Config, eos_token: str | None = None, bos_token: str | None = None) -> None:
+    """A tokenizer_config.json so that ``AutoTokenizer.from_pretrained`` loads tokenizer.json and
+    frames text as the run's data: ``eos_token`` (default ``<|endoftext|>``); ``bos_token``, when
+    given, named and added before each text (``add_bos_token: true``)."""
     from moetrain.data.tokenizer import EOS_TOKEN
 
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "model_max_length": cfg.model.seq_len,
-         "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token or EOS_TOKEN,
+            "model_max_length": cfg.model.seq_len, "clean_up_tokenization_spaces": False}
+    if bos_token is not None:
+        conf.update(bos_token=bos_token, add_bos_token=True)
+    (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")

@@ -10,27 +10,26 @@ manifest (vocabulary size), the rank map (node-limited routing, the hierarchical
 from __future__ import annotations
 
 from moetrain.config import Config, ConfigError, check_supported, field_error, padded_vocab
-from moetrain.data.format import ShardError, read_manifest
+from moetrain.data.sources import check_sources
 from moetrain.train.weights import check_init_from
 
 
 def resolve_vocab(cfg: Config) -> Config:
-    """Fill ``model.vocab_size`` from the manifest (padded for tp), or check the given one.
+    """Check the data's sources against each other (:func:`moetrain.data.sources.check_sources`)
+    and fill ``model.vocab_size`` from their manifest (padded for tp), or check the given one.
 
     Raises:
-        ConfigError: data directory or manifest missing/invalid, or vocab_size smaller than the
-            tokenizer's vocabulary.
+        ConfigError: no data, a data directory or manifest missing/invalid, sources that were not
+            tokenized alike, or vocab_size smaller than the tokenizer's vocabulary.
     """
-    try:
-        manifest = read_manifest(cfg.data.path)
-    except ShardError as e:
-        raise ConfigError(f"data.path = {cfg.data.path!r}: {e}") from e
+    manifest = check_sources(cfg.data, cfg.model.seq_len)
     vocab = int(manifest["vocab_size"])
     if cfg.model.vocab_size is None:
         return cfg.replace(model={"vocab_size": padded_vocab(vocab, cfg.model.vocab_multiple, cfg.parallel.tp)})
     if cfg.model.vocab_size < vocab:
+        where = cfg.data.path if cfg.data.path is not None else "the data"
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
-                          f"({vocab}) in {cfg.data.path}. Fix: set model.vocab_size: null (auto) or >= {vocab}")
+                          f"({vocab}) in {where}. Fix: set model.vocab_size: null (auto) or >= {vocab}")
     return cfg
 
 

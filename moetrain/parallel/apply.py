@@ -86,7 +86,7 @@ class SingleStageRunner:
         targets = mb.targets.to(self.device)
         future = targets if targets.dim() == 3 else None
         logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
-        return model_loss(logits, targets, self.model.cfg.model.mtp_loss_coef)
+        return model_loss(logits, targets, self.model.cfg.model.mtp_loss_coef, mb.loss_divisor)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         if self.ep_overlap and len(micro_batches) > 1:

@@ -284,11 +284,14 @@ class _LMLoss:
 
     def __init__(self, divisor: int, mtp_coef: float):
         self.divisor, self.mtp_coef = divisor, mtp_coef
+        # With a loss mask: the step's divisor of each micro-batch's summed token losses
+        # (MicroBatch.loss_divisor, the same for every micro-batch of a step).
+        self.loss_divisor: torch.Tensor | None = None
         self.values: list[torch.Tensor] = []
         self.mtp_values: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss, lm, mtp = model_loss(logits, targets, self.mtp_coef)
+        loss, lm, mtp = model_loss(logits, targets, self.mtp_coef, self.loss_divisor)
         self.values.append(lm.detach())
         if mtp is not None:
             self.mtp_values.append(mtp.detach())
@@ -371,7 +374,9 @@ class PipelineRunner:
     def _batch(self, micro_batches: list[MicroBatch]) -> tuple[tuple, torch.Tensor | None, dict]:
         """Step arguments: the [n·B, S] inputs where stage 0 lives, the [n·B, S] targets (or
         [n·B, S, 1 + mtp_depth] with the MTP targets) where the last stage lives, and then also
-        the keyword argument ``future`` for its MTP modules."""
+        the keyword argument ``future`` for its MTP modules; with document masking, the keyword
+        argument ``doc_ids`` ([n·B, S_full]) on every stage: the schedule cuts keyword arguments
+        into micro-batches and hands them to every stage, as every stage's attention needs them."""
         sizes = {mb.inputs.shape[0] for mb in micro_batches}
         if len(sizes) != 1:
             # tensor_split would cut unequal micro-batches at other boundaries.
@@ -380,6 +385,8 @@ class PipelineRunner:
         args = (torch.cat([mb.inputs for mb in micro_batches]).to(dev),) if self.has_first else ()
         target = torch.cat([mb.targets for mb in micro_batches]).to(dev) if self.has_last else None
         kwargs = {"future": target} if target is not None and target.dim() == 3 else {}
+        if micro_batches[0].doc_ids is not None:
+            kwargs["doc_ids"] = torch.cat([mb.doc_ids for mb in micro_batches]).to(dev)
         return args, target, kwargs
 
     def _total(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -419,6 +426,7 @@ class PipelineRunner:
         args, target, kwargs = self._batch(micro_batches)
         self.train_loss.values.clear()
         self.train_loss.mtp_values.clear()
+        self.train_loss.loss_divisor = micro_batches[0].loss_divisor
         with loss_context(self.ps):  # the vocabulary-parallel loss's forward and backward, under tp
             self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         if self.stage_ends is not None:
@@ -442,10 +450,12 @@ class PipelineRunner:
             schedule._has_backward = False
             self._eval[n] = (schedule, loss_fn)
         schedule, loss_fn = self._eval[n]
-        args, target, _ = self._batch(micro_batches)
+        args, target, kwargs = self._batch(micro_batches)
+        kwargs.pop("future", None)  # no MTP in evaluation
         loss_fn.values.clear()
+        loss_fn.loss_divisor = micro_batches[0].loss_divisor
         with loss_context(self.ps):
-            schedule.step(*args, target=target, return_outputs=False)
+            schedule.step(*args, target=target, return_outputs=False, **kwargs)
         return self._total(loss_fn.values, n)
 
 

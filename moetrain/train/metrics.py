@@ -85,10 +85,15 @@ class EtaClock:
 
 def flat_scalars(rec: dict) -> dict[str, float]:
     """The record's numbers under the names the sinks use: ``train/<key>`` (:data:`SCALARS`),
-    ``val/loss``, ``expert_load/<layer>/max_over_mean``."""
+    ``val/loss``, ``val/loss/<source>``, ``data/consumed_samples/<source>``,
+    ``expert_load/<layer>/max_over_mean``."""
     out = {f"train/{k}": float(rec[k]) for k in SCALARS if rec.get(k) is not None}
     if rec.get("val_loss") is not None:
         out["val/loss"] = float(rec["val_loss"])
+    for name, loss in (rec.get("val_loss_by_source") or {}).items():
+        out[f"val/loss/{name}"] = float(loss)
+    for name, n in (rec.get("consumed_samples_by_source") or {}).items():
+        out[f"data/consumed_samples/{name}"] = float(n)
     for layer, load in rec.get("expert_load", {}).items():
         out[f"expert_load/{layer}/max_over_mean"] = float(load["max_over_mean"])
     return out

@@ -9,7 +9,10 @@ finishes the step, checkpoints and returns).
 Loss bookkeeping: the objective of a step is the mean over all micro-batches of the global batch
 of ``lm + aux_coef·aux + z_coef·z``. Each rank back-propagates ``lm / accum`` per micro-batch;
 the MoE losses receive the same 1/accum through ``MoE.aux_loss_scale``; gradients are averaged
-over data-parallel ranks after the last micro-batch.
+over data-parallel ranks after the last micro-batch. With ``data.loss_mask`` each micro-batch's
+``lm`` is its summed token losses over a share of the global batch's trained tokens
+(:meth:`Trainer._with_loss_divisor`), so that the same averaging gives the mean over every
+trained token of the global batch.
 
 Device residency: losses, MoE statistics and the gradient norm stay on the training device and
 every collective runs on device tensors; the step's metrics are reduced as one vector and read to
@@ -36,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import Config
-from moetrain.data.loader import BatchLoader, MicroBatch, validation_batches
-from moetrain.data.reader import TokenShards
+from moetrain.data.format import ShardError
+from moetrain.data.loader import IGNORE_INDEX, BatchLoader, DataSource, MicroBatch, validation_batches
+from moetrain.data.reader import MapCache, TokenShards
 from moetrain.data.verify import verify_shards
 from moetrain.model.fp8 import dispatch_wire, row_bytes as fp8_row_bytes
 from moetrain.model.transformer import future_tokens
@@ -120,20 +124,43 @@ class Trainer:
         self.optimizers = [build_optimizer(part, cfg.train) for part in self.model_parts]
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
 
-        self._verify_data()
-        train_shards = TokenShards(cfg.data.path, "train", verify="none")
-        self.loader = BatchLoader(train_shards, cfg.model.seq_len, cfg.train.global_batch_size,
-                                  cfg.train.micro_batch_size, self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
-                                  document_mask=cfg.data.document_mask)
-        self.val_batches: list[MicroBatch] = []
+        manifests = self._verify_data()
+        sources = cfg.data.sources()
+        # One cache of memory-mapped files for every source and split of this rank.
+        maps = MapCache(cfg.data.max_open_maps)
+        # The one source of data.path is shuffled with the key "": moving its directory keeps the order.
+        self.loader = BatchLoader([DataSource(src.resolved_name, TokenShards(src.path, "train", maps=maps, manifest=m),
+                                              src.weight, None if cfg.data.blend else "")
+                                   for src, m in zip(sources, manifests)],
+                                  cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                  self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
+                                  document_mask=cfg.data.document_mask, loss_mask=cfg.data.loss_mask)
+        if self.ps.is_logging_rank and len(sources) > 1:
+            sched = self.loader.order.schedule
+            log.info("data blend of %d sources, period %d samples: %s", len(sources), sched.period,
+                     ", ".join(f"{n} {w:.4g}" for n, w in self.loader.weights.items()))
+            if sched.max_relative_deviation > 0.01:
+                log.warning("data blend: the weights are rounded to multiples of 1/%d, a small one by up to %.1f %% of "
+                            "itself; give the weights as fractions of a denominator up to 4096 (e.g. 0.25, 1/3) to "
+                            "follow them exactly", sched.period, 100 * sched.max_relative_deviation)
+        # Validation: a fixed set of each source's val split; the blended val_loss weighs them
+        # by the blend's weights.
+        self.val_batches: dict[str, list[MicroBatch]] = {}
         if cfg.train.val_every:
-            val_shards = TokenShards(cfg.data.path, "val", verify="none")
-            self.val_batches = self._to_device(validation_batches(
-                val_shards, cfg.model.seq_len, cfg.train.micro_batch_size, cfg.data.val_batches, self.ps.coord(DP),
-                self.ps.size(DP), document_mask=cfg.data.document_mask))
+            for src, m in zip(sources, manifests):
+                batches = self._to_device(validation_batches(
+                    TokenShards(src.path, "val", maps=maps, manifest=m), cfg.model.seq_len, cfg.train.micro_batch_size,
+                    cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP), document_mask=cfg.data.document_mask,
+                    loss_mask=cfg.data.loss_mask))
+                if batches:
+                    self.val_batches[src.resolved_name] = self._with_loss_divisor(batches)
+                elif self.ps.is_logging_rank:
+                    log.warning("data source %r has no validation sample of %d tokens: val_loss leaves it out",
+                                src.resolved_name, cfg.model.seq_len + 1)
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence,
                                          async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s)
         self.step = 0
+        self._trained_tokens: torch.Tensor | None = None
         self.flops_per_token = flops_per_token(cfg)
         # Bytes of one dispatched row on the wire (moe.dispatch_dtype; fp8 counts its scales).
         wire = dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
@@ -150,26 +177,36 @@ class Trainer:
             if write_files and self.ps.is_logging_rank else None
         self.eta = EtaClock(cfg.train.steps)
 
-    def _verify_data(self) -> None:
-        """Check the data shards against their manifest before training (``data.verify``): each
-        rank checks its own ~1/ranks of the bytes, skipping contents already verified (the cache
-        beside the data, or in the run directory when the data directory is read-only); one
-        collective agrees, so every rank raises the same :class:`~moetrain.data.format.ShardError`."""
+    def _verify_data(self) -> list[dict]:
+        """Check every source's shards against their manifest before training (``data.verify``):
+        each rank checks its own ~1/ranks of the bytes, skipping contents already verified (the
+        cache beside the data, or in the run directory when the data directory is read-only); one
+        collective agrees, so every rank raises the same :class:`~moetrain.data.format.ShardError`,
+        naming the source and the shard. Returns the sources' manifests, as verified."""
         cfg, t0 = self.cfg, time.time()
-        data_dir = Path(cfg.data.path)
-        cache = data_dir / ".moetrain-verified.json" if os.access(data_dir, os.W_OK) \
-            else cfg.run_dir / "verified-shards.json"
 
         def agree(result: dict) -> list[dict]:
             out: list[Any] = [None] * self.ps.world_size
             dist.all_gather_object(out, result)
             return out
 
-        verify_shards(data_dir, cfg.data.verify, None if cfg.train.val_every else "train", rank=self.ps.rank,
-                      world=self.ps.world_size, agree=agree, cache=cache)
+        sources = cfg.data.sources()
+        manifests = []
+        for i, src in enumerate(sources):
+            data_dir = Path(src.path)
+            cache = data_dir / ".moetrain-verified.json" if os.access(data_dir, os.W_OK) \
+                else cfg.run_dir / ("verified-shards.json" if cfg.data.path is not None
+                                    else f"verified-shards-{src.resolved_name}.json")
+            try:
+                manifests.append(verify_shards(data_dir, cfg.data.verify, None if cfg.train.val_every else "train",
+                                               rank=self.ps.rank, world=self.ps.world_size, agree=agree, cache=cache))
+            except ShardError as e:
+                where = f"data.blend[{i}] ({src.resolved_name!r})" if cfg.data.blend else "data.path"
+                raise ShardError(f"{where}: {e}") from None
         if self.ps.is_logging_rank:
-            log.info("data verified (%s, spread over %d ranks) in %.1f s", cfg.data.verify, self.ps.world_size,
-                     time.time() - t0)
+            log.info("data verified (%s, %d source%s, spread over %d ranks) in %.1f s", cfg.data.verify, len(sources),
+                     "" if len(sources) == 1 else "s", self.ps.world_size, time.time() - t0)
+        return manifests
 
     # -- resume / checkpoint ------------------------------------------------------------------
 
@@ -188,8 +225,12 @@ class Trainer:
             _, path = found
             state = self.checkpointer.load(path, self.model_parts, self.optimizers)
             self.step = int(state["step"])
-            self.loader.load_state_dict(state)
+            blend_change = self.loader.load_state_dict(state)
             self._check_schedule(state.get("lr_schedule"), path)
+            if blend_change is not None and self.ps.is_logging_rank:
+                log.warning("the data differs from what steps 1-%d were trained with: %s", self.step, blend_change)
+                if self.write_files:
+                    append_event(self.cfg.run_dir, self.fence, "data_changed", step=self.step, changed=blend_change)
         if self.ps.is_logging_rank:
             if found is not None:
                 log.info("resumed from %s at step %d (%d samples consumed)", path, self.step,
@@ -258,6 +299,41 @@ class Trainer:
             out.append(MicroBatch(move(inputs), move(targets), move(mb.doc_ids)))
         return out
 
+    def _announce_epochs(self) -> None:
+        """Say once, on the console and in the event log, when a source of the data has run
+        through its samples and starts a new, reshuffled epoch."""
+        for name, epoch in self.loader.new_epochs():
+            if not self.ps.is_logging_rank:
+                continue
+            samples = self.loader.num_samples[name]
+            log.info("data source %r ran through its %s samples in step %d: epoch %d begins, reshuffled", name,
+                     f"{samples:,}", self.step + 1, epoch + 1)
+            if self.write_files:
+                append_event(self.cfg.run_dir, self.fence, "data_epoch", step=self.step + 1, source=name,
+                             epoch=epoch + 1, samples=samples)
+
+    def _with_loss_divisor(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """With ``data.loss_mask``: every micro-batch's loss divisor, so that the loss is the
+        mean over the trained tokens of the whole batch in every layout: each micro-batch sums
+        its token losses and divides by ``N / (n · dp·cp)``, with ``N`` the trained targets of
+        all ranks' micro-batches (their local counts summed over dp × cp: each cp rank holds its
+        own chunks of the sequence) and ``n`` the micro-batches per rank; averaging over
+        micro-batches and dp × cp then gives ``sum / N`` (Megatron-Core's per-token loss, its
+        ``calculate_per_token_loss``). One all-reduce of a device scalar; no host read. Without
+        the loss mask the micro-batches are returned as they are."""
+        if not self.cfg.data.loss_mask or not micro_batches:
+            return micro_batches
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        for mb in micro_batches:
+            count += (mb.targets != IGNORE_INDEX).sum()
+        if self.ps.size(DP_CP) > 1:
+            dist.all_reduce(count, group=self.ps.group(DP_CP))
+        divisor = count.clamp(min=1.0) / (len(micro_batches) * self.ps.size(DP_CP))
+        for mb in micro_batches:
+            mb.loss_divisor = divisor
+        self._trained_tokens = count  # read with the step's metrics
+        return micro_batches
+
     def train_step(self) -> StepResult:
         """One optimizer step over this rank's share of the next global batch. Reads the step's
         metrics to the host once, at the end."""
@@ -265,6 +341,8 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         micro_batches = self._to_device(self.loader.next_batch(), mtp=self.cfg.model.mtp_depth > 0)
+        self._announce_epochs()
+        micro_batches = self._with_loss_divisor(micro_batches)
         accum = len(micro_batches)
         lr = lr_at(self.step, self.cfg.train)
         for opt in self.optimizers:
@@ -292,6 +370,8 @@ class Trainer:
         # The step's one host read, of named slots: the step's scalars, the gradient norm, the
         # dispatch bytes (with ep) and every MoE layer's tokens per expert.
         slots = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double()}
+        if self.cfg.data.loss_mask:
+            slots["trained_tokens"] = self._trained_tokens
         a2a = self._a2a_bytes()
         if a2a is not None:
             slots.update(intra_node=a2a[0], inter_node=a2a[1])
@@ -305,11 +385,18 @@ class Trainer:
             "step_time_s": dt,
             "tflops_per_device": self.flops_per_token * self.tokens_per_step / dt / self.ps.world_size / 1e12,
             "dropped_fraction": host["dropped"][0],
+            "consumed_samples": self.loader.consumed_samples,
+            "consumed_samples_by_source": self.loader.consumed_samples_by_source(),
             **({"mtp_loss": host["mtp"][0]} if self.cfg.model.mtp_depth else {}),
             "expert_load": {n: {"tokens": [int(x) for x in row],
                                 "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
                             for n, row in rows.items()},
         }
+        if self.cfg.data.loss_mask:
+            extra["trained_tokens"] = int(host["trained_tokens"][0])
+            if extra["trained_tokens"] == 0 and self.ps.is_logging_rank:
+                log.warning("step %d: the loss mask excludes every target of the global batch: the loss is 0 and the "
+                            "step only decays the weights", self.step)
         if a2a is not None:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
         return StepResult(self.step, host["lm"][0], host["aux"][0], host["z"][0], host["grad_norm"][0], lr, extra)
@@ -379,21 +466,29 @@ class Trainer:
         return scalars, loads
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean LM loss over the fixed validation batches (all dp ranks)."""
+    def evaluate(self) -> tuple[float, dict[str, float]] | None:
+        """Mean LM loss over each source's fixed validation batches (all dp ranks), and the
+        blended one: the sources' losses weighted by the blend's weights (over the sources that
+        have a validation split). None when no source has one. One host read per evaluation."""
         if not self.val_batches:
             return None
         for part in self.model_parts:
             part.eval()
-        total = self.runner.forward_only(self.val_batches) / len(self.val_batches)
-        if self.ps.size(PP) > 1:
-            dist.all_reduce(total, group=self.ps.group(PP))
-        if self.ps.size(DP_CP) > 1:
-            dist.all_reduce(total, group=self.ps.group(DP_CP))
-            total /= self.ps.size(DP_CP)
+        losses = []
+        for batches in self.val_batches.values():
+            total = self.runner.forward_only(batches) / len(batches)
+            if self.ps.size(PP) > 1:
+                dist.all_reduce(total, group=self.ps.group(PP))
+            if self.ps.size(DP_CP) > 1:
+                dist.all_reduce(total, group=self.ps.group(DP_CP))
+                total /= self.ps.size(DP_CP)
+            losses.append(total)
         for part in self.model_parts:
             part.train()
-        return float(total)  # one host read per evaluation
+        by_source = dict(zip(self.val_batches, torch.stack(losses).tolist()))
+        weights = self.loader.weights
+        norm = sum(weights[n] for n in by_source)
+        return sum(weights[n] * v for n, v in by_source.items()) / norm, by_source
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -405,7 +500,7 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _log(self, res: StepResult, val_loss: float | None) -> None:
+    def _log(self, res: StepResult, val: tuple[float, dict[str, float]] | None) -> None:
         if self.sinks is None:  # not the logging rank, or write_files=False
             return
         self.fence.check()
@@ -415,7 +510,9 @@ class Trainer:
                "elapsed_s": elapsed, "eta_s": eta}
         mem = _memory_gib(self.device)
         rec["mem_gib"] = mem
-        if val_loss is not None:
+        val_loss = None
+        if val is not None:
+            val_loss, rec["val_loss_by_source"] = val
             rec["val_loss"] = val_loss
         self.sinks.write(rec)
         if res.step % self.cfg.train.log_every == 0 or val_loss is not None:

@@ -1,0 +1,365 @@
+"""Fine-tuning data: chat templates and loss masks (moetrain/data/chat.py), whole records packed
+into sequences (writer.py), and the masked loss — the mean over the trained tokens of the whole
+global batch — in every layout, 20 steps against one process.
+
+Tolerances as tests/test_equivalence.py: losses and gradient norms within 1e-5 relative per
+step, the first step's gradients within 1e-5 of each tensor's largest entry plus 1e-7.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetrain.config import ConfigError
+from moetrain.data.chat import ChatEncoder, ChatError, ChatTemplate, load_chat_template
+from moetrain.data.loader import IGNORE_INDEX, BatchLoader
+from moetrain.data.pipeline import TokenizeJob
+from moetrain.data.reader import TokenShards
+from moetrain.data.tokenizer import load_tokenizer
+from moetrain.launch.preflight import resolve_vocab
+
+from conftest import tiny_config
+from family_tokenizers import FAMILIES
+from multiproc import run_distributed
+from test_equivalence import assert_matches, steps_with_first_grads
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 64
+STEPS = 20
+QUESTIONS = ["What is the capital of France?", "Add 2 and 3.", "Name a colour.", "Say hello.",
+             "Who wrote Hamlet, and when was it first performed?"]
+ANSWERS = ["Paris.", "5.", "Blue, like the sky on a summer day.", "Hello there!",
+           "Shakespeare wrote it; it was first performed around 1600, at the Globe in London."]
+
+
+def chat_records(n: int, seed: int = 0) -> list[dict]:
+    """Conversations of 1-3 turns (some with a system message; a few long enough to be split
+    over two sequences of 64 tokens) and prompt/completion pairs."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 5 == 0:
+            out.append({"prompt": "Q: " + rng.choice(QUESTIONS) + "\nA:", "completion": " " + rng.choice(ANSWERS)})
+            continue
+        messages = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
+        for _ in range(1 + i % 3 + (3 if i % 17 == 0 else 0)):
+            messages += [{"role": "user", "content": rng.choice(QUESTIONS)},
+                         {"role": "assistant", "content": rng.choice(ANSWERS)}]
+        out.append({"messages": messages})
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("chat")
+    tok_dir = FAMILIES["llama3"][0](root / "llama3")
+    (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(400)))
+    tokenizer = load_tokenizer(tok_dir)
+    job = TokenizeJob([root / "chats.jsonl"], tokenizer, root / "shards", val_fraction=0.1,
+                      chat=ChatEncoder(tokenizer, load_chat_template(tok_dir)), pack_seq_len=SEQ)
+    job.run(workers=0, progress=False)
+    job.merge(progress=False)
+    return {"root": root, "tokenizer_dir": tok_dir, "tokenizer": tokenizer, "shards": root / "shards"}
+
+
+# -- tokenizing ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_only_assistant_turns_are_trained_and_ids_match_transformers(family, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok_dir = FAMILIES[family][0](tmp_path / family)
+    tokenizer = load_tokenizer(tok_dir)
+    encoder = ChatEncoder(tokenizer, load_chat_template(tok_dir))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Germany?"},
+                {"role": "assistant", "content": "Berlin."}]
+    ids, mask = encoder.encode({"messages": messages})
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    assert ids == list(hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    # The trained tokens decode to exactly the assistant contents, each with its end of turn.
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    runs += [cur] if cur else []
+    end = {"llama3": "<|eot_id|>", "mixtral": "</s>", "deepseek_v3": "<｜end▁of▁sentence｜>"}[family]
+    assert [tokenizer.decode(r) for r in runs] == ["Paris." + end, "Berlin." + end]
+    # prompt/completion: BOS (when the family adds one) + prompt + completion + EOS; the completion
+    # and the EOS trained.
+    ids, mask = encoder.encode({"prompt": "Q: 2+2?", "completion": " 4"})
+    assert ids[-1] == tokenizer.eos_id and mask[-1] == 1 and mask[0] == 0
+    assert (ids[0] == tokenizer.bos_id) == (tokenizer.bos_id is not None)
+    trained = [i for i, m in zip(ids, mask) if m]
+    assert tokenizer.decode(trained[:-1]).strip() == "4"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    tokenizer = load_tokenizer(FAMILIES["llama3"][0](Path(__import__("tempfile").mkdtemp())))
+    # Drops every assistant turn but the last one (as templates that hide earlier reasoning do).
+    rewriting = ChatTemplate("test", "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+                                     "{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                                     "{% if add_generation_prompt %}assistant: {% endif %}")
+    encoder = ChatEncoder(tokenizer, rewriting)
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    with pytest.raises(ChatError, match="cannot be located"):
+        encoder.encode({"messages": msgs})
+
+
+def test_malformed_records_are_skipped_with_their_line_or_fatal(chat_data, tmp_path):
+    from moetrain.data.corpus import BadDocument, SkipLog, plan_units, read_unit
+
+    lines = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+             {"messages": []},
+             {"messages": [{"role": "user", "content": "hi"}]},
+             {"prompt": "p", "completion": 3},
+             {"text": "not a record"},
+             {"prompt": "p", "completion": " c"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    skipped = SkipLog()
+    records = [r for _, r in read_unit(plan_units([path])[0], on_bad="skip", skipped=skipped, chat=True)]
+    assert records == [lines[0], lines[5]]
+    assert dict(skipped.counts) == {"bad_chat": 4}
+    assert [s["where"] for s in skipped.sample] == ["2", "3", "4", "5"]
+    assert "no assistant message" in skipped.sample[1]["detail"]
+    with pytest.raises(BadDocument, match=r"chats.jsonl:2: 'messages' must be a non-empty list"):
+        list(read_unit(plan_units([path])[0], on_bad="fail", chat=True))
+    # Parquet rows: messages as a list of structs.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"messages": [lines[0]["messages"], lines[2]["messages"]]}), tmp_path / "chats.parquet")
+    skipped = SkipLog()
+    rows = list(read_unit(plan_units([tmp_path / "chats.parquet"])[0], on_bad="skip", skipped=skipped, chat=True))
+    assert rows == [("chats.parquet:1", {"messages": lines[0]["messages"]})]
+    assert [(s["where"], s["reason"]) for s in skipped.sample] == [("row 2", "bad_chat")]
+
+
+def test_records_are_packed_whole_masked_and_verified(chat_data):
+    manifest = json.loads((chat_data["shards"] / "manifest.json").read_text())
+    assert manifest["loss_mask"] is True and manifest["packed"]["seq_len"] == SEQ
+    assert manifest["skipped_documents"]["total"] == 0
+    shards = TokenShards(chat_data["shards"], "train")
+    tok = chat_data["tokenizer"]
+    pad = manifest["packed"]["pad_id"]
+    n = shards.num_samples(SEQ)
+    assert n * (SEQ + 1) == shards.num_tokens  # whole blocks, nothing lost
+    split_records = padded = trained = 0
+    for i in range(n):
+        tokens, mask = shards.sample(i, SEQ), shards.sample_loss_mask(i, SEQ)
+        docs = shards.sample_document_ids(i, SEQ)
+        trained += int(mask.sum())
+        # Segments of the block (records, padding): each record starts with BOS, except the
+        # continuation of a record longer than a block, at the block's start.
+        bounds = [0, *(np.flatnonzero(np.diff(docs)) + 1), SEQ + 1]
+        for a, b in zip(bounds, bounds[1:]):
+            if tokens[a] == tok.bos_id:
+                assert not mask[a]  # a record's first token is never a trained target
+            elif a == 0:
+                split_records += 1
+                assert i > 0
+            else:  # padding: its own document, to the block's end, never trained
+                assert b == SEQ + 1 and (tokens[a:b] == pad).all() and not mask[a:b].any()
+                padded += b - a
+    assert split_records >= 1  # the long conversations did not fit one sequence
+    assert padded == manifest["packed"]["padding_tokens"]["train"]
+    assert trained == manifest["splits"]["train"]["trained_tokens"]
+    # Trained share: assistant turns only (the manifest counts them).
+    train = manifest["splits"]["train"]
+    assert 0 < train["trained_tokens"] < 0.5 * train["tokens"]
+    # The masks are verified like the tokens: one flipped byte is found.
+    mask_file = chat_data["shards"] / train["shards"][0]["mask_name"]
+    data = bytearray(mask_file.read_bytes())
+    data[10] ^= 1
+    damaged = chat_data["root"] / "damaged"
+    damaged.mkdir()
+    for f in chat_data["shards"].iterdir():
+        if f.is_file():
+            (damaged / f.name).write_bytes(bytes(data) if f == mask_file else f.read_bytes())
+    from moetrain.data.format import ShardError
+    with pytest.raises(ShardError, match=r"train_00000\.mask: sha256 mismatch"):
+        TokenShards(damaged, "train")
+
+
+def test_the_command_line_tokenizes_chats(chat_data, tmp_path):
+    out = subprocess.run([sys.executable, "tools/tokenize_corpus.py", "--input", str(chat_data["root"] / "chats.jsonl"),
+                          "--tokenizer", str(chat_data["tokenizer_dir"]), "--out", str(tmp_path / "cli"), "--chat",
+                          "--seq-len", str(SEQ), "--val-fraction", "0.1", "--workers", "2", "--quiet"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "trained (" in out.stdout and "packed into sequences of 64 tokens" in out.stdout
+    # The same bytes as the in-process job with 0 workers.
+    a = json.loads((tmp_path / "cli" / "manifest.json").read_text())
+    b = json.loads((chat_data["shards"] / "manifest.json").read_text())
+    assert [s["sha256"] for s in a["splits"]["train"]["shards"]] == [s["sha256"] for s in b["splits"]["train"]["shards"]]
+    assert [s["mask_sha256"] for s in a["splits"]["train"]["shards"]] == \
+        [s["mask_sha256"] for s in b["splits"]["train"]["shards"]]
+    missing = subprocess.run([sys.executable, "tools/tokenize_corpus.py", "--input", "x.jsonl", "--tokenizer", "gpt2",
+                              "--out", str(tmp_path / "o"), "--chat"], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode != 0 and "--chat needs --seq-len" in missing.stderr
+
+
+def test_packed_data_is_refused_at_another_sequence_length(chat_data, tmp_path):
+    cfg = tiny_config(chat_data["shards"], tmp_path, model={"seq_len": 32, "vocab_size": None},
+                      data={"loss_mask": True})
+    with pytest.raises(ConfigError, match=r"model.seq_len = 32: .*packed for sequences of 64 tokens"):
+        resolve_vocab(cfg)
+
+
+# -- the loss -------------------------------------------------------------------------------------
+
+
+def first_loss(rank: int, world: int, data: str, run_dir: str) -> dict:
+    """One process: the reported first-step loss, and the mean cross-entropy over every trained
+    target of the global batch computed here from the same weights and samples."""
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(data, run_dir, model={"seq_len": SEQ, "vocab_size": 408},
+                      data={"loss_mask": True, "document_mask": True})
+    trainer = Trainer(cfg, write_files=False)
+    loader = BatchLoader(TokenShards(data, "train", verify="none"), SEQ, 8, 8, 0, 1, cfg.run.seed,
+                         document_mask=True, loss_mask=True)
+    (mb,) = loader.next_batch()
+    model = trainer.model_parts[0]
+    with torch.no_grad():
+        logits = model(mb.inputs, doc_ids=mb.doc_ids)
+        manual = F.cross_entropy(logits.flatten(0, 1), mb.targets.flatten(), ignore_index=IGNORE_INDEX)
+        per_mb = [F.cross_entropy(l.flatten(0, 1), t.flatten(), ignore_index=IGNORE_INDEX)
+                  for l, t in zip(logits.split(2), mb.targets.split(2))]
+    trained = int((mb.targets != IGNORE_INDEX).sum())
+    return {"reported": trainer.train_step().loss, "manual": float(manual), "mean_of_means": float(torch.stack(per_mb).mean()),
+            "trained": trained, "tokens": mb.targets.numel()}
+
+
+def test_the_loss_is_the_mean_over_the_trained_tokens_of_the_global_batch(chat_data, tmp_path):
+    r = run_distributed(first_loss, 1, str(chat_data["shards"]), str(tmp_path))[0]
+    assert 0 < r["trained"] < r["tokens"]
+    assert abs(r["reported"] - r["manual"]) <= 1e-6 * r["manual"]
+    # Not the mean of the micro-batches' own means (they hold different numbers of trained tokens).
+    assert abs(r["mean_of_means"] - r["manual"]) > 1e-4
+
+
+def train_masked(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> dict:
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"seq_len": SEQ, "vocab_size": 408},
+                      data={"loss_mask": True, "document_mask": True, "val_batches": 2},
+                      train={"steps": STEPS, "grad_clip": 0.5, "val_every": STEPS})
+    trainer = Trainer(cfg, write_files=False)
+    results, grads = steps_with_first_grads(trainer, STEPS)
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
+            "val": trainer.evaluate()[0]}
+
+
+REFERENCE: dict = {}
+
+LAYOUTS = {
+    "dp2-ep2": {"dp": 2, "ep": 2},
+    "dp2-tp2-sp-ep2": {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
+    "cp2-ep2": {"cp": 2, "ep": 2},
+    "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_masked_fine_tuning_equals_one_process_in_every_layout(layout, chat_data, tmp_path):
+    if "ref" not in REFERENCE:
+        REFERENCE["ref"] = run_distributed(train_masked, 1, str(chat_data["shards"]), str(tmp_path / "ref"), {})[0]
+    ref = REFERENCE["ref"]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
+    assert max(ref["norms"]) > 0.5, "the test must clip"
+    parallel = LAYOUTS[layout]
+    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
+    results = run_distributed(train_masked, world, str(chat_data["shards"]), str(tmp_path / "run"), parallel)
+    got = {"losses": results[0]["losses"], "grads": {}}
+    for r in results:
+        got["grads"].update(r["grads"])
+    assert_matches(got, ref)
+    for step, (a, b) in enumerate(zip(results[0]["norms"], ref["norms"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+    if parallel.get("dp", 1) == 1:  # the validation batches are split over dp: comparable at dp = 1
+        assert abs(results[0]["val"] - ref["val"]) <= 1e-5 * ref["val"]
+
+
+# -- the demo's chat data, through tokenize → train → export ----------------------------------------
+
+
+def _build_demo_chat(out: Path) -> None:
+    proc = subprocess.run([sys.executable, "tools/build_demo_chat.py", "--out", str(out), "--max-records", "300"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def train_steps_and_save(rank: int, world: int, cfg) -> list[float]:
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, write_files=False)
+    losses = [trainer.train_step().loss for _ in range(3)]
+    trainer.save_checkpoint()
+    return losses
+
+
+@pytest.mark.slow
+def test_demo_chats_tokenize_train_and_export_with_their_template(tmp_path):
+    """tools/build_demo_chat.py's records and template with a Llama-3-style tokenizer directory
+    (its BOS / EOS; the demo's template instead of its own): every record encodes, each
+    assistant reply is trained; 3 steps; the export ships the template the data was rendered
+    with, and transformers renders a conversation with it as moetrain did."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from moetrain.config import save_config
+    from moetrain.data.corpus import demo_chat_records
+    from moetrain.hf.__main__ import main as hf_main
+
+    _build_demo_chat(tmp_path / "chat")
+    again = tmp_path / "again"
+    _build_demo_chat(again)
+    assert (again / "chats.jsonl.zst").read_bytes() == (tmp_path / "chat" / "chats.jsonl.zst").read_bytes()
+    tok_dir = FAMILIES["llama3"][0](tmp_path / "data" / "tokenizer")  # beside the data: export finds it
+    shards = tmp_path / "data" / "shards"
+    proc = subprocess.run([sys.executable, "tools/tokenize_corpus.py", "--input", str(tmp_path / "chat" / "chats.jsonl.zst"),
+                           "--tokenizer", str(tok_dir), "--chat", "--chat-template",
+                           str(tmp_path / "chat" / "chat_template.jinja"), "--seq-len", "128", "--out", str(shards),
+                           "--val-fraction", "0.05", "--workers", "0", "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["skipped_documents"]["total"] == 0  # every record of the demo encodes
+    template = (tmp_path / "chat" / "chat_template.jinja").read_text()
+    assert manifest["chat"]["template"] == template
+    tokenizer = load_tokenizer(tok_dir)
+    encoder = ChatEncoder(tokenizer, load_chat_template(tok_dir, tmp_path / "chat" / "chat_template.jinja"))
+    record = next(r for r in demo_chat_records(20) if "messages" in r)
+    ids, mask = encoder.encode(record)
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    replies = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert trained == "".join(f" {r}<|end_of_text|>\n" for r in replies)
+
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(shards, run_dir, model={"vocab_size": 408, "seq_len": 128}, moe={"shared_experts": 0},
+                      data={"loss_mask": True, "document_mask": True}, train={"steps": 3, "global_batch_size": 4})
+    save_config(cfg, run_dir / "config.yaml")  # as submit writes it; export finds it there
+    losses = run_distributed(train_steps_and_save, 1, cfg)[0]
+    assert all(0 < loss < 20 for loss in losses), losses
+    out = tmp_path / "export"
+    assert hf_main(["export", str(run_dir / "checkpoints"), "--out", str(out)]) == 0
+    assert (out / "chat_template.jinja").read_text() == template
+    exported = AutoTokenizer.from_pretrained(str(out))
+    assert exported.apply_chat_template(record["messages"], tokenize=False) == encoder.template.render(record["messages"])
