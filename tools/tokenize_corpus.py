@@ -158,15 +158,17 @@ def _chat_encoder(args: argparse.Namespace, tokenizer, parser: argparse.Argument
         parser.error("--chat needs --seq-len L (the model.seq_len the records are packed for)")
     if args.format != "moetrain":
         parser.error("--chat writes a loss mask, which only the moetrain format holds: drop --format megatron")
-    from moetrain.data.chat import ChatEncoder, ChatError, load_chat_template
+    from moetrain.data.chat import ChatEncoder, ChatTemplateError, load_chat_template
 
-    template = None
-    if args.tokenizer != "gpt2" or args.chat_template is not None:
-        try:
-            template = load_chat_template(args.tokenizer, args.chat_template)
-        except ChatError as e:
-            print(f"note: {e}; only prompt/completion records can be encoded", file=sys.stderr)
-    return ChatEncoder(tokenizer, template)
+    try:
+        template = load_chat_template(args.tokenizer, args.chat_template)
+    except ChatTemplateError as e:
+        if args.chat_template is not None:
+            raise
+        print(f"note: {e}; prompt/completion records can be encoded, a messages record stops the job",
+              file=sys.stderr)
+        template = None
+    return ChatEncoder(tokenizer, template)  # checks the template on a plain exchange before any record
 
 
 def _run_slurm(job: TokenizeJob, args: argparse.Namespace) -> dict | None:

@@ -6,21 +6,29 @@ Two record shapes (one JSON object per line, or one parquet row):
   rendered with the tokenizer's chat template (the Jinja template of ``tokenizer_config.json``'s
   ``chat_template`` or ``chat_template.jinja`` beside it, as transformers reads them; rendered with
   ``jinja2`` in a sandbox, with transformers' settings: ``trim_blocks``, ``lstrip_blocks``,
-  ``raise_exception``, the ``tojson`` filter), tokenized with the special tokens of the template
-  recognised. Trained: every assistant turn, as the template writes it — its content and the
-  end-of-turn token after it (``<|eot_id|>``, ``</s>``), so that the model learns to stop; not
-  the role headers that open a turn, nor any other role's turns.
+  ``raise_exception``, ``tojson``, ``{% generation %}``), tokenized with the special tokens of the
+  template recognised. Trained: every assistant turn as the template writes it after the
+  generation prompt — its content, the end-of-turn token (``<|eot_id|>``, ``</s>``), so that the
+  model learns to stop, and whatever the template puts after it (ChatML's newline) —; not the
+  role headers that open a turn, nor any other role's turns. A message whose content holds a
+  special token's string (``<|eot_id|>``) is refused: the template's text is tokenized with the
+  special tokens recognised, so it would forge a turn.
 * ``{"prompt": "...", "completion": "..."}`` — ``[BOS] + prompt + completion + EOS`` with the
-  tokenizer's framing (:mod:`moetrain.data.tokenizer`); trained: the completion and the EOS.
+  tokenizer's framing (:mod:`moetrain.data.tokenizer`), the text encoded in one piece (a
+  SentencePiece tokenizer would otherwise start the completion with a word boundary of its own),
+  special-token strings as plain text; trained: the completion and the EOS.
 
-**Where an assistant turn is.** For the ``k``-th message, an assistant's, the template renders the
-messages before it with the generation prompt (the header that opens an assistant turn) and the
-messages up to it; the turn is the text between the two. That holds for every template that
-renders a conversation as the concatenation of its turns (Llama 3, Mistral, DeepSeek-V3, ChatML);
-a template that rewrites earlier turns (one that drops the reasoning of earlier answers, say)
-is caught — the shorter rendering is not a prefix of the longer — and the record is refused as a
-bad document rather than masked wrongly. A token is trained when its first character lies in a
-turn (the tokenizer's offsets).
+**Where an assistant turn is.** When the template marks assistant content with
+``{% generation %} ... {% endgeneration %}`` (transformers' ``return_assistant_tokens_mask``, TRL's
+``assistant_only_loss``), the marked text. Otherwise, for the ``k``-th message, an assistant's,
+the template renders the messages before it with the generation prompt (the header that opens an
+assistant turn) and the messages up to it; the turn is the text between the two. That holds for
+every template that renders a conversation as the concatenation of its turns (Llama 3, Mistral,
+DeepSeek-V3, ChatML); a template that rewrites earlier turns (one that drops the reasoning of
+earlier answers, say) is caught — the shorter rendering is not a prefix of the longer — and the
+record refused as a bad document rather than masked wrongly (mark its assistant content with
+``{% generation %}`` to train such records). A token is trained when its characters overlap a turn
+(as ``char_to_token``: a token that also holds the generation prompt's trailing space is trained).
 
 The mask has one byte per token, 1 where the token is trained *as a target* (its prediction
 from the token before it enters the loss); the first token of a record is never trained.
@@ -32,19 +40,30 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
-__all__ = ["ChatError", "ChatTemplate", "ChatEncoder", "record_problem", "load_chat_template", "TRAINED_ROLES"]
+__all__ = ["ChatError", "ChatTemplateError", "ChatTemplate", "ChatEncoder", "record_problem", "load_chat_template",
+           "TRAINED_ROLES", "MASK_RULE"]
 
 TRAINED_ROLES = ("assistant",)
+MASK_RULE = 2  # bumped when what a record's mask trains changes: tokenize units keyed on it are redone
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around {% generation %} output
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class ChatError(ValueError):
-    """A chat template cannot be found, read or rendered, or cannot mark the assistant's turns."""
+    """One record cannot be encoded: the template refuses it or cannot mark its assistant turns,
+    or its content would forge a special token. Counted as a bad document (``bad_chat``)."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template itself is missing, not valid Jinja, or fails on a plain two-turn
+    conversation: every record would fail, so the job stops before tokenizing."""
 
 
 def record_problem(obj: dict) -> str | None:
@@ -84,42 +103,84 @@ class ChatTemplate:
     def sha256(self) -> str:
         return hashlib.sha256(json.dumps([self.template, self.bos_token, self.eos_token]).encode()).hexdigest()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages``.
+    @property
+    def marks_generation(self) -> bool:
+        """Whether the template marks assistant content with ``{% generation %}``."""
+        return bool(_GENERATION_TAG.search(self.template))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, mark_generation: bool = False) -> str:
+        """The template's text for ``messages``; ``mark_generation``: ``{% generation %}`` output
+        between two private-use characters (:meth:`generation_spans`).
 
         Raises:
-            ChatError: the template raises (``raise_exception``) or fails to render.
+            ChatTemplateError: the template is not valid Jinja.
+            ChatError: the template refuses the conversation (``raise_exception``) or fails on it.
         """
-        import jinja2  # a dependency of torch, always present
-
+        compiled = _compiled(self.template, self.source)
         try:
-            return _compiled(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                   bos_token=self.bos_token, eos_token=self.eos_token)
-        except jinja2.TemplateError as e:
-            raise ChatError(f"chat template of {self.source} failed to render: {e}") from None
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token, eos_token=self.eos_token,
+                                   _mark_generation=mark_generation)
+        except Exception as e:  # the template's own raise_exception, or a bug of the template's
+            raise ChatError(f"the chat template of {self.source} failed on this conversation: "
+                            f"{type(e).__name__}: {e}") from None
+
+    def generation_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, [(start, end)])``: the rendered conversation and the character spans of its
+        ``{% generation %}`` blocks."""
+        marked = self.render(messages, mark_generation=True)
+        text, spans, start = [], [], None
+        for ch in marked:
+            if ch == _OPEN:
+                start = sum(map(len, text))
+            elif ch == _CLOSE and start is not None:
+                spans.append((start, sum(map(len, text))))
+                start = None
+            else:
+                text.append(ch)
+        return "".join(text), spans
 
 
 _TEMPLATES: dict[str, object] = {}
 
 
-def _compiled(template: str):
-    """The template compiled once per process in a sandbox, with transformers' settings."""
+def _compiled(template: str, source: str):
+    """The template compiled once per process in a sandbox, with transformers' settings and
+    filters (``tojson`` as transformers defines it) and the ``{% generation %}`` block."""
     if template not in _TEMPLATES:
-        from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
+        from jinja2 import TemplateError, nodes
+        from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):
+            """``{% generation %}...{% endgeneration %}``: its output as is, or between the
+            private-use marks when the template is rendered with ``_mark_generation``."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                call = self.call_method("_mark", [nodes.Name("_mark_generation", "load")])
+                return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+            def _mark(self, mark, caller):
+                out = caller()
+                return f"{_OPEN}{out}{_CLOSE}" if mark else out
 
         def raise_exception(message: str):
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                      ensure_ascii=ensure_ascii)
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         try:
             _TEMPLATES[template] = env.from_string(template)
         except TemplateError as e:
-            raise ChatError(f"the chat template is not valid Jinja: {e}") from None
+            raise ChatTemplateError(f"the chat template of {source} is not valid Jinja: {e}") from None
     return _TEMPLATES[template]
 
 
@@ -136,41 +197,58 @@ def load_chat_template(spec: str | os.PathLike, template_file: str | os.PathLike
     ``{name, template}`` of which ``default`` is taken). ``bos_token`` / ``eos_token`` come from
     ``tokenizer_config.json`` (or ``special_tokens_map.json``).
 
+    ``spec`` ``"gpt2"`` has no files: only ``template_file`` can give it a template.
+
     Raises:
-        ChatError: no template anywhere (the message names where it looked and the fix), or a
-            file that cannot be read.
+        ChatTemplateError: no template anywhere (the message names where it looked and the fix),
+            or a file that cannot be read.
     """
     path = Path(spec)
-    directory = path if path.is_dir() else path.parent
+    directory = None if str(spec) == "gpt2" else path if path.is_dir() else path.parent
     tokens: dict[str, str] = {}
     config: dict = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, as in transformers
-        f = directory / name
-        if f.is_file():
+        f = directory / name if directory is not None else None
+        if f is not None and f.is_file():
             try:
                 conf = json.loads(f.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
-                raise ChatError(f"{f}: cannot be read ({e})") from None
+                raise ChatTemplateError(f"{f}: cannot be read ({e})") from None
             if name == "tokenizer_config.json":
                 config = conf
             for role in ("bos_token", "eos_token"):
                 if _token_string(conf.get(role)):
                     tokens[role] = _token_string(conf.get(role))
     if template_file is not None:
-        source, template = str(template_file), Path(template_file).read_text(encoding="utf-8")
-    elif (directory / "chat_template.jinja").is_file():
+        try:
+            source, template = str(template_file), Path(template_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ChatTemplateError(f"--chat-template {template_file}: cannot be read ({e})") from None
+    elif directory is not None and (directory / "chat_template.jinja").is_file():
         source, template = str(directory / "chat_template.jinja"), (directory / "chat_template.jinja").read_text(
             encoding="utf-8")
     else:
-        template, source = config.get("chat_template"), str(directory / "tokenizer_config.json")
+        template, source = config.get("chat_template"), str(directory / "tokenizer_config.json" if directory else spec)
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         if not isinstance(template, str) or not template.strip():
-            raise ChatError(f"{spec}: no chat template (looked for chat_template.jinja and the chat_template of "
-                            f"tokenizer_config.json in {directory}). Fix: pass the tokenizer directory of an "
-                            f"instruction-tuned model, or --chat-template FILE.jinja")
+            where = (f"looked for chat_template.jinja and the chat_template of tokenizer_config.json in {directory}"
+                     if directory is not None else "gpt2 has none")
+            raise ChatTemplateError(f"{spec}: no chat template ({where}). Fix: pass the tokenizer directory of an "
+                                    f"instruction-tuned model, or --chat-template FILE.jinja")
     return ChatTemplate(source, template, tokens.get("bos_token", ""), tokens.get("eos_token", ""))
+
+
+def _overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """bool [tokens]: the tokens whose characters ``[start, end)`` overlap one of ``spans``."""
+    if not offsets:
+        return np.zeros(0, dtype=bool)
+    off = np.asarray(offsets, dtype=np.int64)
+    out = np.zeros(len(off), dtype=bool)
+    for a, b in spans:
+        out |= (off[:, 0] < b) & (off[:, 1] > a)
+    return out
 
 
 def _id_token(tokenizer, token_id: int | None) -> str:
@@ -185,7 +263,11 @@ class ChatEncoder:
             ``bos_id``, ``eos_id``).
         template: the chat template for ``messages`` records (its missing ``bos_token`` /
             ``eos_token`` strings are the tokenizer's BOS / EOS); None: only prompt/completion
-            records can be encoded.
+            records can be encoded, a ``messages`` record stops the job.
+
+    Raises:
+        ChatTemplateError: the template is not valid Jinja, or cannot encode a plain two-turn
+            conversation (checked here, before any record).
     """
 
     def __init__(self, tokenizer, template: ChatTemplate | None):
@@ -195,6 +277,16 @@ class ChatEncoder:
                 eos_token=template.eos_token or _id_token(tokenizer, tokenizer.eos_id))
         self.tokenizer, self.template = tokenizer, template
         self._specials: tokenizers.Tokenizer | None = None
+        # The strings of the tokenizer's special tokens: refused inside message contents.
+        self.special_strings = sorted(t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special)
+        if template is not None:
+            probe = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]
+            try:
+                self.encode({"messages": probe})
+            except ChatError as e:
+                raise ChatTemplateError(f"{e} (on a plain user / assistant exchange). Fix: use a template that "
+                                        f"renders such a conversation, or mark its assistant content with "
+                                        f"{{% generation %}} ... {{% endgeneration %}}") from None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_specials": None}
@@ -211,40 +303,49 @@ class ChatEncoder:
         """(ids, mask) of one record (:func:`record_problem` must have accepted it).
 
         Raises:
-            ChatError: a ``messages`` record without a template, a template that fails, or one
-                whose turns cannot be located (module docstring).
+            ChatTemplateError: a ``messages`` record and no template.
+            ChatError: the template refuses the conversation or cannot locate its assistant turns
+                (module docstring), or a message's content holds a special token's string.
         """
         if "messages" in record:
             return self._messages(record["messages"])
-        tok = self.tokenizer
-        prompt, completion = tok.encode(record["prompt"]), tok.encode(record["completion"])
+        tok, prompt = self.tokenizer, record["prompt"]
+        text = prompt + record["completion"]
+        enc = tok.hf.encode(text, add_special_tokens=False)  # special-token strings as plain text
         bos = [tok.bos_id] if tok.bos_id is not None else []
-        ids = bos + prompt + completion + [tok.eos_id]
-        mask = [0] * (len(bos) + len(prompt)) + [1] * (len(completion) + 1)
+        trained = _overlapping(enc.offsets, [(len(prompt), len(text))])
+        ids = bos + enc.ids + [tok.eos_id]
+        mask = [0] * len(bos) + trained.astype(np.uint8).tolist() + [1]
         mask[0] = 0
         return ids, mask
 
     def _messages(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         if self.template is None:
-            raise ChatError("a 'messages' record needs a chat template (the tokenizer has none: pass "
-                            "--chat-template FILE.jinja)")
-        full = self.template.render(messages)
-        spans = []
+            raise ChatTemplateError("a 'messages' record and no chat template (the tokenizer has none). Fix: pass "
+                                    "--chat-template FILE.jinja")
         for k, m in enumerate(messages):
-            if m["role"] not in TRAINED_ROLES:
-                continue
-            before = self.template.render(messages[:k], add_generation_prompt=True)
-            upto = self.template.render(messages[:k + 1])
-            if not (upto.startswith(before) and full.startswith(upto)):
-                raise ChatError(f"the chat template of {self.template.source} does not render this conversation as "
-                                f"the concatenation of its turns (message {k} changes what comes before it): its "
-                                f"assistant turns cannot be located")
-            spans.append((len(before), len(upto)))
+            forged = next((s for s in self.special_strings if s in m["content"]), None)
+            if forged is not None:
+                raise ChatError(f"messages[{k}] holds the special token {forged!r} in its content: rendered, it would "
+                                f"be read as that token and forge a turn")
+        if self.template.marks_generation:
+            full, spans = self.template.generation_spans(messages)
+        else:
+            full, spans = self.template.render(messages), []
+            for k, m in enumerate(messages):
+                if m["role"] not in TRAINED_ROLES:
+                    continue
+                before = self.template.render(messages[:k], add_generation_prompt=True)
+                upto = self.template.render(messages[:k + 1])
+                if not (upto.startswith(before) and full.startswith(upto)):
+                    raise ChatError(f"the chat template of {self.template.source} does not render this conversation "
+                                    f"as the concatenation of its turns (message {k} changes what comes before it): "
+                                    f"its assistant turns cannot be located; mark them with {{% generation %}}")
+                spans.append((len(before), len(upto)))
+        if not any(b > a for a, b in spans):
+            raise ChatError(f"the chat template of {self.template.source} marks no assistant text in this conversation")
         enc = self._special_aware().encode(full, add_special_tokens=False)
-        starts = np.array([a for a, _ in enc.offsets], dtype=np.int64)
-        trained = np.zeros(len(enc.ids), dtype=bool)
-        for a, b in spans:
-            trained |= (starts >= a) & (starts < b)
+        trained = _overlapping(enc.offsets, spans)
         if len(trained):
             trained[0] = False
         return enc.ids, trained.astype(np.uint8).tolist()

@@ -61,7 +61,7 @@ from moetrain.data.corpus import (
     plan_units,
     read_unit,
 )
-from moetrain.data.chat import ChatEncoder, ChatError
+from moetrain.data.chat import MASK_RULE, ChatEncoder, ChatError
 from moetrain.data.format import DEFAULT_SHARD_TOKENS, ShardError, TokenizerLike, read_manifest, token_dtype
 from moetrain.data.verify import verify_shards
 from moetrain.data.writer import Layout, ShardWriter, batch_texts, encode_documents
@@ -207,7 +207,7 @@ class TokenizeJob:
         if tokenizer.bos_id is not None:  # only then: the keys of parts written before BOS existed stay valid
             settings["bos_id"] = tokenizer.bos_id
         if chat is not None:  # records with masks: another kind of part, keyed by the template too
-            settings["chat"] = chat.template.sha256 if chat.template is not None else "prompt-completion"
+            settings["chat"] = [chat.template.sha256 if chat.template is not None else "prompt-completion", MASK_RULE]
         self.keys = [hashlib.sha256(json.dumps([u.to_dict(), settings], sort_keys=True).encode()).hexdigest()[:32]
                      for u in self.units]
         self.work = self.out / WORK_DIR

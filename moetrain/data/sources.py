@@ -92,6 +92,11 @@ def check_sources(data: DataConfig, seq_len: int) -> dict:
                               f"source {src.resolved_name!r} has no training sample of {seq_len + 1} tokens "
                               f"(its train split holds {m['splits'].get('train', {}).get('tokens', 0):,} tokens)",
                               "give it more data, a shorter model.seq_len, or remove it")
+    packed = [src.resolved_name for src, m in zip(sources, manifests) if m.get("packed")]
+    if packed and not data.document_mask:
+        log.warning("data source%s %s holds records packed into sequences, and data.document_mask=false lets each "
+                    "record attend to the ones before it and to the padding; set data.document_mask=true",
+                    "s" if len(packed) > 1 else "", ", ".join(repr(n) for n in packed))
     masked = [src.resolved_name for src, m in zip(sources, manifests) if m.get("loss_mask")]
     if data.loss_mask and not masked:
         raise field_error("data.loss_mask", True, "no source carries a loss mask: every token would be trained",

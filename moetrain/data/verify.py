@@ -105,11 +105,14 @@ def verify_shards(
                                  f"tokens but {sh['bytes']} bytes. {fix_hint(directory)}")
             files[sh["name"]] = (sh["bytes"], sh["sha256"])
             files[sh["index_name"]] = (sh["index_bytes"], sh["index_sha256"])
+            if manifest.get("loss_mask") and "mask_name" not in sh:
+                raise ShardError(f"{directory / MANIFEST}: the data has a loss mask but shard {sh['name']} lists no "
+                                 f"mask file. {fix_hint(directory)}")
             if "mask_name" in sh:  # fine-tuning data: one loss-mask byte per token
-                if sh["mask_bytes"] != sh["tokens"]:
+                if sh.get("mask_bytes") != sh["tokens"]:
                     raise ShardError(f"{directory / MANIFEST}: shard {sh['name']} lists {sh['tokens']} tokens but a "
                                      f"mask of {sh['mask_bytes']} bytes. {fix_hint(directory)}")
-                files[sh["mask_name"]] = (sh["mask_bytes"], sh["mask_sha256"])
+                files[sh["mask_name"]] = (sh["mask_bytes"], sh.get("mask_sha256", ""))
             megatron_checks.setdefault(sh["name"], []).append(sh)
 
     owners = split_by_bytes([size for size, _ in files.values()], world)

@@ -166,6 +166,7 @@ class _Packer:
         self.writer, self.block, self.pad_id = writer, block, pad_id
         self.fill = 0  # tokens in the current block
         self.padding = 0  # padding tokens written
+        self.written = 0  # tokens written (a block starts at every multiple of block)
 
     @property
     def documents(self) -> int:
@@ -188,13 +189,23 @@ class _Packer:
             self.fill = (self.fill + n) % self.block
             pos += n
         if out_l:
-            self.writer.add_documents(np.concatenate(out_t), np.asarray(out_l, dtype=np.int64), np.concatenate(out_m))
+            self._emit(np.concatenate(out_t), np.asarray(out_l, dtype=np.int64), np.concatenate(out_m))
+
+    def _emit(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray) -> None:
+        # A block's first token is never a target (the sample's inputs start with it): its mask
+        # bit is cleared, so that the trained-token counts are the targets the loss sees.
+        first = (-self.written) % self.block
+        if first < len(mask):
+            mask = mask.copy()
+            mask[first::self.block] = 0
+        self.written += len(tokens)
+        self.writer.add_documents(tokens, lengths, mask)
 
     def close(self) -> dict:
         if self.fill:
             pad = self.block - self.fill
-            self.writer.add_documents(np.full(pad, self.pad_id, dtype=self.writer.dtype), np.array([pad]),
-                                      np.zeros(pad, dtype=np.uint8))
+            self._emit(np.full(pad, self.pad_id, dtype=self.writer.dtype), np.array([pad]),
+                       np.zeros(pad, dtype=np.uint8))
             self.padding += pad
             self.fill = 0
         return {**self.writer.close(), "padding_tokens": self.padding}

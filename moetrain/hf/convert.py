@@ -498,6 +498,11 @@ def _ship_tokenizer(out: Path, cfg: Config, reader: CheckpointReader, side_dir: 
                                        bos_token=None if found.bos_id is None else shipped.id_to_token(found.bos_id))
             if found.chat_template is not None:  # the template the fine-tuning data was rendered with
                 (out / "chat_template.jinja").write_text(found.chat_template, encoding="utf-8")
+                conf_path = out / "tokenizer_config.json"
+                conf = json.loads(conf_path.read_text(encoding="utf-8"))
+                if "chat_template" in conf:  # one template: tools that read only the config see this one too
+                    conf["chat_template"] = found.chat_template
+                    conf_path.write_text(json.dumps(conf, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
             return "run", found
     if side_dir is not None and any((side_dir / f).is_file() for f in TOKENIZER_FILES):
         for f in TOKENIZER_FILES:

@@ -395,8 +395,9 @@ class Trainer:
         if self.cfg.data.loss_mask:
             extra["trained_tokens"] = int(host["trained_tokens"][0])
             if extra["trained_tokens"] == 0 and self.ps.is_logging_rank:
-                log.warning("step %d: the loss mask excludes every target of the global batch: the loss is 0 and the "
-                            "step only decays the weights", self.step)
+                log.warning("step %d: the loss mask excludes every target of the global batch: its LM loss is 0, and "
+                            "only the MoE balancing losses, weight decay and the optimizer's momentum moved the "
+                            "weights", self.step)
         if a2a is not None:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
         return StepResult(self.step, host["lm"][0], host["aux"][0], host["z"][0], host["grad_norm"][0], lr, extra)
