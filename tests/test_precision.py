@@ -10,7 +10,11 @@ Tolerances (bf16 has an 8-bit significand: one rounding is up to 2^-9 ≈ 2e-3 r
   accumulation order moves an fp32 weight across a bf16 rounding boundary), so results agree to a
   few bf16 ulps, not bit for bit. Measured: pp2 and ZeRO-3 equal (≤ 1e-7: FSDP's policy and the
   casts at use compute the same thing), dp2×ep2 4e-3, tp2+SP 1e-2 on gradients, ≤ 1e-4 on
-  losses. A wrong reduction or scaling is off by tens of percent.
+  losses. The routed experts' gradients get 1e-1: a token whose top-2 scores tie within a bf16
+  rounding may go to another expert in another layout, and that expert's gradient moves by the
+  token's share (measured: under tp2 + SP one token of 256 in layer 1 changes experts, 5e-2 of
+  the largest entry of that layer's w1; no token in fp32). A wrong reduction or scaling is off
+  by tens of percent.
 * bf16 vs fp32, 30 steps of the tiny model: the loss within 5e-3 relative at every step
   (measured ≈ 1.3e-3 at worst over 40 steps), and casting the whole model and optimizer to bf16
   (the pre-0.2 ``train.dtype: bfloat16``) drifts at least 3× further (measured ≈ 3e-2: updates
@@ -112,7 +116,8 @@ def test_bf16_layouts_match_single_process(parallel, world, bf16_reference, tiny
     assert result["grads"].keys() == bf16_reference["grads"].keys()
     for name, g in result["grads"].items():
         r = bf16_reference["grads"][name]
-        err, tol = (g - r).abs().max().item(), 3e-2 * r.abs().max().item()
+        rel = 1e-1 if ".experts." in name else 3e-2  # a token may change experts (module docstring)
+        err, tol = (g - r).abs().max().item(), rel * r.abs().max().item()
         assert err <= tol, f"{name}: max grad error {err:.3e} > {tol:.3e}"
 
 
