@@ -173,7 +173,7 @@ def test_blended_order_visits_each_source_sample_once_per_epoch_and_resumes_anch
     big_before = order.sources[1].samples(np.arange(35, 35 + 6))[1]
     assert np.array_equal(sample[src == 1], big_before)
     with pytest.raises(IndexError, match="anchor"):
-        changed.locate(69)
+        changed.locate_many(np.array([69]))
 
 
 # -- memory maps ----------------------------------------------------------------------------------

@@ -159,11 +159,6 @@ class SourceOrder:
         if self.key is None:
             self.key = self.name
 
-    def sample(self, m: int) -> tuple[int, int]:
-        """``(epoch, sample id)`` of the source's ``m``-th sample of the run."""
-        epochs, samples = self.samples(np.array([m]))
-        return int(epochs[0]), int(samples[0])
-
     def samples(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(epoch [n], sample id [n]) of the source's samples ``m`` (int64 [n]), vectorised."""
         epochs, offsets = np.divmod(np.asarray(m, dtype=np.int64), self.num_samples)
@@ -211,16 +206,6 @@ class BlendedOrder:
         self.anchor_position = int(anchor_position)
         self.anchor_counts = {k: int(v) for k, v in (anchor_counts or {}).items()}
         self._base = np.array([self.anchor_counts.get(n, 0) for n in self.names], dtype=np.int64)
-
-    def locate(self, position: int) -> tuple[int, int, int]:
-        """``(source index, epoch, sample id)`` of the blended stream's position ``position``
-        (>= ``anchor_position``)."""
-        rel = int(position) - self.anchor_position
-        if rel < 0:
-            raise IndexError(f"position {position} precedes the blend's anchor {self.anchor_position}")
-        i, m = self.schedule.locate(rel)
-        epoch, sample = self.sources[i].sample(int(self._base[i]) + m)
-        return i, epoch, sample
 
     def locate_many(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source index [n], sample id [n]) of int64 ``positions`` [n], each >= ``anchor_position``."""

@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from moetrain.data.tokenizer import TokenizerError, special_token_names
+
 __all__ = ["ChatError", "ChatTemplateError", "ChatTemplate", "ChatEncoder", "record_problem", "load_chat_template",
            "TRAINED_ROLES", "MASK_RULE"]
 
@@ -128,16 +130,16 @@ class ChatTemplate:
     def generation_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """``(text, [(start, end)])``: the rendered conversation and the character spans of its
         ``{% generation %}`` blocks."""
-        marked = self.render(messages, mark_generation=True)
-        text, spans, start = [], [], None
-        for ch in marked:
-            if ch == _OPEN:
-                start = sum(map(len, text))
-            elif ch == _CLOSE and start is not None:
-                spans.append((start, sum(map(len, text))))
-                start = None
+        pieces = re.split(f"([{_OPEN}{_CLOSE}])", self.render(messages, mark_generation=True))
+        text, spans, at, start = [], [], 0, None
+        for piece in pieces:
+            if piece == _OPEN:
+                start = at
+            elif piece == _CLOSE:
+                spans.append((start, at))
             else:
-                text.append(ch)
+                text.append(piece)
+                at += len(piece)
         return "".join(text), spans
 
 
@@ -184,12 +186,6 @@ def _compiled(template: str, source: str):
     return _TEMPLATES[template]
 
 
-def _token_string(value) -> str:
-    if isinstance(value, dict):
-        return value.get("content") or ""
-    return value or ""
-
-
 def load_chat_template(spec: str | os.PathLike, template_file: str | os.PathLike | None = None) -> ChatTemplate:
     """The chat template of the tokenizer at ``spec`` (a ``tokenizer.json`` or its directory):
     ``template_file`` when given (a ``.jinja`` file), else ``chat_template.jinja`` beside the
@@ -205,20 +201,13 @@ def load_chat_template(spec: str | os.PathLike, template_file: str | os.PathLike
     """
     path = Path(spec)
     directory = None if str(spec) == "gpt2" else path if path.is_dir() else path.parent
-    tokens: dict[str, str] = {}
     config: dict = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, as in transformers
-        f = directory / name if directory is not None else None
-        if f is not None and f.is_file():
-            try:
-                conf = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
-                raise ChatTemplateError(f"{f}: cannot be read ({e})") from None
-            if name == "tokenizer_config.json":
-                config = conf
-            for role in ("bos_token", "eos_token"):
-                if _token_string(conf.get(role)):
-                    tokens[role] = _token_string(conf.get(role))
+    try:
+        tokens = special_token_names(directory) if directory is not None else {}
+        if directory is not None and (directory / "tokenizer_config.json").is_file():
+            config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (TokenizerError, OSError, ValueError) as e:
+        raise ChatTemplateError(f"{spec}: its tokenizer config cannot be read ({e})") from None
     if template_file is not None:
         try:
             source, template = str(template_file), Path(template_file).read_text(encoding="utf-8")

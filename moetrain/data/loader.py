@@ -105,12 +105,12 @@ class BatchLoader:
                              f"smaller batch")
         self.consumed_samples = 0
         self._set_order(0, {})
-        self.announced_epochs = {s.name: 0 for s in self.sources}
 
     def _set_order(self, anchor_position: int, anchor_counts: dict[str, int]) -> None:
         self.order = BlendedOrder([s.name for s in self.sources], [self.num_samples[s.name] for s in self.sources],
                                   [s.weight for s in self.sources], self.seed, anchor_position, anchor_counts,
                                   self.shuffle, [s.key for s in self.sources])
+        self.announced_epochs = self.order.epochs(self.consumed_samples)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -174,7 +174,6 @@ class BatchLoader:
             # go on, the order of the rest of the epoch in progress cannot.
             counts = {self.sources[0].name: consumed} if len(self.sources) == 1 else {}
             self._set_order(consumed, counts)
-            self.announced_epochs = self.order.epochs(consumed)
             return (f"the checkpoint comes from a moetrain that stored each epoch's order; the samples after position "
                     f"{consumed:,} follow the computed order, so the epoch in progress may repeat or skip some "
                     f"samples" + ("" if counts else "; every source of the blend starts from its first sample"))
@@ -191,10 +190,8 @@ class BatchLoader:
         if same:
             self._set_order(int(blend["anchor_samples"]), blend["anchor_by_source"])
             if self.order.consumed_by_source(consumed) == counts:
-                self.announced_epochs = self.order.epochs(consumed)
                 return None
         self._set_order(consumed, counts)
-        self.announced_epochs = self.order.epochs(consumed)
         return describe_blend_change(blend["sources"], now, counts, state.get("seed"), self.seed,
                                      state.get("seq_len"), self.seq_len)
 

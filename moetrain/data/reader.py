@@ -32,9 +32,17 @@ from moetrain.data.format import is_megatron
 from moetrain.data.megatron import read_index
 from moetrain.data.verify import VerifyMode, verify_shards
 
-__all__ = ["TokenShards", "MapCache", "DEFAULT_MAX_OPEN_MAPS"]
+__all__ = ["TokenShards", "MapCache", "DEFAULT_MAX_OPEN_MAPS", "samples_per_shard"]
 
 DEFAULT_MAX_OPEN_MAPS = 256
+
+
+def samples_per_shard(tokens: np.ndarray, seq_len: int, packed: bool) -> np.ndarray:
+    """int64 [shards]: training samples of ``seq_len + 1`` tokens in shards of ``tokens`` tokens —
+    ``(T - 1) // seq_len`` (samples share their boundary token), or ``T // (seq_len + 1)`` for
+    packed data (whole blocks)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    return tokens // (seq_len + 1) if packed else np.maximum(tokens - 1, 0) // seq_len
 
 
 class MapCache:
@@ -149,13 +157,11 @@ class TokenShards:
 
     def _cumulative(self, seq_len: int) -> np.ndarray:
         """cum[i] = samples in shards 0..i (inclusive)."""
-        stride = self._stride(seq_len)
+        self._stride(seq_len)  # checks seq_len
         cum = self._cum_cache.get(seq_len)
         if cum is None:
             tokens = np.fromiter((sh["tokens"] for sh in self.shards), dtype=np.int64, count=len(self.shards))
-            # A sample needs stride + 1 tokens unless packed (stride = L + 1 holds the targets too).
-            per_shard = tokens // stride if self.packed_seq_len is not None else np.maximum(tokens - 1, 0) // stride
-            cum = np.cumsum(per_shard)
+            cum = np.cumsum(samples_per_shard(tokens, int(seq_len), self.packed_seq_len is not None))
             self._cum_cache[int(seq_len)] = cum
         return cum
 

@@ -13,6 +13,7 @@ import logging
 
 from moetrain.config import DataConfig, field_error
 from moetrain.data.format import ShardError, read_manifest
+from moetrain.data.reader import samples_per_shard
 
 __all__ = ["check_sources"]
 
@@ -38,12 +39,9 @@ def _shown(key: str, manifest: dict, value) -> str:
 
 
 def _samples(manifest: dict, seq_len: int) -> int:
-    """Training samples of ``seq_len + 1`` tokens in the manifest's train split (as
-    :meth:`moetrain.data.reader.TokenShards.num_samples` counts them)."""
+    """Training samples of ``seq_len + 1`` tokens in the manifest's train split."""
     tokens = [sh["tokens"] for sh in manifest["splits"].get("train", {}).get("shards", [])]
-    if manifest.get("packed"):
-        return sum(t // (seq_len + 1) for t in tokens)
-    return sum(max(t - 1, 0) // seq_len for t in tokens)
+    return int(samples_per_shard(tokens, seq_len, bool(manifest.get("packed"))).sum())
 
 
 def check_sources(data: DataConfig, seq_len: int) -> dict:

@@ -62,6 +62,7 @@ __all__ = [
     "train_bpe",
     "canonical_sha256",
     "tokenizer_sha256",
+    "special_token_names",
 ]
 
 EOS_TOKEN = "<|endoftext|>"
@@ -231,6 +232,17 @@ def _read_configs(directory: Path) -> tuple[dict[str, tuple[str, Path]], tuple[b
                 raise TokenizerError(f"{f}: add_bos_token = {value!r} must be true or false")
             add_bos = (bool(value), f)  # null: no BOS, as transformers reads it
     return named, add_bos
+
+
+def special_token_names(directory: str | os.PathLike) -> dict[str, str]:
+    """The ``eos_token`` / ``bos_token`` strings that the config files in ``directory`` name
+    (``{"eos_token": "</s>", ...}``; roles no file names are absent), by :data:`CONFIG_FILES`'s rule.
+
+    Raises:
+        TokenizerError: a config file that is not valid JSON or names a token in another form.
+    """
+    named, _ = _read_configs(Path(directory))
+    return {role: token for role, (token, _) in named.items()}
 
 
 def _ids_before_text(hf: tokenizers.Tokenizer, where: Path) -> list[int]:
