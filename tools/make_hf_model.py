@@ -13,6 +13,7 @@ Needs transformers.
 """
 
 import argparse
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if importlib.util.find_spec("transformers") is None:
+        sys.exit("make_hf_model: needs transformers, which builds the model: pip install -e '.[hf]'")
     try:
         out = make_hf_model(load_config(args.config, args.overrides), Path(args.out), args.arch, args.seed)
     except (ConfigError, UnsupportedModel) as e:
