@@ -38,12 +38,19 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "LaunchConfig",
+    "ContainerConfig",
     "MetricsConfig",
     "WandbConfig",
     "Config",
     "load_config",
     "config_from_dict",
     "apply_overrides",
+    "Layers",
+    "read_layers",
+    "load_layers",
+    "resolve_dp_auto",
+    "render_config",
+    "explain",
     "save_config",
     "validate",
     "check_supported",
@@ -491,6 +498,34 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ContainerConfig:
+    """The container every rank runs in (``launch.container``). The ranks start the image's own
+    Python (``python``), so the image must hold moetrain and its dependencies (or mount them).
+
+    ``runtime``: ``pyxis`` (NVIDIA's SLURM plugin over enroot: ``--container-image``,
+    ``--container-mounts`` and ``--container-workdir`` on ``srun``), ``apptainer`` (each task runs
+    ``apptainer exec [--nv] --bind ... --pwd ... IMAGE python``) or ``podman`` (each task runs
+    ``podman run --rm --network=host --ipc=host ... IMAGE python``, the SLURM, torch.distributed and
+    ``launch.env`` variables passed in). ``image``: what the runtime takes (pyxis:
+    ``nvcr.io#nvidia/pytorch:25.01-py3`` or a ``.sqsh`` file; apptainer: a ``.sif`` file or
+    ``docker://...``; podman: an image name). ``mounts``: ``SRC:DST`` or ``SRC:DST:FLAGS`` with
+    absolute paths (pyxis' and apptainer's syntax, e.g. ``/lustre:/lustre:ro``); the submit
+    directory and the run directory are mounted at their own paths besides, so that relative
+    paths in the config mean the same inside. ``workdir``: the directory the ranks start in
+    (``null``: the submit directory). ``runtime_args``: more options for the runtime, one per
+    item: pyxis, more ``srun`` flags (``--no-container-mount-home``); apptainer, options of
+    ``apptainer exec`` (``--cleanenv``); podman, options of ``podman run`` (``--runtime=runc``,
+    ``--ulimit=nofile=65536:65536``)."""
+
+    image: str = ""
+    runtime: Literal["pyxis", "apptainer", "podman"] = "pyxis"
+    mounts: tuple[str, ...] = ()
+    workdir: str | None = None
+    python: str = "python3"
+    runtime_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Where and how the processes run. ``cluster``: ``local`` (submitit's local executor, one
     process per rank on this machine) or ``slurm``. ``tasks_per_node``: ``null`` follows from
@@ -502,7 +537,17 @@ class LaunchConfig:
     gives up. ``profile``: cluster profile name or path (see slurm/).
     ``cpus_per_task``: CPU cores per process, asked of SLURM and used as the process's torch
     threads; ``null`` (default) asks SLURM for nothing and uses the cores the launcher gives the
-    task: SLURM's ``SLURM_CPUS_PER_TASK`` or the task's CPU affinity, shared by the local ranks."""
+    task: SLURM's ``SLURM_CPUS_PER_TASK`` or the task's CPU affinity, shared by the local ranks.
+
+    Site settings (a site file, ``configs/sites/``, holds them): ``container`` (see
+    :class:`ContainerConfig`); ``env``: variables every rank gets, ``{NCCL_IB_HCA: mlx5,
+    NCCL_SOCKET_IFNAME: ib0}`` (values are quoted, never interpreted by a shell); ``setup``: shell
+    lines run once per job before the ranks start (``module load cuda/12.4``, ``source
+    /opt/site/env.sh``) — the one field that is shell by design; ``srun_args`` / ``sbatch_args``:
+    passed through to ``srun`` / as ``#SBATCH`` lines (long options, ``--reservation=x``), checked
+    with ``sbatch --test-only`` where SLURM answers. ``allocation``: ``auto`` runs inside the SLURM
+    allocation ``submit`` is started in (``salloc``, a user's sbatch script: ``srun`` steps, no new
+    job) and submits a new job elsewhere; ``new`` always submits one."""
 
     cluster: Literal["local", "slurm"] = "local"
     nodes: int = 1
@@ -521,6 +566,12 @@ class LaunchConfig:
     profile: str | None = None
     heartbeat_timeout_factor: float = 10.0
     heartbeat_min_timeout_s: float = 120.0
+    container: ContainerConfig | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    setup: tuple[str, ...] = ()
+    srun_args: tuple[str, ...] = ()
+    sbatch_args: tuple[str, ...] = ()
+    allocation: Literal["auto", "new"] = "auto"
 
     def resolved_tasks_per_node(self, world_size: int) -> int:
         return self.tasks_per_node if self.tasks_per_node is not None else world_size // self.nodes
@@ -646,6 +697,19 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 continue
         raise field_error(name, value, f"expected {_type_name(tp)}", f"give a value of type {_type_name(tp)}")
+    if origin is dict:  # dict[str, X]: a YAML mapping of names to values
+        if not isinstance(value, dict):
+            raise field_error(name, value, "expected a mapping", "write `NAME: value` lines under the key")
+        value_type = typing.get_args(tp)[1]
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise field_error(f"{name}.{k}", v, "a key must be a name", "quote the key")
+            if value_type is str and isinstance(v, bool):
+                raise field_error(f"{name}.{k}", v, "true/false is ambiguous as a string",
+                                  "quote the value as it should read, e.g. '1' or 'true'")
+            out[k] = _coerce(f"{name}.{k}", v, value_type)
+        return out
     if origin is tuple:  # tuple[X, ...]: a YAML list
         if not isinstance(value, (list, tuple)):
             raise field_error(name, value, "expected a list", "write a YAML list such as [output]")
@@ -740,8 +804,11 @@ def _closest(key: str, known: set[str]) -> str | None:
     return m[0] if m else None
 
 
-def config_from_dict(data: dict[str, Any], *, validate_config: bool = True) -> Config:
+def config_from_dict(data: dict[str, Any], *, validate_config: bool = True, world_size: int | None = None) -> Config:
     """Build and validate a :class:`Config` from nested dicts (as read from YAML).
+
+    ``parallel.dp: auto`` is resolved first (:func:`resolve_dp_auto`; ``world_size``: the ranks
+    actually started, when known).
 
     Raises:
         ConfigError: unknown section or key, wrong type, or a violated cross-field rule.
@@ -756,59 +823,220 @@ def config_from_dict(data: dict[str, Any], *, validate_config: bool = True) -> C
             close = _closest(section, set(_SECTION_TYPES))
             raise field_error(section, data[section], "unknown section",
                        f"did you mean `{close}`?" if close else f"sections are {', '.join(_SECTION_TYPES)}")
+    data, _ = resolve_dp_auto(data, world_size)
     cfg = Config(**{name: _build_section(name, data.get(name)) for name in _SECTION_TYPES})
     if validate_config:
         validate(cfg)
     return cfg
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``"section.key=value"`` → (section, key, value parsed as a YAML scalar)."""
+# ---------------------------------------------------------------------------------------------
+# Layers: several files, then --set, merged key by key; where each value came from
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_dp_auto(data: dict[str, Any], world_size: int | None = None) -> tuple[dict[str, Any], str | None]:
+    """``parallel.dp: auto`` → world size ÷ (tp × pp × cp), the world size being ``world_size``
+    (the ranks actually started) or else ``launch.nodes × launch.tasks_per_node``. Returns the
+    data with dp filled in (the same object when dp is not ``auto``) and a note saying how, or
+    None.
+
+    Raises:
+        ConfigError: ``auto`` without ``launch.tasks_per_node`` (and no ``world_size``), or a world
+            size that tp × pp × cp does not divide.
+    """
+    par = data.get("parallel") if isinstance(data.get("parallel"), dict) else {}
+    if par.get("dp") != "auto":
+        return data, None
+    launch = data.get("launch") if isinstance(data.get("launch"), dict) else {}
+    sizes = {k: par.get(k, 1) for k in ("tp", "pp", "cp")}
+    for k, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise field_error(f"parallel.{k}", v, "expected a positive integer", "write a whole number such as 2")
+    if world_size is None:
+        nodes, tpn = launch.get("nodes", 1), launch.get("tasks_per_node")
+        if not isinstance(tpn, int) or isinstance(tpn, bool) or tpn < 1:
+            raise field_error("parallel.dp", "auto", "dp = world size ÷ (tp × pp × cp) needs the ranks per node, and "
+                              f"launch.tasks_per_node = {tpn!r}", "set launch.tasks_per_node (e.g. 8 on an "
+                              "8-GPU node; a site file usually does), or give parallel.dp")
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            raise field_error("launch.nodes", nodes, "expected a positive integer", "write a whole number such as 2")
+        world, where = nodes * tpn, f"launch.nodes {nodes} × launch.tasks_per_node {tpn}"
+    else:
+        world, where = world_size, f"{world_size} ranks started"
+    inner = sizes["tp"] * sizes["pp"] * sizes["cp"]
+    if world % inner:
+        raise field_error("parallel.dp", "auto", f"{where} = {world} ranks is not a multiple of tp × pp × cp = "
+                          f"{sizes['tp']} × {sizes['pp']} × {sizes['cp']} = {inner}",
+                          "change the node or task count, or give parallel.dp")
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    out["parallel"] = {**par, "dp": world // inner}
+    return out, f"auto: {where} = {world} ÷ (tp {sizes['tp']} × pp {sizes['pp']} × cp {sizes['cp']})"
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """``"a.b.c=value"`` → (``("a", "b", "c")``, value parsed as a YAML scalar, list or mapping).
+
+    Raises:
+        ConfigError: no ``=``, a key path of fewer than two parts or with an empty one, or a
+            value that is not YAML.
+    """
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value. Fix: e.g. --set train.steps=20")
     path, raw = text.split("=", 1)
-    parts = path.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {text!r}: the key must be section.key. Fix: e.g. --set parallel.dp=2")
+    parts = tuple(path.strip().split("."))
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {text!r}: the key must be section.key (or deeper, section.key.name). "
+                          f"Fix: e.g. --set parallel.dp=2 or --set launch.env.NCCL_DEBUG=INFO")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {text!r}: the value is not valid YAML ({e}). Fix: quote it") from e
-    return parts[0], parts[1], value
+    return parts, value
+
+
+@dataclass
+class Layers:
+    """Config layers merged in order: ``data`` the merged mapping; ``origins`` the history of
+    every value set, by dotted key (``"launch.env.NCCL_DEBUG"``): ``[(source, value), ...]``,
+    the last entry the one in force (a source is a file path or ``--set``). Mappings merge key by
+    key; anything else (scalars, lists such as ``data.blend`` or ``launch.setup``) is replaced
+    whole by a later layer."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, list[tuple[str, Any]]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def add(self, layer: dict[str, Any], source: str) -> None:
+        self._merge(self.data, layer, (), source)
+
+    def set(self, path: tuple[str, ...], value: Any, source: str = "--set") -> None:
+        node = self.data
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if not isinstance(child, dict):
+                if child is not None:
+                    raise field_error(".".join(path[: i + 1]), child, "is not a mapping, so it has no key "
+                                      f"{path[i + 1]!r}", f"set {'.'.join(path[: i + 1])} itself")
+                child = node[part] = {}
+            node = child
+        self._merge(node, {path[-1]: value}, path[:-1], source)
+
+    def _merge(self, into: dict[str, Any], layer: dict[str, Any], prefix: tuple[str, ...], source: str) -> None:
+        for key, value in layer.items():
+            path = (*prefix, str(key))
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                self._merge(into[key], value, path, source)
+                continue
+            dotted = ".".join(path)
+            for old in [k for k in self.origins if k.startswith(dotted + ".")]:
+                del self.origins[old]  # a whole mapping (or a scalar) replaced what was under it
+            into[key] = _copy(value)
+            self._record(value, path, source)
+
+    def _record(self, value: Any, path: tuple[str, ...], source: str) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                self._record(v, (*path, str(k)), source)
+            return
+        self.origins.setdefault(".".join(path), []).append((source, _copy(value)))
+
+    def origin(self, key: str) -> str:
+        """Who set ``key`` last: a source, ``auto: ...``, ``default``, or the sources of the keys
+        under it (for a mapping)."""
+        if key in self.notes:
+            return self.notes[key]
+        if key in self.origins:
+            return self.origins[key][-1][0]
+        under = sorted({h[-1][0] for k, h in self.origins.items() if k.startswith(key + ".")})
+        return ", ".join(under) if under else "default"
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _check_override_section(path: tuple[str, ...], value: Any) -> None:
+    if path[0] not in _SECTION_TYPES:
+        close = _closest(path[0], set(_SECTION_TYPES))
+        dotted = ".".join(path)
+        raise field_error(dotted, value, f"unknown section {path[0]!r} in --set",
+                          f"did you mean {'.'.join((close, *path[1:]))}?" if close else
+                          f"sections are {', '.join(_SECTION_TYPES)}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` strings to a nested dict (returns a new dict)."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
-    for text in overrides:
-        section, key, value = parse_override(text)
-        if section not in _SECTION_TYPES:
-            close = _closest(section, set(_SECTION_TYPES))
-            raise field_error(f"{section}.{key}", value, f"unknown section {section!r} in --set",
-                              f"did you mean {close}.{key}?" if close else
-                              f"sections are {', '.join(_SECTION_TYPES)}")
-        sec = out.setdefault(section, {}) or {}
-        if not isinstance(sec, dict):
-            raise field_error(section, sec, "a section must be a mapping", "fix the YAML file")
-        sec[key] = value
-        out[section] = sec
-    return out
-
-
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config, apply ``--set`` overrides and validate.
+    """Apply ``a.b[.c...]=value`` strings to a nested dict (returns a new dict; mappings on the
+    way are created).
 
     Raises:
-        ConfigError: the file is missing or not YAML, or any field is wrong (see module doc).
+        ConfigError: see :func:`parse_override`; an unknown section.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config {str(path)!r}: no such file. Fix: pass a YAML file such as configs/demo-moe.yaml")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {str(path)!r}: not valid YAML: {e}") from e
-    return config_from_dict(apply_overrides(data or {}, overrides or []))
+    layers = Layers()
+    layers.add(data or {}, "base")
+    for text in overrides:
+        path, value = parse_override(text)
+        _check_override_section(path, value)
+        layers.set(path, value)
+    return layers.data
+
+
+def read_layers(paths: str | os.PathLike | list, overrides: list[str] | None = None) -> Layers:
+    """The config files ``paths`` (later ones override earlier ones key by key), then the
+    ``--set`` overrides, merged (:class:`Layers`), unvalidated.
+
+    Raises:
+        ConfigError: a file missing, not YAML or not a mapping; a bad override.
+    """
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    layers = Layers()
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config {str(path)!r}: no such file. Fix: pass a YAML file such as "
+                              "configs/demo-moe.yaml")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {str(path)!r}: not valid YAML: {e}") from e
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"--config {str(path)!r}: the top level must be a mapping of sections. "
+                              "Fix: start the file with sections such as `run:` and `model:`")
+        layers.add(data or {}, str(path))
+    for text in overrides or []:
+        path, value = parse_override(text)
+        _check_override_section(path, value)
+        layers.set(path, value)
+    return layers
+
+
+def load_layers(paths: str | os.PathLike | list, overrides: list[str] | None = None, *,
+                world_size: int | None = None) -> tuple[Config, Layers]:
+    """:func:`read_layers`, then ``parallel.dp: auto`` resolved (noted in the layers' origins)
+    and the config built and validated.
+
+    Raises:
+        ConfigError: see :func:`read_layers` and :func:`config_from_dict`.
+    """
+    layers = read_layers(paths, overrides)
+    data, note = resolve_dp_auto(layers.data, world_size)
+    if note:
+        layers.notes["parallel.dp"] = note
+    return config_from_dict(data), layers
+
+
+def load_config(path: str | os.PathLike | list, overrides: list[str] | None = None) -> Config:
+    """Read one YAML config or several layered ones (a list: base, site, experiment), apply
+    ``--set`` overrides and validate.
+
+    Raises:
+        ConfigError: a file is missing or not YAML, or any field is wrong (see module doc).
+    """
+    return load_layers(path, overrides)[0]
 
 
 def to_dict(obj: Any) -> Any:
@@ -816,14 +1044,75 @@ def to_dict(obj: Any) -> Any:
         return {_key(f): to_dict(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, (tuple, list)):
         return [to_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
     return obj
 
 
-def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (atomically and durably: :func:`~moetrain.utils.atomic_write`)."""
+def _flow(value: Any) -> str:
+    """One YAML line for a value (lists and mappings in flow style)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False)
+    return text.strip().removesuffix("...").strip()
+
+
+def render_config(cfg: Config, layers: Layers | None = None) -> str:
+    """The resolved config as YAML, each value followed by a comment naming the layer that set it
+    (a file, ``--set``, ``auto: ...`` or ``default``) when ``layers`` is given."""
+    if layers is None:
+        return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    lines = ["# resolved config: each value's comment names the file (or --set) that set it; "
+             "`python -m moetrain.submit --explain KEY` shows the history"]
+
+    def emit(value: Any, path: tuple[str, ...], indent: int) -> None:
+        key = path[-1]
+        pad = "  " * indent
+        if isinstance(value, dict) and value and (len(path) == 1 or ".".join(path) in _NESTED_KEYS or
+                                                  any(k.startswith(".".join(path) + ".") for k in layers.origins)):
+            lines.append(f"{pad}{key}:")
+            for k, v in value.items():
+                emit(v, (*path, k), indent + 1)
+            return
+        lines.append(f"{pad}{key}: {_flow(value)}  # {layers.origin('.'.join(path))}")
+
+    for section, values in to_dict(cfg).items():
+        emit(values, (section,), 0)
+    return "\n".join(lines) + "\n"
+
+
+_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env"}
+
+
+def explain(layers: Layers, cfg: Config, key: str) -> str:
+    """Lines saying the value of ``key`` (dotted) in ``cfg`` and every layer that set it, in order.
+
+    Raises:
+        ConfigError: ``key`` names no field of the config.
+    """
+    value: Any = to_dict(cfg)
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            section = key.split(".")[0]
+            raise ConfigError(f"--explain {key!r}: no such key in the config. Fix: give a dotted key such as "
+                              f"parallel.dp" + (f" (sections: {', '.join(_SECTION_TYPES)})"
+                                                if section not in _SECTION_TYPES else ""))
+        value = value[part]
+    out = [f"{key} = {_flow(value)}"]
+    history = [(k, h) for k, hs in layers.origins.items() if k == key or k.startswith(key + ".") for h in hs]
+    if not history and key not in layers.notes:
+        out.append("  default (no layer sets it)")
+    for k, (source, v) in history:
+        out.append(f"  {source}: {k} = {_flow(v)}")
+    if key in layers.notes:
+        out.append(f"  resolved by {layers.notes[key]}")
+    return "\n".join(out)
+
+
+def save_config(cfg: Config, path: str | os.PathLike, layers: Layers | None = None) -> None:
+    """Write the resolved config as YAML (atomically and durably: :func:`~moetrain.utils.atomic_write`),
+    with each value's origin as a comment when ``layers`` is given (:func:`render_config`)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(p, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    atomic_write(p, render_config(cfg, layers))
 
 
 def config_to_json(cfg: Config) -> str:
@@ -1287,6 +1576,70 @@ def _check_launch(cfg: Config, device: str | None) -> None:
     if ln.heartbeat_timeout_factor <= 1:
         raise field_error("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
                           "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")
+    _check_site(cfg)
+
+
+_SHELL_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+
+
+def _check_site(cfg: Config) -> None:
+    """The site settings of ``launch``: names that are shell names, values without NUL (a shell
+    cannot carry it), mounts and arguments in the form their tool takes."""
+    import re
+
+    ln = cfg.launch
+    if ln.cluster == "local" and ln.container is not None:
+        raise field_error("launch.container.image", ln.container.image, "containers start through SLURM (srun); "
+                          "the local executor runs this machine's Python", "--set launch.container=null for a local "
+                          "run, or launch.cluster: slurm")
+    if ln.cluster == "local" and ln.setup:
+        raise field_error("launch.setup", list(ln.setup), "setup lines run in the SLURM job script before the ranks "
+                          "start; the local executor has none", "run them in your shell before submit, and "
+                          "--set launch.setup=[] (launch.env works locally)")
+    for name, value in ln.env.items():
+        if not re.fullmatch(_SHELL_NAME, name):
+            raise field_error(f"launch.env.{name}", value, f"{name!r} is not a shell variable name",
+                              "use letters, digits and _, not starting with a digit (e.g. NCCL_IB_HCA)")
+        if "\0" in value:
+            raise field_error(f"launch.env.{name}", value, "contains a NUL character", "remove it")
+    for i, line in enumerate(ln.setup):
+        if "\0" in line:
+            raise field_error(f"launch.setup[{i}]", line, "contains a NUL character, which no shell line can hold",
+                              "remove it")
+    for key in ("srun_args", "sbatch_args"):
+        for i, arg in enumerate(getattr(ln, key)):
+            if "\0" in arg or not arg.startswith("-"):
+                raise field_error(f"launch.{key}[{i}]", arg, "not an option (each item is one argument starting "
+                                  "with -, or contains a NUL)", "write options such as --reservation=maint, one "
+                                  "per item")
+            if key == "sbatch_args" and not re.fullmatch(r"--[A-Za-z][A-Za-z0-9-]*(=.*)?", arg, re.S):
+                raise field_error(f"launch.{key}[{i}]", arg, "an #SBATCH line needs the long form --name or "
+                                  "--name=value", "write e.g. --reservation=maint instead of a short -x form")
+    c = ln.container
+    if c is None:
+        return
+    plain = re.compile(r"[^\s\0]+")
+    if not plain.fullmatch(c.image):
+        raise field_error("launch.container.image", c.image, "empty, or contains whitespace or NUL",
+                          "name an image, e.g. nvcr.io#nvidia/pytorch:25.01-py3 (pyxis) or /images/train.sif")
+    if not plain.fullmatch(c.python):
+        raise field_error("launch.container.python", c.python, "empty, or contains whitespace or NUL",
+                          "name the image's Python, e.g. python3 or /opt/conda/bin/python")
+    for i, mount in enumerate(c.mounts):
+        parts = mount.split(":")
+        if len(parts) not in (2, 3) or not all(parts[:2]):
+            raise field_error(f"launch.container.mounts[{i}]", mount, "a mount is SRC:DST or SRC:DST:FLAGS",
+                              "write e.g. /lustre/data:/data or /lustre/data:/data:ro")
+        if not (parts[0].startswith("/") and parts[1].startswith("/")) or not plain.fullmatch(mount) or "," in mount:
+            raise field_error(f"launch.container.mounts[{i}]", mount, "SRC and DST must be absolute paths without "
+                              "spaces or commas", "write e.g. /lustre/data:/data")
+    for i, arg in enumerate(c.runtime_args):
+        if "\0" in arg or not arg.startswith("-"):
+            raise field_error(f"launch.container.runtime_args[{i}]", arg, "not an option (each item is one argument "
+                              "starting with -, or contains a NUL)", "write options such as --cleanenv, one per item")
+    if c.workdir is not None and (not c.workdir.startswith("/") or not plain.fullmatch(c.workdir)):
+        raise field_error("launch.container.workdir", c.workdir, "not an absolute path (or it contains whitespace)",
+                          "write an absolute path inside the image, or null for the submit directory")
 
 
 def _check_metrics(cfg: Config, device: str | None) -> None:

@@ -1,14 +1,17 @@
-"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json] [--plot OUT.png]``
+"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json] [--plot OUT.png] [--environment]``
 
 Shows a run's health from outside the job: its SLURM state (sacct, every requeued instance),
 restarts and their causes (``events.jsonl``), training progress (``metrics.jsonl``: step / total
-with a bar, loss, tokens/s, time to finish), every rank's heartbeat, and a warning when the run
-is stalled or failing. A job id is mapped to its run directory through the registry that
-``moetrain.submit`` appends to (``$MOETRAIN_HOME/jobs.jsonl``, default ``~/.cache/moetrain``).
+with a bar, loss, tokens/s, time to finish), the latest attempt's environment in a few lines
+(code commit, Python, torch, CUDA, nodes, GPUs), every rank's heartbeat, and a warning when the
+run is stalled or failing. ``--environment`` prints the latest attempt's whole environment record
+instead: versions, the git state, and the variables of rank 0 and of every rank that saw others.
+A job id is mapped to its run directory through the registry that ``moetrain.submit`` appends to
+(``$MOETRAIN_HOME/jobs.jsonl``, default ``~/.cache/moetrain``).
 ``--plot OUT.png`` draws the run's loss and validation loss, tokens/s and each MoE layer's
 max/mean expert load against step (matplotlib, the ``plot`` extra).
 Exit status: 0 running or done, 1 failing / gave up, 2 stalled (or ``--plot`` without
-matplotlib), 4 unknown run.
+matplotlib, or ``--environment`` before any attempt recorded one), 4 unknown run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pathlib import Path
 
 import yaml
 
+from moetrain.train.environment import (RANK_IDENTITY, read_environment, read_rank_environments,
+                                        summarize_environment)
 from moetrain.train.metrics import format_duration
 from moetrain.train.records import read_events, read_heartbeats, read_json, read_jsonl
 
@@ -97,6 +102,8 @@ class Status:
     jobs: list[dict] = field(default_factory=list)
     restarts: list[dict] = field(default_factory=list)
     heartbeats: list[dict] = field(default_factory=list)
+    environment_attempt: int | None = None  # the latest attempt that recorded its environment
+    environment: list[str] = field(default_factory=list)  # its summary (summarize_environment)
     state: str = "unknown"  # running | done | stalled | failing | gave_up | not started
     warnings: list[str] = field(default_factory=list)
 
@@ -125,6 +132,9 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
     ids = [j["job_id"] for j in sub.get("jobs", [])]
     st.jobs = sacct_states(ids)
     st.heartbeats = read_heartbeats(run_dir)
+    env = read_environment(run_dir)
+    if env is not None:
+        st.environment_attempt, st.environment = env.get("attempt"), summarize_environment(env)
     launch = (cfg or {}).get("launch", {})
     factor = launch.get("heartbeat_timeout_factor", 10.0)
     min_timeout = launch.get("heartbeat_min_timeout_s", 120.0)
@@ -245,6 +255,9 @@ def render(st: Status, now: float | None = None) -> str:
         for e in st.restarts[-10:]:
             detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']}: {detail}")
+    if st.environment:
+        lines.append(f"environment (attempt {st.environment_attempt}):")
+        lines.extend(f"  {line}" for line in st.environment)
     if st.heartbeats:
         lines.append("heartbeats:")
         for h in st.heartbeats[:16]:
@@ -254,6 +267,77 @@ def render(st: Status, now: float | None = None) -> str:
             lines.append(f"  ... {len(st.heartbeats) - 16} more ranks")
     for w in st.warnings:
         lines.append(f"WARNING: {w}")
+    return "\n".join(lines)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``0-7, 9, 12-15``."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _rank_facts(rec: dict) -> dict[str, str]:
+    """What a rank saw that should be alike on every rank: its variables (less those naming the
+    rank itself), torch's thread count and its GPU model."""
+    facts = {k: v for k, v in (rec.get("variables") or {}).items() if k not in RANK_IDENTITY}
+    facts["(torch threads)"] = str(rec.get("torch_threads"))
+    facts["(gpu)"] = str(rec.get("gpu"))
+    return facts
+
+
+def render_environment(run_dir: Path, attempt: int | None = None) -> str | None:
+    """The whole environment record of ``attempt`` (None: the latest) as text: the summary, the
+    git state, every version, rank 0's variables and, grouped, the ranks that saw other values
+    (or other variables) than rank 0. None when no attempt recorded its environment."""
+    rec = read_environment(run_dir, attempt)
+    if rec is None:
+        return None
+    attempt = rec.get("attempt")
+    git = rec.get("git") or {}
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["time"])) if rec.get("time") else "?"
+    lines = [f"environment of attempt {attempt} (recorded {when} on {rec.get('host')}):"]
+    lines += [f"  {line}" for line in summarize_environment(rec)]
+    lines.append(f"git: {git.get('source_dir')}: commit {git.get('commit') or '-'}"
+                 + (f" ({git['reason']})" if git.get("reason") else ""))
+    if git.get("dirty"):
+        lines.append(f"  dirty; diff: {git.get('diff_file') or 'none of tracked files'}"
+                     + (f" ({git.get('diff_bytes', 0):,} bytes, cut)" if git.get("diff_cut") else ""))
+        lines += [f"  {line}" for line in git.get("status") or []]
+    lines.append(f"python {rec.get('python')} ({rec.get('python_executable')})")
+    lines.append("packages: " + (", ".join(f"{k} {v}" for k, v in (rec.get("packages") or {}).items()) or "-"))
+    lines.append(f"CUDA {rec.get('cuda') or '-'}, NCCL {rec.get('nccl') or '-'}, cuDNN {rec.get('cudnn') or '-'}, "
+                 f"driver {rec.get('driver') or '-'}")
+    ranks = read_rank_environments(run_dir, attempt)
+    by_rank = {r["rank"]: r for r in ranks}
+    zero = by_rank.get(0)
+    if zero is None:
+        lines.append("rank 0 recorded no variables")
+        return "\n".join(lines)
+    lines.append(f"rank 0 ({zero.get('host')}, pid {zero.get('pid')}, local rank {zero.get('local_rank')}, "
+                 f"{zero.get('torch_threads')} torch threads, GPU {zero.get('gpu') or '-'}):")
+    lines += [f"  {k}={v}" for k, v in (zero.get("variables") or {}).items()] or ["  (none of the recorded names set)"]
+    base = _rank_facts(zero)
+    groups: dict[tuple, list[int]] = {}
+    for r in ranks:
+        facts = _rank_facts(r)
+        diff = tuple(sorted((k, facts.get(k), base.get(k)) for k in set(facts) | set(base)
+                            if facts.get(k) != base.get(k)))
+        if diff:
+            groups.setdefault(diff, []).append(r["rank"])
+    lines.append(f"{len(ranks)} rank(s) recorded; "
+                 + ("every other rank saw what rank 0 saw" if not groups
+                    else f"{sum(len(g) for g in groups.values())} saw something else:"))
+    for diff, members in groups.items():
+        hosts = sorted({by_rank[m].get("host") for m in members})
+        shown = "; ".join(f"{k}={'unset' if v is None else v} (rank 0: {'unset' if v0 is None else v0})"
+                          for k, v, v0 in diff)
+        lines.append(f"  rank(s) {_rank_list(members)} on {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''}: "
+                     f"{shown}")
     return "\n".join(lines)
 
 
@@ -268,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("text", "json"), default="text")
     ap.add_argument("--plot", metavar="OUT.png", type=Path,
                     help="draw loss, validation loss, tokens/s and expert load against step, then exit")
+    ap.add_argument("--environment", action="store_true",
+                    help="print the latest attempt's recorded environment (versions, git state, each rank's "
+                         "variables where they differ from rank 0's), then exit")
     args = ap.parse_args(argv)
     run_dir = resolve_run_dir(args.target)
     if run_dir is None:
@@ -283,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"monitor: {e}", file=sys.stderr)
             return 2
+        return 0
+    if args.environment:
+        text = render_environment(run_dir)
+        if text is None:
+            print(f"monitor: {run_dir} has no environment record yet (written when an attempt starts)",
+                  file=sys.stderr)
+            return 2
+        print(text)
         return 0
     while True:
         st = collect(run_dir)

@@ -51,7 +51,7 @@ def config_for_nodes(path: str | Path, sets: list[str], n_nodes: int | None,
     notes: list[str] = []
     if n_nodes is None:
         return config_from_dict(raw), notes
-    given = {parse_override(s)[:2] for s in sets}
+    given = {parse_override(s)[0][:2] for s in sets}
     par = dict(raw.get("parallel") or {})
     launch = dict(raw.get("launch") or {})
     train = dict(raw.get("train") or {})
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 if Path(args.config).is_file() else {}
             prof_name = raw_launch.get("profile")
             for s in args.sets:
-                sec, key, val = parse_override(s)
-                if (sec, key) == ("launch", "profile"):
+                path, val = parse_override(s)
+                if path == ("launch", "profile"):
                     prof_name = val
             prof = load_profile(prof_name) if prof_name else None
         cfg, notes = config_for_nodes(args.config, args.sets, n_nodes, prof)

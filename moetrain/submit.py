@@ -1,4 +1,5 @@
-"""``python -m moetrain.submit --config X.yaml [--set section.key=value ...] [--dry-run] [--detach]``
+"""``python -m moetrain.submit --config X.yaml [--config SITE.yaml ...] [--set a.b.c=value ...] [--dry-run]
+[--detach] [--explain KEY]``
 
 Validates the config (every error names the field, the value and the fix, before anything
 starts), resolves it, writes it to the run directory, submits one task per rank through
@@ -12,6 +13,13 @@ When the run fails, a few lines say which rank failed, with which exception and 
 where its log (with the full traceback) is. When a rank died or a collective failed, the run
 restarts from its latest complete checkpoint, up to ``launch.max_restarts`` times: on SLURM the
 job requeues itself (:mod:`moetrain.launch.job`); locally this command relaunches it.
+
+Configs layer: ``--config`` repeats (base, site, experiment; later files override earlier ones
+key by key, lists replaced whole), ``--set`` reaches any depth (``launch.env.NCCL_DEBUG=INFO``),
+and the resolved ``config.yaml`` in the run directory names, beside each value, the file that set
+it (``--explain KEY`` prints a key's history and exits). Started inside a SLURM allocation
+(``salloc``, an sbatch script of the user's), it submits no new job: the ranks run as ``srun``
+steps of that allocation (:mod:`moetrain.launch.allocation`), restarted within it after a failure.
 """
 
 from __future__ import annotations
@@ -25,9 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
 
-from moetrain.config import Config, ConfigError, load_config, save_config, to_dict
+from moetrain.config import Config, ConfigError, Layers, explain, load_layers, render_config, save_config
+from moetrain.launch.allocation import Allocation, StepJob, check_allocation, current_allocation, step_script
 from moetrain.monitor import collect, register_job, slurm_job_queued
 from moetrain.train.metrics import check_sinks_installed, format_duration
 from moetrain.train.records import Diagnosis, append_event, diagnose, read_failures
@@ -36,9 +44,14 @@ from moetrain.utils import atomic_write
 
 def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
-    ap.add_argument("--config", required=True, help="YAML run config, e.g. configs/demo-moe.yaml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a config field (repeatable), e.g. --set train.steps=20")
+    ap.add_argument("--config", action="append", required=True, metavar="X.yaml",
+                    help="YAML run config, e.g. configs/demo-moe.yaml; repeat to layer files (base, site, "
+                         "experiment): later ones override earlier ones key by key")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value at any depth (repeatable), e.g. --set train.steps=20 or "
+                         "--set launch.env.NCCL_DEBUG=INFO")
+    ap.add_argument("--explain", metavar="KEY", help="print the value of KEY (e.g. parallel.dp) and the layers "
+                    "that set it, then exit")
     ap.add_argument("--dry-run", action="store_true", help="print what would be submitted and exit")
     ap.add_argument("--detach", action="store_true", help="return after submitting instead of following")
     ap.add_argument("--follow", action="store_true",
@@ -46,12 +59,28 @@ def build_parser(prog: str = "python -m moetrain.submit") -> argparse.ArgumentPa
     return ap
 
 
-def load_and_resolve(args: argparse.Namespace) -> Config:
+def load_and_resolve(args: argparse.Namespace) -> tuple[Config, Layers, Allocation | None]:
+    """The checked config, its layers, and the SLURM allocation to run in (None: a new job or a
+    local run).
+
+    Raises:
+        ConfigError: anything wrong with the config, the data, the weights or the SLURM request.
+    """
     from moetrain.launch.preflight import preflight
 
-    cfg = preflight(load_config(args.config, args.overrides), live=not args.dry_run)
+    cfg, layers = load_layers(args.config, args.overrides)
+    alloc = None
+    if cfg.launch.cluster == "slurm" and cfg.launch.allocation == "auto":
+        alloc = current_allocation()
+    given_vocab = cfg.model.vocab_size
+    cfg = preflight(cfg, live=not args.dry_run and alloc is None)
+    if alloc is not None:
+        check_allocation(cfg, alloc)
+    if given_vocab is None:
+        layers.notes["model.vocab_size"] = (f"auto: the data's vocabulary padded to a multiple of "
+                                            f"vocab_multiple × tp = {cfg.model.vocab_multiple * cfg.parallel.tp}")
     check_sinks_installed(cfg)
-    return cfg
+    return cfg, layers, alloc
 
 
 def _executor(cfg: Config, folder: Path) -> Any:
@@ -68,10 +97,11 @@ def _executor(cfg: Config, folder: Path) -> Any:
     return ex
 
 
-def dry_run(cfg: Config, folder: Path) -> str:
-    """Human-readable description of the submission (the sbatch script on SLURM). On SLURM the
-    request is checked against the cluster when one answers here; where none does, the first
-    line says that it was not (the script is still shown).
+def dry_run(cfg: Config, folder: Path, layers: Layers | None = None, alloc: Allocation | None = None) -> str:
+    """Human-readable description of the submission (the sbatch script on SLURM; inside an
+    allocation, the script of the srun step). On SLURM the request is checked against the
+    cluster when one answers here; where none does, the first line says that it was not (the
+    script is still shown).
 
     Raises:
         ConfigError: the cluster that answers cannot run the request.
@@ -79,7 +109,11 @@ def dry_run(cfg: Config, folder: Path) -> str:
     lines = [f"# run directory: {cfg.run_dir}", f"# world size {cfg.world_size}: pp {cfg.parallel.pp} × dp "
              f"{cfg.parallel.dp} × cp {cfg.parallel.cp} × tp {cfg.parallel.tp}; ep {cfg.parallel.ep}",
              f"# {cfg.grad_accum_steps} micro-batches of {cfg.train.micro_batch_size} per rank per step"]
-    if cfg.launch.cluster == "slurm":
+    if alloc is not None:
+        lines.append(f"# inside SLURM allocation {alloc.job_id} ({alloc.nodes} node(s): {alloc.nodelist}): no new "
+                     "job; the ranks run as one srun step of it, each attempt this script:")
+        lines.append(step_script(cfg, alloc, 0, folder))
+    elif cfg.launch.cluster == "slurm":
         from moetrain.launch.slurm import SlurmUnavailableError, check_against_cluster, query_cluster, \
             render_batch_script
 
@@ -94,8 +128,7 @@ def dry_run(cfg: Config, folder: Path) -> str:
     else:
         lines.append(f"# submitit local executor: 1 node × {cfg.world_size} tasks, "
                      f"timeout {cfg.launch.time_min} min, logs in {folder}")
-    lines.append("# resolved config:")
-    lines.append(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    lines.append(render_config(cfg, layers) if layers is not None else "# resolved config:\n" + render_config(cfg))
     return "\n".join(lines)
 
 
@@ -153,6 +186,11 @@ def format_event(e: dict) -> str | None:
                 f"epoch {e.get('epoch')} begins, reshuffled")
     if kind == "data_changed":
         return f"the data differs from what steps 1-{e.get('step')} were trained with: {e.get('changed')}"
+    if kind == "environment_changed":
+        from moetrain.train.environment import describe_changes  # the one wording of a change, with the log's
+
+        return (f"the environment differs from attempt {e.get('previous_attempt')}'s: "
+                f"{describe_changes(e.get('changed') or {})}")
     if kind == "restart":
         return (f"restarting from the latest complete checkpoint (restart {e.get('restart')} of "
                 f"{e.get('max_restarts')}): {e.get('cause')}")
@@ -191,9 +229,11 @@ class EventPrinter:
                     print(f"event: {text}", file=self.out, flush=True)
 
 
-def follow(job: Any, cfg: Config, since: float, out=sys.stdout, events: EventPrinter | None = None) -> str:
+def follow(job: Any, cfg: Config, since: float, out=sys.stdout, events: EventPrinter | None = None,
+           wait_queue: bool = True) -> str:
     """Print new metrics lines and lifecycle events until the job ends; returns the job's final
-    status string.
+    status string. ``wait_queue``: on SLURM, the run is over only once the job has left the
+    queue (False for an srun step inside an allocation, whose job goes on).
 
     Raises:
         Exception: the job failed (submitit's error; :func:`failure` says why in a few lines).
@@ -230,7 +270,8 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout, events: EventPri
         # submitit calls a job done when a result file exists (a rank of a requeued attempt may
         # have written its error) or when sacct once said NODE_FAIL (it caches that): on SLURM the
         # run is over only once the job has left the queue, where a requeued job stays.
-        return job.done() and (cfg.launch.cluster != "slurm" or not slurm_job_queued(str(job.job_id)))
+        return job.done() and (cfg.launch.cluster != "slurm" or not wait_queue or
+                               not slurm_job_queued(str(job.job_id)))
 
     warned: set[str] = set()
     last_health = time.time()
@@ -267,7 +308,15 @@ def failure(cfg: Config, job: Any, error: BaseException) -> Diagnosis:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = load_and_resolve(args)
+        if args.explain:  # the layers alone: no data, weights or cluster consulted
+            cfg, layers = load_layers(args.config, args.overrides)
+            print(explain(layers, cfg, args.explain))
+            return 0
+        cfg, layers, alloc = load_and_resolve(args)
+        if alloc is not None and args.detach:
+            raise ConfigError(f"--detach: submit runs inside SLURM allocation {alloc.job_id}, which ends when the "
+                              "command holding it (salloc, your batch script) returns, and the run with it. Fix: "
+                              "drop --detach, or --set launch.allocation=new to submit a job of its own")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -275,32 +324,46 @@ def main(argv: list[str] | None = None) -> int:
     folder = run_dir / "logs"
     if args.dry_run:
         try:
-            print(dry_run(cfg, folder))
+            print(dry_run(cfg, folder, layers, alloc))
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         return 0
     from moetrain.launch.job import TrainJob, job_config
 
-    try:
-        executor = _executor(cfg, folder)
-    except ConfigError as e:  # the cluster changed since the preflight's query
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    executor = None
+    if alloc is None:
+        try:
+            executor = _executor(cfg, folder)
+        except ConfigError as e:  # the cluster changed since the preflight's query
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / "config.yaml", layers)
     events = EventPrinter(run_dir)
+    # Restarted by this command: local runs, and runs inside an allocation (no requeue there).
+    relaunches = cfg.launch.cluster == "local" or alloc is not None
     restart = 0
     while True:
         since = time.time()
-        with _children_stderr(folder / "controller.err", cfg.launch.cluster == "local"):
-            job = executor.submit(TrainJob(job_config(cfg), restart=restart))
-        record_submission(run_dir, str(job.job_id), cfg)
+        if alloc is not None:
+            job = StepJob(step_script(cfg, alloc, restart, folder.resolve()), alloc.job_id,
+                          folder / f"{alloc.job_id}.{restart}_srun.err")
+            record_submission(run_dir, f"{alloc.job_id}.{restart}", cfg)
+            print(f"inside SLURM allocation {alloc.job_id}: started srun step (attempt {restart}, "
+                  f"{cfg.world_size} tasks); no new job is submitted\n"
+                  f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
+                  f"  metrics:       {run_dir / 'metrics.jsonl'}\n"
+                  f"  logs:          {folder}/{alloc.job_id}.{restart}_<rank>.out", flush=True)
+        else:
+            with _children_stderr(folder / "controller.err", cfg.launch.cluster == "local"):
+                job = executor.submit(TrainJob(job_config(cfg), restart=restart))
+            record_submission(run_dir, str(job.job_id), cfg)
+            print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
+                  f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
+                  f"  metrics:       {run_dir / 'metrics.jsonl'}\n"
+                  f"  logs:          {folder}/{job.job_id}_<rank>_log.out", flush=True)
         register_job(str(job.job_id), run_dir)
-        print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
-              f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
-              f"  metrics:       {run_dir / 'metrics.jsonl'}\n  logs:          {folder}/{job.job_id}_<rank>_log.out",
-              flush=True)
         if args.detach:
             if cfg.launch.cluster == "local":
                 # A local job is cancelled when its handle is garbage-collected; keep it running.
@@ -311,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("detached; the run goes on", flush=True)
             return 0
         try:
-            status = follow(job, cfg, since, events=events)
+            status = follow(job, cfg, since, events=events, wait_queue=alloc is None)
         except KeyboardInterrupt:
             print("\ninterrupted: cancelling the run (use --detach to leave it running)", file=sys.stderr)
             job.cancel()
@@ -319,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure
             why = failure(cfg, job, e)
             print("run failed: " + "\n".join(why.lines()), file=sys.stderr, flush=True)
-            if cfg.launch.cluster == "local" and why.restartable:
+            if relaunches and why.restartable:
                 if restart < cfg.launch.max_restarts:
                     restart += 1
                     append_event(run_dir, None, "restart", restart=restart, max_restarts=cfg.launch.max_restarts,
@@ -331,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
                 events.drain()
             print(f"  all logs: {folder}", file=sys.stderr, flush=True)
             return 1
+        if status == "stopped" and alloc is not None:
+            print(f"run stopped inside allocation {alloc.job_id} (checkpoint saved): an allocation cannot be "
+                  "requeued by moetrain; run the same submit command again to resume", flush=True)
         print(f"run {status}: {run_dir}", flush=True)
         return 0 if status == "done" else 3
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,6 +24,12 @@ Lifecycle on SLURM:
 * ``SLURM_RESTART_COUNT`` (locally: the relaunch number) counts restarts; past
   ``launch.max_restarts`` the run stops and says why (``events.jsonl``, the log, and the job's
   failure).
+
+The same rank body (:func:`run_rank`) serves the other launchers (``python -m moetrain.run``
+under torchrun, or ``srun`` steps inside an allocation ``submit`` found): a :class:`RankEnv`
+says who the process is and whether it may requeue a SLURM job (only a batch job ``submit``
+submitted may: a requeue needs a batch job, and an allocation or a torchrun job belongs to
+someone else); without it, a failure or a stop ends the process and its launcher restarts it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import sys
 import time
 import traceback
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +97,25 @@ class RestartsExhausted(RuntimeError):
     """The run was restarted more than ``launch.max_restarts`` times."""
 
 
+@dataclass(frozen=True)
+class RankEnv:
+    """Who this process is in the job. ``rank`` / ``world_size`` / ``local_rank`` /
+    ``local_world_size``: torch.distributed's (already exported as RANK, WORLD_SIZE, ...,
+    MASTER_ADDR and MASTER_PORT). ``job_id``: the name failure records and the attempt fence
+    use. ``log_path``: where this rank's output goes (named in its failure record). ``requeue``:
+    this is a SLURM batch job ``submit`` submitted, which the run may requeue itself.
+    ``launcher``: ``submitit``, ``torchrun`` or ``srun`` (for the log)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    job_id: str
+    log_path: str
+    requeue: bool
+    launcher: str
+
+
 class TrainJob(submitit.helpers.Checkpointable):
     """Train ``config`` (a plain dict, so the pickle does not depend on class layouts).
     ``restart``: the local relaunch number (the submit command's); SLURM's requeues add
@@ -102,150 +128,173 @@ class TrainJob(submitit.helpers.Checkpointable):
     def __call__(self) -> str:
         cfg: Config = config_from_dict(self.config)
         env = submitit.JobEnvironment()
-        restart = getattr(self, "restart", 0) + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        try:
-            return self._train(cfg, env, restart)
-        except BaseException as e:
-            if isinstance(e, SystemExit) and e.code in (0, None):
-                raise
-            self._failed(cfg, env, restart, e)
-            raise
-
-    def _failed(self, cfg: Config, env: Any, restart: int, exc: BaseException) -> None:
-        """Record why this rank failed (the full traceback goes to its log), and on SLURM, when
-        a peer died or a collective failed and restarts are left, requeue the job (the first
-        failing rank does; the others wait to be ended with it)."""
-        from moetrain.launch.lifecycle import append_event, requeue_slurm_job
-        from moetrain.train.records import (
-            atomic_write_json,
-            diagnose,
-            failure_kind,
-            failures_dir,
-            read_failures,
-            read_json,
-            record_failure,
-        )
-
-        log.error("rank %d failed:\n%s", env.global_rank, "".join(traceback.format_exception(exc)))
-        kind = failure_kind(exc)
-        try:
-            record_failure(cfg.run_dir, str(env.job_id), restart, env.global_rank, kind, type(exc).__name__,
-                           str(exc), str(env.paths.stdout))
-        except OSError as e:
-            log.error("could not record the failure in %s: %s", cfg.run_dir, e)
-        atexit.register(_exit_now, 1)  # after submitit records the result (gloo may abort at exit)
-        if kind != "peer" or "SLURM_JOB_ID" not in os.environ or restart >= cfg.launch.max_restarts:
-            return
-        where = failures_dir(cfg.run_dir, str(env.job_id), restart)
-        if not claim_requeue(where):  # another rank requeues the job (or the hang watchdog did)
-            for _ in range(120):
-                done = read_json(where / "requeue.json")
-                if isinstance(done, dict):
-                    if done.get("ok"):
-                        time.sleep(600)  # SLURM ends every process of this attempt
-                    return
-                time.sleep(0.5)
-            return
-        # Requeue first: a cluster that ends a step when one task fails (KillOnBadExit) must not
-        # end this process before it has. Then let the other survivors record themselves, so
-        # that the cause names the dead rank(s).
-        ok = requeue_slurm_job()
-        time.sleep(3.0)
-        why = diagnose(read_failures(cfg.run_dir, str(env.job_id), restart), env.num_tasks)
-        atomic_write_json(where / "requeue.json", {"ok": ok, "cause": why.cause})
-        append_event(cfg.run_dir, None, "requeue", cause=why.cause, restart=restart + 1, ok=ok)
-        log.error("requeue of the job (restart %d of %d) %s: %s", restart + 1, cfg.launch.max_restarts,
-                  "done" if ok else "FAILED", why.cause)
-        if ok:
-            time.sleep(600)  # SLURM ends every process of this attempt; leaving first would fail the job
-
-    def _train(self, cfg: Config, env: Any, restart: int) -> str:
-        import torch
-        import torch.distributed as dist
-
-        from moetrain.launch.lifecycle import Watchdog, append_event, existing_excludes, requeue_slurm_job
-        from moetrain.train.records import atomic_write_json, failures_dir, record_failure
-        from moetrain.train.trainer import StopFlag, Trainer
-
-        on_slurm = "SLURM_JOB_ID" in os.environ
+        # A batch job of submitit's own on SLURM (not the local executor started inside someone's
+        # allocation, which sees SLURM_JOB_ID too): the run may requeue it, and SLURM counts its
+        # requeues.
+        own_slurm_job = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+        requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0")) if own_slurm_job else 0
+        restart = getattr(self, "restart", 0) + requeues
         os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), restart))
         denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        setup_logging(denv.rank)
-        threads, why = process_threads(cfg.launch.cpus_per_task, denv.local_world_size)
-        torch.set_num_threads(threads)
-        if denv.rank == 0:
-            log.info("torch threads per process: %d (%s)", threads, why)
-
-        if restart > cfg.launch.max_restarts:
-            msg = (f"restart {restart} exceeds launch.max_restarts={cfg.launch.max_restarts}: giving up; "
-                   f"see {cfg.run_dir / 'events.jsonl'} for the causes")
-            if denv.rank == 0:
-                append_event(cfg.run_dir, None, "gave_up", restart=restart, reason=msg)
-            log.error(msg)
-            raise RestartsExhausted(msg)
-
-        stop = StopFlag()
-        # Signals only set a flag; the loop checkpoints at the next step boundary.
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: stop.set(signal.Signals(signum).name))
-
-        trainer = Trainer(cfg, job_id=str(env.job_id), restart=restart, stop_flag=stop)
-        install_fault_hook(trainer, denv.rank, restart)
-
-        def on_hang(nodes: list[str]) -> None:
-            excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
-            record_failure(cfg.run_dir, str(env.job_id), restart, denv.rank, "hang", "Hang",
-                           f"no step completed for {trainer.watchdog.timeout_s():.0f} s at step {trainer.step + 1}; "
-                           f"suspected node(s) {nodes}; stacks in {cfg.run_dir / 'stacks'}", str(env.paths.stdout))
-            if on_slurm and restart < cfg.launch.max_restarts:
-                where = failures_dir(cfg.run_dir, str(env.job_id), restart)
-                if not claim_requeue(where):  # a failing rank is requeueing the job already
-                    time.sleep(600)
-                    _exit_now(1)
-                requeued = requeue_slurm_job(exclude=excluded)
-                atomic_write_json(where / "requeue.json", {"ok": requeued, "cause": "hang"})
-                append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
-                if requeued:
-                    # SLURM now ends every process of this attempt (SIGTERM, SIGKILL after KillWait).
-                    # Leaving first would make the other ranks fail on the closed connections and
-                    # report those errors as the job's result.
-                    time.sleep(600)
-            elif on_slurm:
-                append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
-                             reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
-            # Locally the submit command reads the record and relaunches (or gives up).
-            _exit_now(1)
-
-        trainer.watchdog = Watchdog(cfg.run_dir, denv.rank, trainer.fence, trainer.heartbeat,
-                                    cfg.launch.heartbeat_timeout_factor, cfg.launch.heartbeat_min_timeout_s,
-                                    on_hang).start()
-        status = trainer.run()
-        trainer.watchdog.stop()
-        if status == "stopped" and on_slurm:
-            dist.barrier()
-            give_up = restart >= cfg.launch.max_restarts
-            if denv.rank == 0:
-                if not give_up:
-                    ok = requeue_slurm_job(exclude=existing_excludes(cfg.run_dir) or None)
-                    append_event(cfg.run_dir, trainer.fence, "requeue", cause=stop.reason, ok=ok)
-                else:
-                    append_event(cfg.run_dir, trainer.fence, "gave_up", cause=stop.reason,
-                                 reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
-            dist.destroy_process_group()
-            if give_up:
-                # Fail with the reason, rather than end without a result ("has not produced any
-                # output" is all submitit and `submit` could say then).
-                msg = (f"stopped by {stop.reason} at step {trainer.step} (checkpoint saved) after {restart} "
-                       f"restart(s): launch.max_restarts={cfg.launch.max_restarts} reached, so the job is not "
-                       f"requeued; resubmit the same config to resume")
-                log.error(msg)
-                atexit.register(_exit_now, 1)
-                raise RestartsExhausted(msg)
-            # Leave without a result: the requeued attempt will produce it (as submitit does).
-            _exit_now(0)
-        dist.destroy_process_group()
-        atexit.register(_exit_now, 0)
+        renv = RankEnv(denv.rank, denv.world_size, denv.local_rank, denv.local_world_size, str(env.job_id),
+                       str(env.paths.stdout), requeue=own_slurm_job, launcher="submitit")
+        status = run_rank(cfg, renv, restart)
+        atexit.register(_exit_now, 0)  # after submitit records the result (gloo may abort at exit)
         return status
+
+
+def run_rank(cfg: Config, renv: RankEnv, restart: int) -> str:
+    """Train as one rank of the job (torch.distributed's variables already exported): the
+    lifecycle of the module docstring. Returns the trainer's status (``done`` or ``stopped``).
+
+    Raises:
+        RestartsExhausted: more than ``launch.max_restarts`` restarts, or a stop with none left.
+        BaseException: whatever ended the rank, after its failure record is written.
+    """
+    os.environ.update(cfg.launch.env)  # under SLURM the job script exported them already
+    try:
+        return _train(cfg, renv, restart)
+    except BaseException as e:
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        _failed(cfg, renv, restart, e)
+        raise
+
+
+def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException) -> None:
+    """Record why this rank failed (the full traceback goes to its log), and, when this job may
+    be requeued, a peer died or a collective failed and restarts are left, requeue the job
+    (the first failing rank does; the others wait to be ended with it)."""
+    from moetrain.launch.lifecycle import append_event, requeue_slurm_job
+    from moetrain.train.records import (
+        atomic_write_json,
+        diagnose,
+        failure_kind,
+        failures_dir,
+        read_failures,
+        read_json,
+        record_failure,
+    )
+
+    log.error("rank %d failed:\n%s", env.rank, "".join(traceback.format_exception(exc)))
+    kind = failure_kind(exc)
+    try:
+        record_failure(cfg.run_dir, env.job_id, restart, env.rank, kind, type(exc).__name__,
+                       str(exc), env.log_path)
+    except OSError as e:
+        log.error("could not record the failure in %s: %s", cfg.run_dir, e)
+    atexit.register(_exit_now, 1)  # after submitit records the result (gloo may abort at exit)
+    if kind != "peer" or not env.requeue or restart >= cfg.launch.max_restarts:
+        return
+    where = failures_dir(cfg.run_dir, env.job_id, restart)
+    if not claim_requeue(where):  # another rank requeues the job (or the hang watchdog did)
+        for _ in range(120):
+            done = read_json(where / "requeue.json")
+            if isinstance(done, dict):
+                if done.get("ok"):
+                    time.sleep(600)  # SLURM ends every process of this attempt
+                return
+            time.sleep(0.5)
+        return
+    # Requeue first: a cluster that ends a step when one task fails (KillOnBadExit) must not
+    # end this process before it has. Then let the other survivors record themselves, so
+    # that the cause names the dead rank(s).
+    ok = requeue_slurm_job()
+    time.sleep(3.0)
+    why = diagnose(read_failures(cfg.run_dir, env.job_id, restart), env.world_size)
+    atomic_write_json(where / "requeue.json", {"ok": ok, "cause": why.cause})
+    append_event(cfg.run_dir, None, "requeue", cause=why.cause, restart=restart + 1, ok=ok)
+    log.error("requeue of the job (restart %d of %d) %s: %s", restart + 1, cfg.launch.max_restarts,
+              "done" if ok else "FAILED", why.cause)
+    if ok:
+        time.sleep(600)  # SLURM ends every process of this attempt; leaving first would fail the job
+
+def _train(cfg: Config, env: RankEnv, restart: int) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from moetrain.launch.lifecycle import Watchdog, append_event, existing_excludes, requeue_slurm_job
+    from moetrain.train.records import atomic_write_json, failures_dir, record_failure
+    from moetrain.train.trainer import StopFlag, Trainer
+
+    may_requeue = env.requeue
+    setup_logging(env.rank)
+    threads, why = process_threads(cfg.launch.cpus_per_task, env.local_world_size)
+    torch.set_num_threads(threads)
+    if env.rank == 0:
+        log.info("torch threads per process: %d (%s); started by %s, job %s", threads, why, env.launcher,
+                 env.job_id)
+
+    if restart > cfg.launch.max_restarts:
+        msg = (f"restart {restart} exceeds launch.max_restarts={cfg.launch.max_restarts}: giving up; "
+               f"see {cfg.run_dir / 'events.jsonl'} for the causes")
+        if env.rank == 0:
+            append_event(cfg.run_dir, None, "gave_up", restart=restart, reason=msg)
+        log.error(msg)
+        raise RestartsExhausted(msg)
+
+    stop = StopFlag()
+    # Signals only set a flag; the loop checkpoints at the next step boundary.
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set(signal.Signals(signum).name))
+
+    trainer = Trainer(cfg, job_id=env.job_id, restart=restart, stop_flag=stop,
+                      hosts_from_ranks=env.launcher == "torchrun")
+    install_fault_hook(trainer, env.rank, restart)
+
+    def on_hang(nodes: list[str]) -> None:
+        excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
+        record_failure(cfg.run_dir, env.job_id, restart, env.rank, "hang", "Hang",
+                       f"no step completed for {trainer.watchdog.timeout_s():.0f} s at step {trainer.step + 1}; "
+                       f"suspected node(s) {nodes}; stacks in {cfg.run_dir / 'stacks'}", env.log_path)
+        if may_requeue and restart < cfg.launch.max_restarts:
+            where = failures_dir(cfg.run_dir, env.job_id, restart)
+            if not claim_requeue(where):  # a failing rank is requeueing the job already
+                time.sleep(600)
+                _exit_now(1)
+            requeued = requeue_slurm_job(exclude=excluded)
+            atomic_write_json(where / "requeue.json", {"ok": requeued, "cause": "hang"})
+            append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
+            if requeued:
+                # SLURM now ends every process of this attempt (SIGTERM, SIGKILL after KillWait).
+                # Leaving first would make the other ranks fail on the closed connections and
+                # report those errors as the job's result.
+                time.sleep(600)
+        elif may_requeue:
+            append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
+                         reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
+        # Locally the submit command reads the record and relaunches (or gives up).
+        _exit_now(1)
+
+    trainer.watchdog = Watchdog(cfg.run_dir, env.rank, trainer.fence, trainer.heartbeat,
+                                cfg.launch.heartbeat_timeout_factor, cfg.launch.heartbeat_min_timeout_s,
+                                on_hang).start()
+    status = trainer.run()
+    trainer.watchdog.stop()
+    if status == "stopped" and may_requeue:
+        dist.barrier()
+        give_up = restart >= cfg.launch.max_restarts
+        if env.rank == 0:
+            if not give_up:
+                ok = requeue_slurm_job(exclude=existing_excludes(cfg.run_dir) or None)
+                append_event(cfg.run_dir, trainer.fence, "requeue", cause=stop.reason, ok=ok)
+            else:
+                append_event(cfg.run_dir, trainer.fence, "gave_up", cause=stop.reason,
+                             reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
+        dist.destroy_process_group()
+        if give_up:
+            # Fail with the reason, rather than end without a result ("has not produced any
+            # output" is all submitit and `submit` could say then).
+            msg = (f"stopped by {stop.reason} at step {trainer.step} (checkpoint saved) after {restart} "
+                   f"restart(s): launch.max_restarts={cfg.launch.max_restarts} reached, so the job is not "
+                   f"requeued; resubmit the same config to resume")
+            log.error(msg)
+            atexit.register(_exit_now, 1)
+            raise RestartsExhausted(msg)
+        # Leave without a result: the requeued attempt will produce it (as submitit does).
+        _exit_now(0)
+    dist.destroy_process_group()
+    return status
 
 
 def claim_requeue(where: Path) -> bool:
@@ -278,3 +327,52 @@ def install_fault_hook(trainer: Any, rank: int, restart: int) -> None:
 
 def job_config(cfg: Config) -> dict:
     return to_dict(cfg)
+
+
+class LauncherError(RuntimeError):
+    """The process was not started by a launcher this module can read (torchrun, srun)."""
+
+
+def _first_count(text: str) -> int:
+    # SLURM task counts per node: "4(x2),2" → 4 (the first node's).
+    m = text.split(",")[0].split("(")[0]
+    return int(m) if m.isdigit() else 0
+
+
+def rank_env_from_environ(restart: int, job_id: str | None = None, log_path: str | None = None) -> RankEnv:
+    """This process's :class:`RankEnv` from its launcher's variables, exporting what
+    torch.distributed reads: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: used as they are), or an ``srun``
+    step's (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+    ``SLURM_STEP_TASKS_PER_NODE``; the master is the step's first node, the port
+    :func:`master_port` of the job and restart). ``job_id``: default the SLURM job id, torchrun's
+    ``TORCHELASTIC_RUN_ID`` or ``torchrun``. ``log_path``: where this rank's output goes;
+    ``{rank}`` in it is replaced. Never requeues: the launcher restarts.
+
+    Raises:
+        LauncherError: neither torchrun's nor an srun step's variables are set.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", "0"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        launcher = "torchrun"
+        job_id = job_id or env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_STEP_NODELIST" in env:
+        from moetrain.topology.cluster import expand_nodelist
+
+        rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+        local = int(env.get("SLURM_LOCALID", "0"))
+        local_world = _first_count(env.get("SLURM_STEP_TASKS_PER_NODE", "")) or world
+        launcher = "srun"
+        job_id = job_id or env.get("SLURM_JOB_ID", "srun")
+        env.update({"MASTER_ADDR": expand_nodelist(env["SLURM_STEP_NODELIST"])[0],
+                    "MASTER_PORT": str(master_port(job_id, restart)), "RANK": str(rank), "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(local_world)})
+    else:
+        raise LauncherError("not started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR) nor inside an srun step "
+                            "(SLURM_PROCID, SLURM_STEP_NODELIST): start it as `torchrun --nproc-per-node N -m "
+                            "moetrain.run --config X.yaml`, or use python -m moetrain.submit")
+    log = (log_path or f"{launcher}'s output of rank {{rank}}").replace("{rank}", str(rank))
+    return RankEnv(rank, world, local, local_world, job_id, log, requeue=False, launcher=launcher)

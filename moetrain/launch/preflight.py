@@ -3,7 +3,8 @@
 The config's rules, what this version runs on the planned device included, are
 :func:`moetrain.config.check_supported`'s; here is only what reads something outside it: the data
 manifest (vocabulary size), the rank map (node-limited routing, the hierarchical dispatcher), the
-``checkpoint.init_from`` weights (the model's names and shapes) and the SLURM cluster.
+``checkpoint.init_from`` weights (the model's names and shapes), the container's mounts (the data
+and checkpoints visible inside) and the SLURM cluster.
 ``preflight(cfg)`` returns the resolved config or raises :class:`moetrain.config.ConfigError`.
 """
 
@@ -81,6 +82,10 @@ def preflight(cfg: Config, *, live: bool = True) -> Config:
     check_node_limited(cfg)
     cfg = resolve_vocab(cfg)
     check_init_from(cfg)
+    if cfg.launch.container is not None:
+        from moetrain.launch.container import check_mounted
+
+        check_mounted(cfg)
     if cfg.launch.cluster == "slurm":
         from moetrain.launch.slurm import validate_slurm
 

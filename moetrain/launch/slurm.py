@@ -6,12 +6,17 @@ Three steps, in the order ``submit`` runs them:
    arguments of submitit's ``AutoExecutor.update_parameters``; every string that ends up in the
    batch script (partition, account, qos, constraint, exclude, job name) must match a strict
    pattern first (:func:`~moetrain.utils.check_sbatch_safe`), so a config can never inject shell
-   text into ``#SBATCH`` lines.
+   text into ``#SBATCH`` lines. The site settings go through submitit's own parameters:
+   ``launch.env`` as ``export NAME='value'`` lines (quoted, never interpreted) and
+   ``launch.setup`` as they are (shell by design) in ``setup``, ``launch.srun_args`` and pyxis'
+   flags in ``srun_args``, ``launch.sbatch_args`` in ``additional_parameters``, and the
+   container runtime's command in ``python`` (:mod:`moetrain.launch.container`).
 2. **check** — :func:`check_launch` (no cluster needed: strings and the cluster profile's GPUs per
    node) and :func:`check_against_cluster` (a live :class:`ClusterInfo` from
    :func:`query_cluster`: the partition exists, its nodes offer the GPUs and CPUs asked for);
-   :func:`validate_slurm` runs both (a submission needs SLURM to answer; a ``--dry-run`` runs
-   the second only when it does, and says so).
+   :func:`validate_slurm` runs both, then asks ``sbatch --test-only`` about the script itself
+   (a submission needs SLURM to answer; a ``--dry-run`` runs the second only when it does, and
+   says so).
 3. **build** — :func:`make_slurm_executor` (runs both checks, then builds the executor) or, for
    ``--dry-run``, :func:`render_batch_script`: the exact sbatch script submitit would submit.
 
@@ -23,6 +28,7 @@ fix; a cluster that does not answer raises :class:`SlurmUnavailableError` (a ``C
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ import yaml
 from submitit.slurm.slurm import SlurmExecutor
 
 from moetrain.config import Config, field_error
+from moetrain.launch.container import task_launch
 from moetrain.utils import check_sbatch_safe
 
 __all__ = [
@@ -47,6 +54,8 @@ __all__ = [
     "profile_gpus_per_node",
     "query_cluster",
     "render_batch_script",
+    "site_setup_lines",
+    "check_test_only",
     "slurm_executor_params",
     "validate_slurm",
 ]
@@ -97,7 +106,22 @@ def slurm_executor_params(cfg: Config, *, job_name: str) -> dict[str, Any]:
         if value is not None:
             check_sbatch_safe(key, f"launch.{key}", value)
             params[f"slurm_{key}"] = value
+    setup = site_setup_lines(cfg)
+    if setup:
+        params["slurm_setup"] = setup
+    srun_args = [*task_launch(cfg).srun_args, *ln.srun_args]
+    if srun_args:
+        params["slurm_srun_args"] = srun_args
+    for arg in ln.sbatch_args:
+        key, _, value = arg[2:].partition("=")
+        params["slurm_additional_parameters"][key.replace("-", "_")] = value if "=" in arg else True
     return params
+
+
+def site_setup_lines(cfg: Config) -> list[str]:
+    """The shell lines run before the ranks start: ``export NAME=VALUE`` for ``launch.env`` (each
+    value quoted: the shell takes it literally), then ``launch.setup`` as written."""
+    return [f"export {k}={shlex.quote(v)}" for k, v in cfg.launch.env.items()] + list(cfg.launch.setup)
 
 
 def _repo_root() -> Path:
@@ -308,7 +332,37 @@ def validate_slurm(cfg: Config, *, timeout_s: float = 10.0, live: bool = True) -
                           "submit from a SLURM login node (or bring up slurm/dev-cluster), or run here with "
                           "--set launch.cluster=local") from None
     check_against_cluster(cfg, cluster)
+    check_test_only(cfg, render_batch_script(cfg, cfg.run_dir / "logs"))
     return cluster
+
+
+def check_test_only(cfg: Config, script: str, *, timeout_s: float = 30.0) -> None:
+    """Ask SLURM whether it would take ``script`` (``sbatch --test-only``: checked and scheduled
+    in thought, nothing submitted), so that a pass-through option it refuses
+    (``launch.sbatch_args``) fails here, before the run exists.
+
+    Raises:
+        ConfigError: sbatch refuses the script (naming ``launch.sbatch_args`` when there are any,
+            else ``launch``), with sbatch's message.
+    """
+    if shutil.which("sbatch") is None:
+        return
+    try:
+        out = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return  # a slow controller is not the config's fault; the submission will say more
+    if out.returncode == 0:
+        return
+    msg = " ".join(line.removeprefix("sbatch: error: ").strip() for line in out.stderr.strip().splitlines()
+                   if line.strip()) or f"exit status {out.returncode}"
+    ln = cfg.launch
+    if ln.sbatch_args:
+        raise field_error("launch.sbatch_args", list(ln.sbatch_args), f"`sbatch --test-only` refuses the job: {msg}",
+                          "fix or drop the option SLURM names (python -m moetrain.submit --dry-run shows the script)")
+    raise field_error("launch", f"{ln.nodes} node(s) × {ln.resolved_tasks_per_node(cfg.world_size)} tasks",
+                      f"`sbatch --test-only` refuses the job: {msg}",
+                      "change the request SLURM names (python -m moetrain.submit --dry-run shows the script)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,8 +384,8 @@ def make_slurm_executor(cfg: Config, folder: str | Path, *, job_name: str | None
     check_launch(cfg, job_name=name)
     check_against_cluster(cfg, query_cluster() if cluster is None else cluster)
     # max_num_timeout only exists as a constructor argument: update_parameters refuses it.
-    executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                     slurm_max_num_timeout=cfg.launch.max_restarts)
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=cfg.launch.max_restarts,
+                                     slurm_python=task_launch(cfg).python_str)
     executor.update_parameters(**slurm_executor_params(cfg, job_name=name))
     return executor
 
@@ -355,7 +409,8 @@ def render_batch_script(cfg: Config, folder: str | Path, *, job_name: str | None
     name = cfg.run.name if job_name is None else job_name
     check_launch(cfg, job_name=name)
     params = slurm_executor_params(cfg, job_name=name)
-    executor = _RenderOnlySlurmExecutor(folder, max_num_timeout=cfg.launch.max_restarts)
+    executor = _RenderOnlySlurmExecutor(folder, max_num_timeout=cfg.launch.max_restarts,
+                                        python=task_launch(cfg).python_str)
     # The translation AutoExecutor does: generic keys through SlurmExecutor's equivalence
     # table (timeout_min → time, mem_gb → mem "16GB", ...), slurm_ keys with the prefix dropped.
     generic = set(submitit.AutoExecutor._typed_parameters())

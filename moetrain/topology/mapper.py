@@ -713,6 +713,13 @@ def resolve_profile(cfg: "Config", profile: "str | Path | ClusterProfile | None"
     return prof, [f"no cluster profile given: assumed {prof.description}"]
 
 
+def slurm_nodelist() -> str | None:
+    """SLURM's node list of this process: its step's (an srun step may use fewer nodes than the
+    allocation), else its job's."""
+    env = os.environ
+    return env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+
+
 def resolve_allocation(n_or_names: "list[str] | int | None", cfg: "Config", profile: ClusterProfile,
                        topology: str | os.PathLike | None = None) -> Allocation:
     """Nodes from a list of names, a count, or (None) SLURM's environment / ``launch.nodes``.
@@ -734,9 +741,9 @@ def resolve_allocation(n_or_names: "list[str] | int | None", cfg: "Config", prof
             return synthetic_allocation(n_or_names, profile)
         n_or_names = [n.name for n in synthetic_allocation(n_or_names, profile).nodes]
     if n_or_names is None:
-        env = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        env = slurm_nodelist()
         if cfg.launch.cluster == "slurm" and env:
-            names = expand_nodelist(env)
+            names = expand_nodelist(env)[:cfg.launch.nodes]
             if topo_text is None:
                 topo_text = read_slurm_topology()
             return allocation_from_names(names, profile, topo_text)
@@ -751,8 +758,9 @@ def build_rank_map(cfg: "Config", nodes: "list[str] | int | None" = None,
 
     Args:
         cfg: the run config (``parallel`` sizes; ``launch`` for tasks per node and the profile).
-        nodes: node names in SLURM order, a node count, or None: ``SLURM_JOB_NODELIST`` when
-            ``launch.cluster == "slurm"`` and it is set, else ``launch.nodes`` synthetic nodes.
+        nodes: node names in SLURM order, a node count, or None: SLURM's node list
+            (:func:`slurm_nodelist`, its first ``launch.nodes`` nodes) when ``launch.cluster ==
+            "slurm"`` and it is set, else ``launch.nodes`` synthetic nodes.
         profile: profile name, path or object; None takes ``launch.profile``, else a generic
             profile (one NVSwitch domain per node; a note says so).
         topology: a topology.conf path or text (for tests and inspection); None reads
@@ -771,8 +779,9 @@ def build_rank_map(cfg: "Config", nodes: "list[str] | int | None" = None,
     if isinstance(nodes, int):
         n_nodes = nodes
     elif nodes is None:
-        env = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-        n_nodes = len(expand_nodelist(env)) if (cfg.launch.cluster == "slurm" and env) else cfg.launch.nodes
+        env = slurm_nodelist()
+        n_nodes = min(len(expand_nodelist(env)), cfg.launch.nodes) if (cfg.launch.cluster == "slurm" and env) \
+            else cfg.launch.nodes
     else:
         n_nodes = len(nodes)
     if n_nodes <= 0 or world % n_nodes:

@@ -52,10 +52,11 @@ from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.environment import record_environment
 from moetrain.train.flops import flops_per_token
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, schedule_fields, set_lr
-from moetrain.train.records import Fence, Heartbeat, append_event
+from moetrain.train.records import Fence, Heartbeat, append_event, node_name
 from moetrain.train.weights import load_initial_weights
 from moetrain.utils import atomic_write
 
@@ -90,15 +91,17 @@ class StopFlag:
 
 class Trainer:
     def __init__(self, cfg: Config, *, job_id: str = "local", restart: int = 0, stop_flag: StopFlag | None = None,
-                 mesh_ranks: Any = None, rank_domains: list[int] | None = None, write_files: bool = True):
+                 mesh_ranks: Any = None, rank_domains: list[int] | None = None, write_files: bool = True,
+                 hosts_from_ranks: bool = False):
         """``write_files=False`` (tests) writes no metrics, heartbeats or events; checkpoints are
-        still written when asked for."""
+        still written when asked for. ``hosts_from_ranks``: the rank map's nodes are the hosts the
+        ranks report (a launcher such as torchrun that SLURM's node list does not describe)."""
         self.cfg = cfg
         self.stop_flag = stop_flag or StopFlag()
         self.write_files = write_files
         self.device = init_distributed(cfg.parallel.backend, cfg.parallel.collective_timeout_s)
         if mesh_ranks is None:
-            mesh_ranks, rank_domains = topology_mesh_ranks(cfg)
+            mesh_ranks, rank_domains = topology_mesh_ranks(cfg, hosts_from_ranks)
         self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks, rank_domains)
         torch.manual_seed(cfg.run.seed)
 
@@ -117,6 +120,11 @@ class Trainer:
             self.heartbeat = Heartbeat(cfg.run_dir, self.ps.rank, self.fence)
             self.heartbeat.beat(0, "init")
         self.attempt = self.fence.seq if self.fence else 0
+        if self.fence is not None:
+            # Versions, GPUs, driver and each rank's NCCL / CUDA / launch variables: what a
+            # regression between attempts is traced to (environment/ in the run directory).
+            record_environment(cfg.run_dir, self.attempt, self.ps.rank,
+                               extra_names=cfg.launch.env, fence=self.fence)
 
         # model_parts: this rank's pieces of the model (one, or one per virtual pipeline stage);
         # runner: runs forward + backward of a step's micro-batches over them.
@@ -595,15 +603,31 @@ def read_to_host(slots: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     return out
 
 
-def topology_mesh_ranks(cfg: Config) -> tuple[list, list[int]]:
+def rank_hosts(world: int) -> list[str] | None:
+    """Node names in rank order, one per node, from every rank's host name (a collective); None
+    when a node's ranks are not contiguous (the rank map then takes ``launch.nodes`` nodes)."""
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, node_name())
+    nodes = [h for i, h in enumerate(hosts) if i == 0 or hosts[i - 1] != h]
+    return nodes if len(nodes) == len(set(nodes)) and world % len(nodes) == 0 else None
+
+
+def topology_mesh_ranks(cfg: Config, hosts_from_ranks: bool = False) -> tuple[list, list[int]]:
     """The [pp, dp, cp, tp] rank layout from the topology mapper (the job's nodes and cluster
     profile) and the NVLink domain of every rank, computed on rank 0 and broadcast so every rank
-    builds the same mesh — the map that ``python -m moetrain.ranks`` shows is the one used."""
+    builds the same mesh — the map that ``python -m moetrain.ranks`` shows is the one used.
+    ``hosts_from_ranks``: the nodes are the ranks' own hosts (:func:`rank_hosts`), not SLURM's
+    node list or ``launch.nodes``."""
     from moetrain.topology import build_rank_map
 
+    nodes = rank_hosts(dist.get_world_size()) if hosts_from_ranks else None
     holder: list = [None]
     if dist.get_rank() == 0:
-        rank_map = build_rank_map(cfg)
+        if hosts_from_ranks:
+            log.info("rank map: nodes %s as the ranks report them%s", ", ".join(nodes) if nodes else "(not contiguous)",
+                     "" if cfg.launch.profile else "; no launch.profile, so a flat generic topology (one NVLink "
+                     "domain per node)")
+        rank_map = build_rank_map(cfg, nodes=nodes if nodes and len(nodes) == cfg.launch.nodes else None)
         holder[0] = (rank_map.mesh_ranks.tolist(), [rank_map.domain_of(r) for r in range(rank_map.world)])
         for rule in rank_map.rules:
             if rule.status == "broken":
