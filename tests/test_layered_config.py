@@ -246,7 +246,7 @@ def test_allocation_step_script(tmp_path, monkeypatch):
     assert tail[:6] == ["--config", str(cfg.run_dir / "config.yaml"), "--resolved", "--restart", "1", "--job-id"]
 
 
-def test_submit_explain_and_layered_dry_run(layers3, tmp_path):
+def test_submit_explain_prints_each_layer(layers3, tmp_path):
     cmd = [sys.executable, "-m", "moetrain.submit", *sum((["--config", str(p)] for p in layers3), []),
            "--set", "launch.cluster=local", "--set", "launch.nodes=1", "--set", "launch.setup=[]",
            "--set", f"run.dir={tmp_path / 'run'}"]
