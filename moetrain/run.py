@@ -22,7 +22,7 @@ import os
 import sys
 
 from moetrain.config import Config, ConfigError, load_layers, save_config
-from moetrain.launch.job import LauncherError, RestartsExhausted, rank_env_from_environ, run_rank
+from moetrain.launch.job import LauncherError, rank_env_from_environ, run_rank
 
 log = logging.getLogger("moetrain")
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         save_config(cfg, cfg.run_dir / "config.yaml", layers)
     try:
         status = run_rank(cfg, renv, restart)
-    except (RestartsExhausted, Exception):  # recorded, with the full traceback, by run_rank
+    except Exception:  # noqa: BLE001 - recorded, with the full traceback, by run_rank (RestartsExhausted too)
         return 1
     return 0 if status == "done" else 3
 
