@@ -68,7 +68,8 @@ def _published(fmt: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moetrain.plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="run config (YAML): model, global batch, sequence length")
+    ap.add_argument("--config", action="append", help="run config (YAML): model, global batch, sequence length; "
+                    "repeat to layer files")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, help="number of nodes")
     where.add_argument("--nodelist", help="SLURM host list of the allocation (with --topology)")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = planner.search(fixed, top=args.top)
         plans = result.ranked
-    header = {"config": args.config, "profile": prof.name, "nodes": planner.n_nodes, "gpus": planner.world,
+    header = {"config": " + ".join(args.config), "profile": prof.name, "nodes": planner.n_nodes, "gpus": planner.world,
               "allocation": planner.allocation.summary(), "model_params": planner.shape.total_params,
               "active_params": planner.shape.active_params, "global_batch": planner.global_batch,
               "seq_len": planner.shape.seq_len, "capacity_gib": planner.capacity,
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result.smallest_miss.memory_gib:.1f} GiB" if result.smallest_miss else "no layout")
         print(json.dumps(out, indent=1, default=float))
         return 0 if plans else 1
-    print(f"moetrain plan — {args.config}: {planner.shape.total_params / 1e9:.1f}B parameters "
+    print(f"moetrain plan — {' + '.join(args.config)}: {planner.shape.total_params / 1e9:.1f}B parameters "
           f"({planner.shape.active_params / 1e9:.1f}B active), batch {planner.global_batch} × {planner.shape.seq_len} "
           f"tokens, on {planner.n_nodes} nodes × {planner.gpn} ({prof.name}: {prof.peak_tflops:g} TFLOP/s peak, "
           f"{planner.capacity:.1f} GiB usable)")

@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from moetrain.config import Config, ConfigError, apply_overrides, config_from_dict, parse_override
+from moetrain.config import Config, ConfigError, config_from_dict, parse_override, read_layers
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import MemoryAssumptions
 from moetrain.planner.model import ModelShape
@@ -33,26 +32,22 @@ from moetrain.topology.mapper import GROUP_AXES, RankMap, build_rank_map, resolv
 __all__ = ["main", "config_for_nodes", "rank_report"]
 
 
-def config_for_nodes(path: str | Path, sets: list[str], n_nodes: int | None,
+def config_for_nodes(path: str | Path | list, sets: list[str], n_nodes: int | None,
                      profile: ClusterProfile | None) -> tuple[Config, list[str]]:
-    """Load ``path`` with ``--set`` overrides and fit it to ``n_nodes`` nodes (see module doc).
+    """Load ``path`` (one file, or several layered as for submit) with ``--set`` overrides and
+    fit it to ``n_nodes`` nodes (see module doc).
 
     Raises:
-        ConfigError: the file is bad, or the layout cannot fill ``n_nodes`` nodes.
+        ConfigError: a file is bad, or the layout cannot fill ``n_nodes`` nodes.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config {str(path)!r}: no such file. Fix: pass a YAML file such as configs/mixtral-8x7b.yaml")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {str(path)!r}: not valid YAML: {e}") from e
-    raw = apply_overrides(raw, sets)
+    raw = read_layers(path, sets).data
     notes: list[str] = []
     if n_nodes is None:
         return config_from_dict(raw), notes
     given = {parse_override(s)[0][:2] for s in sets}
     par = dict(raw.get("parallel") or {})
+    if par.get("dp") == "auto":  # re-derived below from the nodes, as an unset dp is
+        par["dp"], given = 1, given - {("parallel", "dp")}
     launch = dict(raw.get("launch") or {})
     train = dict(raw.get("train") or {})
     pp, cp, tp, dp = (int(par.get(k, 1)) for k in ("pp", "cp", "tp", "dp"))
@@ -237,7 +232,7 @@ def _explain_rank(rm: RankMap, rank: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moetrain.ranks", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="run config (YAML)")
+    ap.add_argument("--config", required=True, action="append", help="run config (YAML); repeat to layer files")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, help="number of nodes (contiguous, as a topology-aware scheduler gives)")
     where.add_argument("--nodelist", help="SLURM host list of the allocation, e.g. 'gpu[001-016]'")
@@ -255,13 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         names = expand_nodelist(args.nodelist) if args.nodelist else None
         n_nodes = args.nodes if args.nodes is not None else (len(names) if names else None)
         if prof is None:
-            raw_launch = (yaml.safe_load(Path(args.config).read_text()) or {}).get("launch") or {} \
-                if Path(args.config).is_file() else {}
-            prof_name = raw_launch.get("profile")
-            for s in args.sets:
-                path, val = parse_override(s)
-                if path == ("launch", "profile"):
-                    prof_name = val
+            prof_name = (read_layers(args.config, args.sets).data.get("launch") or {}).get("profile")
             prof = load_profile(prof_name) if prof_name else None
         cfg, notes = config_for_nodes(args.config, args.sets, n_nodes, prof)
         if prof is None:
@@ -282,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.format in ("svg", "png"):
         from moetrain.topology.svg import render_svg
 
-        svg = render_svg(rm, title=f"{Path(args.config).name} on {len(rm.allocation)} nodes")
+        names = " + ".join(Path(c).name for c in args.config)
+        svg = render_svg(rm, title=f"{names} on {len(rm.allocation)} nodes")
         out = Path(args.output or f"ranks.{args.format}")
         if args.format == "svg":
             out.write_text(svg)
@@ -297,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     report = rank_report(cfg, rm, notes)
-    text = json.dumps(report, indent=1) if args.format == "json" else _table(cfg, rm, report, args.all, args.config)
+    text = json.dumps(report, indent=1) if args.format == "json" else \
+        _table(cfg, rm, report, args.all, " + ".join(args.config))
     if args.output:
         Path(args.output).write_text(text + "\n")
         print(f"wrote {args.output}")

@@ -5,6 +5,7 @@ pyxis, Apptainer and podman document their command lines. No cluster needed."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -283,3 +284,19 @@ def test_submit_inside_an_allocation_checks_it_and_shows_the_step(tiny_shards, t
     assert not (tmp_path / "run").exists(), "nothing written"
     new = submit("--set", "launch.allocation=new", "--dry-run")
     assert "#SBATCH --nodes=2" in new.stdout, "launch.allocation: new renders a job of its own"
+
+
+def test_ranks_and_plan_take_layered_configs():
+    """The inspection CLIs read the same layers as submit: the site file's profile and tasks per
+    node, dp: auto re-derived for the nodes asked about."""
+    layered = ["--config", "configs/mixtral-8x7b.yaml", "--config", "configs/sites/h100-superpod.yaml",
+               "--set", "parallel.dp=auto"]
+    ranks = subprocess.run([sys.executable, "-m", "moetrain.ranks", *layered, "--nodes", "8", "--format", "json"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert ranks.returncode == 0, ranks.stderr
+    report = json.loads(ranks.stdout)
+    assert report["profile"] == "h100-superpod" and report["sizes"]["dp"] == 32 and report["world"] == 64
+    plan = subprocess.run([sys.executable, "-m", "moetrain.plan", *layered, "--set", "launch.nodes=8", "--nodes", "8",
+                           "--format", "json"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["profile"] == "h100-superpod"
