@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import types
@@ -1113,10 +1112,6 @@ def save_config(cfg: Config, path: str | os.PathLike, layers: Layers | None = No
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(p, render_config(cfg, layers))
-
-
-def config_to_json(cfg: Config) -> str:
-    return json.dumps(to_dict(cfg), sort_keys=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ takes the caller's environment variables and working directory as a spawned one 
 ``MOETRAIN_TEST_SPAWN=1`` spawns fresh interpreters instead.
 
 Workers end with ``destroy_process_group()`` then ``os._exit(0)``: about 5 % of gloo workers
-otherwise abort at interpreter exit after finishing their work (../shared/FACTS.md), which
-would make the tests flaky.
+otherwise abort at interpreter exit after finishing their work (measured on this project's CPU
+machines), which would make the tests flaky.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_defaults_are_valid_and_frozen():
     cfg = config_from_dict({})
     assert isinstance(cfg, Config)
-    with pytest.raises(Exception):
-        cfg.train.steps = 3  # frozen dataclass
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 3
+    assert cfg.train.steps == config_from_dict({}).train.steps
 
 
 def test_demo_config_loads_with_overrides():

@@ -444,6 +444,3 @@ def attention_kernel(backend: str) -> Callable:
         return FlashAttention()
     raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(ATTENTION_BACKENDS)}")
 
-
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None

@@ -309,7 +309,7 @@ def resolve_expert_backend(requested: str, device: torch.device, compute_dtype: 
                            ) -> str:
     """The backend ``moe.expert_backend`` stands for on ``device``: ``auto`` is ``grouped_mm`` on
     CUDA in bf16 (one kernel for all experts; torch's CUDA grouped GEMM takes bf16) and ``loop``
-    elsewhere (on CPU the loop measured 1.1–1.9× faster than grouped_mm, ../shared/FACTS.md) and
+    elsewhere (on CPU grouped_mm takes 1.0–1.8× the loop's time: ``benchmarks/bench_experts.py``) and
     for fp8 experts (``fp8``: the experts' GEMMs are fp8, which only the loop runs).
 
     Raises:

@@ -240,10 +240,3 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         runner.before_micro_batch = MicroBatchSync(fsdp_modules, cfg.parallel.zero_stage, cfg.parallel.ep_overlap)
     return parts, runner
 
-
-def build_parallel_model(cfg: Config, ps: ParallelState) -> Transformer:
-    """The whole model of a single-stage layout (no pipeline parallelism)."""
-    parts, _ = build_model_parts(cfg, ps)
-    if len(parts) != 1:
-        raise ValueError("build_parallel_model is for pp = 1; use build_model_parts")
-    return parts[0]

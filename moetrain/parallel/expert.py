@@ -34,7 +34,9 @@ The counts' exchange stays synchronous: its split sizes must reach the host befo
 and handing over there pairs the partner's long piece with a transfer of a few bytes (measured
 slower: docs/performance.md §5).
 
-Gloo supports uneven ``all_to_all_single`` but not the list form (../shared/FACTS.md).
+Gloo supports uneven ``all_to_all_single`` but not the list form (``all_to_all`` of tensor lists
+of different sizes raises "invalid tensor size" on gloo, torch 2.13), so every exchange here uses
+the single-tensor form.
 """
 
 from __future__ import annotations

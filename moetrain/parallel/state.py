@@ -163,11 +163,3 @@ class ParallelState:
     def is_logging_rank(self) -> bool:
         """Rank 0 writes metrics and logs for the whole run."""
         return self.rank == 0
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coord(PP) == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coord(PP) == self.size(PP) - 1
