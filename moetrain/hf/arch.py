@@ -31,13 +31,16 @@ All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-que
 
 Refused, naming the field (never converted approximately): any other architecture or
 ``model_type``; a config.json key this mapping does not know (a new field could change the
-forward pass); sliding-window attention; RoPE types other than default and llama3, or partial
-rotary; an activation other than silu; attention or MLP biases beyond Qwen2-MoE's q/k/v bias
-(``attention_bias``, ``mlp_bias``); OLMoE's ``clip_qkv``; router jitter noise; attention dropout;
-quantized weights; a pattern of dense and MoE blocks moetrain's ``moe.every`` /
-``moe.first_dense`` cannot express. In the other direction, a moetrain model the target
-architecture cannot hold (e.g. shared experts without a gate, or moetrain's ``moe.every`` for
-Mixtral) is refused with the moetrain field.
+forward pass); sliding-window attention except GPT-OSS's (Qwen's ``use_sliding_window``, a
+``layer_types`` entry other than full / sliding attention, sliding blocks that are not every n-th
+block from block 0); RoPE types other than default, llama3 and yarn; partial rotary outside
+GLM-4-MoE; an activation other than silu; attention biases where the architecture above lists
+none (``attention_bias``; Llama's ``mlp_bias``); OLMoE's ``clip_qkv`` and a ``head_dim`` other
+than hidden / heads; router jitter noise; attention dropout; quantized weights other than
+GPT-OSS's MXFP4 experts; a pattern of dense and MoE blocks moetrain's ``moe.every`` /
+``moe.first_dense`` cannot express; more MTP layers (``mtp_depth``) than the checkpoint has. In
+the other direction, a moetrain model the target architecture cannot hold (e.g. shared experts
+without a gate, or moetrain's ``moe.every`` for Mixtral) is refused with the moetrain field.
 
 Training hyperparameters that ride along: ``router_aux_loss_coef`` ↔ ``moe.aux_loss_coef`` (HF's
 load-balancing loss is over the whole batch, moetrain's per sequence: same intent, see
