@@ -22,7 +22,7 @@ import os
 import sys
 
 from moetrain.config import Config, ConfigError, load_layers, save_config
-from moetrain.launch.job import LauncherError, rank_env_from_environ, run_rank
+from moetrain.launch.job import LauncherError, exit_now, rank_env_from_environ, run_rank
 
 log = logging.getLogger("moetrain")
 
@@ -86,13 +86,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if status == "done" else 3
 
 
-def _exit(code: int) -> None:
-    # The same exit as the submit path's (moetrain.launch.job): gloo workers may abort in the
-    # interpreter's teardown after the work is done, so leave without it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main())
+    exit_now(main())  # without the interpreter's teardown, as the submit path's ranks leave

@@ -350,19 +350,17 @@ def main(argv: list[str] | None = None) -> int:
             job = StepJob(step_script(cfg, alloc, restart, folder.resolve()), alloc.job_id,
                           folder / f"{alloc.job_id}.{restart}_srun.err")
             record_submission(run_dir, f"{alloc.job_id}.{restart}", cfg)
-            print(f"inside SLURM allocation {alloc.job_id}: started srun step (attempt {restart}, "
-                  f"{cfg.world_size} tasks); no new job is submitted\n"
-                  f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
-                  f"  metrics:       {run_dir / 'metrics.jsonl'}\n"
-                  f"  logs:          {folder}/{alloc.job_id}.{restart}_<rank>.out", flush=True)
+            started = (f"inside SLURM allocation {alloc.job_id}: started srun step (attempt {restart}, "
+                       f"{cfg.world_size} tasks); no new job is submitted")
+            logs = f"{folder}/{alloc.job_id}.{restart}_<rank>.out"
         else:
             with _children_stderr(folder / "controller.err", cfg.launch.cluster == "local"):
                 job = executor.submit(TrainJob(job_config(cfg), restart=restart))
             record_submission(run_dir, str(job.job_id), cfg)
-            print(f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)\n"
-                  f"  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
-                  f"  metrics:       {run_dir / 'metrics.jsonl'}\n"
-                  f"  logs:          {folder}/{job.job_id}_<rank>_log.out", flush=True)
+            started = f"submitted job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks)"
+            logs = f"{folder}/{job.job_id}_<rank>_log.out"
+        print(f"{started}\n  run directory: {run_dir}\n  config:        {run_dir / 'config.yaml'}\n"
+              f"  metrics:       {run_dir / 'metrics.jsonl'}\n  logs:          {logs}", flush=True)
         register_job(str(job.job_id), run_dir)
         if args.detach:
             if cfg.launch.cluster == "local":

@@ -64,9 +64,10 @@ def setup_logging(rank: int) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-def _exit_now(code: int) -> None:
-    # About 5 % of gloo workers abort in the interpreter's teardown after their work is done
-    # (measured on this project's CPU machines): skip the teardown that aborts.
+def exit_now(code: int) -> None:
+    """End the process with ``code`` after flushing stdout and stderr, without the interpreter's
+    teardown: about 5 % of gloo workers abort in it after their work is done (measured on this
+    project's CPU machines)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -139,7 +140,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         renv = RankEnv(denv.rank, denv.world_size, denv.local_rank, denv.local_world_size, str(env.job_id),
                        str(env.paths.stdout), requeue=own_slurm_job, launcher="submitit")
         status = run_rank(cfg, renv, restart)
-        atexit.register(_exit_now, 0)  # after submitit records the result (gloo may abort at exit)
+        atexit.register(exit_now, 0)  # after submitit records the result (gloo may abort at exit)
         return status
 
 
@@ -183,7 +184,7 @@ def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException) -> None
                        str(exc), env.log_path)
     except OSError as e:
         log.error("could not record the failure in %s: %s", cfg.run_dir, e)
-    atexit.register(_exit_now, 1)  # after submitit records the result (gloo may abort at exit)
+    atexit.register(exit_now, 1)  # after submitit records the result (gloo may abort at exit)
     if kind != "peer" or not env.requeue or restart >= cfg.launch.max_restarts:
         return
     where = failures_dir(cfg.run_dir, env.job_id, restart)
@@ -251,7 +252,7 @@ def _train(cfg: Config, env: RankEnv, restart: int) -> str:
             where = failures_dir(cfg.run_dir, env.job_id, restart)
             if not claim_requeue(where):  # a failing rank is requeueing the job already
                 time.sleep(600)
-                _exit_now(1)
+                exit_now(1)
             requeued = requeue_slurm_job(exclude=excluded)
             atomic_write_json(where / "requeue.json", {"ok": requeued, "cause": "hang"})
             append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
@@ -264,7 +265,7 @@ def _train(cfg: Config, env: RankEnv, restart: int) -> str:
             append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
                          reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
         # Locally the submit command reads the record and relaunches (or gives up).
-        _exit_now(1)
+        exit_now(1)
 
     trainer.watchdog = Watchdog(cfg.run_dir, env.rank, trainer.fence, trainer.heartbeat,
                                 cfg.launch.heartbeat_timeout_factor, cfg.launch.heartbeat_min_timeout_s,
@@ -289,10 +290,10 @@ def _train(cfg: Config, env: RankEnv, restart: int) -> str:
                    f"restart(s): launch.max_restarts={cfg.launch.max_restarts} reached, so the job is not "
                    f"requeued; resubmit the same config to resume")
             log.error(msg)
-            atexit.register(_exit_now, 1)
+            atexit.register(exit_now, 1)
             raise RestartsExhausted(msg)
         # Leave without a result: the requeued attempt will produce it (as submitit does).
-        _exit_now(0)
+        exit_now(0)
     dist.destroy_process_group()
     return status
 

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import moetrain
+from moetrain.topology.mapper import slurm_nodelist
 from moetrain.train.records import Fence, append_event, atomic_write_json, node_name, read_json
 from moetrain.utils import atomic_write
 
@@ -217,7 +218,7 @@ def collect_environment(source_dir: Path | None = None) -> dict:
         "driver": _driver_version(),
         "host": node_name(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_nodes": os.environ.get("SLURM_JOB_NODELIST"),
+        "slurm_nodes": slurm_nodelist(),  # the step's nodes where it uses fewer than its job
     }
 
 
