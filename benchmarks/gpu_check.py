@@ -24,7 +24,12 @@
    against bf16 (the same limits as 1.), step time, speed-up over bf16 and MFU (against the bf16
    peak, as Megatron-Core and TorchTitan report fp8 runs).
 
-7. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
+7. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
+   defaults of :data:`MFU_MODEL` make a 2.8B-parameter MoE, 6 layers of hidden 4096 with 8 experts
+   of 4096 and top-2, 4096-token sequences): bf16 and fp8 tensorwise for ``--steps`` steps, their
+   step time, TFLOP/s, MFU and peak memory. No parity check (the demo's checks above do that).
+
+8. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
    steady state (benchmarks/kernel_sweep.py): HBM copy bandwidth, the short-K constant and the
    large-GEMM efficiency, and the forward GEMMs of Megatron-LM's weak-scaling rows against the
    planner's prediction; ``--seconds`` per shape (2).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -70,11 +76,19 @@ def peak_tflops(name: str) -> float | None:
     return None
 
 
+# --mfu: a model that fills one GPU (about 2.8B parameters, 0.95B active per token; fp32 master
+# weights, gradients and AdamW states about 45 GB; activations of 2 x 4096 tokens per micro-batch).
+MFU_MODEL = ["model.layers=6", "model.hidden=4096", "model.heads=32", "model.kv_heads=8", "model.ffn_hidden=14336",
+             "model.seq_len=4096", "moe.num_experts=8", "moe.top_k=2", "moe.ffn_hidden=4096", "moe.shared_experts=1",
+             "train.micro_batch_size=2", "train.global_batch_size=8", "train.lr=3e-4", "train.min_lr=3e-5",
+             "train.warmup_steps=4"]
+
+
 def make_trainer(a, precision: str, steps: int, backend: str = "auto", attention: str = "sdpa",
                  extra: list[str] | None = None):
     from moetrain.train.trainer import Trainer
 
-    cfg = resolve_vocab(load_config(a.config, [
+    cfg = resolve_vocab(load_config(a.config, [*a.set, 
         "parallel.dp=1", "parallel.ep=1", f"train.precision={precision}", f"train.steps={steps}",
         "train.val_every=0", "checkpoint.every=0", "checkpoint.resume=false", f"moe.expert_backend={backend}",
         f"model.attention_backend={attention}", f"data.path={a.data}", "data.verify=size",
@@ -108,7 +122,8 @@ def count_syncs(trainer, steps: int = 3, cuda: bool = True) -> dict:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    # (the first warning says the debug mode is a prototype: not a sync)
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     return {"python_reads_per_step": reads.count / steps, "read_kinds": dict(reads.kinds),
             "cuda_syncs_per_step": len(syncs) / steps, "cuda_sync_samples": syncs[:5],
             "read_stacks": reads.stacks[:3]}
@@ -120,6 +135,14 @@ def main() -> int:
     ap.add_argument("--data", default=str(ROOT / "data/demo/shards"))
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override applied to every training of the check (repeatable)")
+    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8",
+                    help="comma-separated sections of the check to run (default: all); bf16 is trained as the "
+                         "baseline of the fp8 sections either way")
+    ap.add_argument("--recipes", default="tensorwise,rowwise,blockwise", help="fp8 training recipes to check")
+    ap.add_argument("--mfu", action="store_true",
+                    help="only MFU on a model that fills the GPU (MFU_MODEL, then --set), bf16 and fp8 tensorwise")
     ap.add_argument("--gemm-sweep", action="store_true",
                     help="only measure HBM, the short-K sweep and the weak-scaling table's GEMMs (kernel_sweep.py)")
     ap.add_argument("--seconds", type=float, default=2.0, help="--gemm-sweep: seconds per shape (clocks settle)")
@@ -142,13 +165,63 @@ def main() -> int:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(name) if cuda else None
     out: dict = {"device": name, "torch": torch.__version__, "steps": a.steps}
-    failures = []
+    failures: list[str] = []
+
+    def partial(*_):  # a timeout's SIGTERM: print what was measured so far
+        print(json.dumps({**out, "failures": [*failures, "stopped by SIGTERM"]}, indent=1, default=str))
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, partial)
+    if a.mfu:
+        a.set = [*MFU_MODEL, *a.set]
+        out["model"] = a.set
+        for precision, extra in (("bf16", []), ("fp8", ["train.fp8_recipe=tensorwise"])):
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                extra = [*extra, "parallel.backend=gloo"]
+            try:
+                r = train(a, precision, a.steps, extra=extra)
+                out[precision] = {"step_s": r["step_s"], "tokens_per_s": r["tokens_per_s"],
+                                  "tflops_per_gpu": r["tflops_per_gpu"], "expert_backend": r["expert_backend"],
+                                  "mfu": r["tflops_per_gpu"] / peak if peak else None,
+                                  "params": sum(p.numel() for m in r["trainer"].model_parts for p in m.parameters()),
+                                  "losses": r["losses"][::max(1, a.steps // 5)],
+                                  "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                                  "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}
+                del r
+            except Exception as e:  # noqa: BLE001 - reported, and a failure of the check
+                out[precision] = {"error": f"{type(e).__name__}: {e}"}
+                failures.append(f"--mfu {precision}: {e}")
+        out["failures"] = failures
+        print(json.dumps(out, indent=1, default=str))
+        return 1 if failures else 0
 
     # 1.-2. bf16 follows fp32; speed and MFU.
+    only = set(a.only.split(","))
     t0 = time.time()
     extra = [] if cuda else ["parallel.backend=gloo"]
-    fp32 = train(a, "fp32", a.steps, extra=extra)
     bf16 = train(a, "bf16", a.steps, extra=extra)
+    out["bf16"] = {k: bf16[k] for k in ("step_s", "tokens_per_s", "tflops_per_gpu", "expert_backend")}
+    if "parity" in only:
+        parity(a, out, bf16, extra, peak, failures)
+    if "syncs" in only:
+        syncs(a, out, bf16, extra, cuda, failures)
+    if "backends" in only:
+        backends(a, out, bf16, extra, cuda, failures)
+    if "dispatch" in only:
+        dispatch(a, out, bf16, extra, peak, failures)
+    if "fp8" in only:
+        fp8_training(a, out, bf16, extra, peak, failures)
+    out["wall_s"] = time.time() - t0
+    out["failures"] = failures
+    print(json.dumps(out, indent=1, default=str))
+    return 1 if failures else 0
+
+
+def parity(a, out: dict, bf16: dict, extra: list[str], peak: float | None, failures: list[str]) -> None:
+    fp32 = train(a, "fp32", a.steps, extra=extra)
     rel = [abs(b - f) / f for b, f in zip(bf16["losses"], fp32["losses"])]
     tail = abs(statistics.mean(bf16["losses"][-10:]) - statistics.mean(fp32["losses"][-10:])) / statistics.mean(
         fp32["losses"][-10:])
@@ -162,6 +235,8 @@ def main() -> int:
             out[label]["mfu"] = r["tflops_per_gpu"] / peak
     out["peak_bf16_tflops"] = peak
 
+
+def syncs(a, out: dict, bf16: dict, extra: list[str], cuda: bool, failures: list[str]) -> None:
     # 3. host syncs in the bf16 step (grouped_mm at ep = 1: the metrics read only).
     # (on the CPU "auto" picks the loop backend, which reads each layer's counts: count with grouped_mm)
     out["syncs"] = count_syncs(bf16["trainer"] if cuda else make_trainer(a, "bf16", 8, "grouped_mm", extra=extra),
@@ -170,6 +245,9 @@ def main() -> int:
         failures.append(f"{out['syncs']['python_reads_per_step']} Python-level reads of CUDA tensors per step "
                         f"(expected 1): {out['syncs']['read_stacks']}")
 
+
+
+def backends(a, out: dict, bf16: dict, extra: list[str], cuda: bool, failures: list[str]) -> None:
     # 4. each expert backend (megablocks when installed) and flash attention (when installed).
     import importlib.util
 
@@ -191,6 +269,9 @@ def main() -> int:
             out["attention_flash"] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"flash attention: {e}")
 
+
+
+def dispatch(a, out: dict, bf16: dict, extra: list[str], peak: float | None, failures: list[str]) -> None:
     # 5. fp8 dispatch: parity with bf16, speed, bytes per row.
     from moetrain.model import fp8
 
@@ -210,9 +291,12 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         out["fp8_dispatch"] = {"error": f"{type(e).__name__}: {e}"}
         failures.append(f"fp8 dispatch: {e}")
+
+
+def fp8_training(a, out: dict, bf16: dict, extra: list[str], peak: float | None, failures: list[str]) -> None:
     # 6. fp8 training, each recipe: parity with bf16, speed, MFU.
     out["fp8_training"] = {}
-    for recipe in ("tensorwise", "rowwise", "blockwise"):
+    for recipe in a.recipes.split(","):
         try:
             r = train(a, "fp8", a.steps, extra=[*extra, f"train.fp8_recipe={recipe}"])
             rel8 = [abs(x - b) / b for x, b in zip(r["losses"], bf16["losses"])]
@@ -228,10 +312,6 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             out["fp8_training"][recipe] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"fp8 training {recipe}: {e}")
-    out["wall_s"] = time.time() - t0
-    out["failures"] = failures
-    print(json.dumps(out, indent=1, default=str))
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -677,6 +678,8 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
 def _coerce(name: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
@@ -729,6 +732,9 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         raise field_error(name, value, "expected an integer", "write a whole number such as 4")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 (PyYAML) reads an exponent without a dot, `3e-4`, as a string
+        if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
             return float(value)
         raise field_error(name, value, "expected a number", "write a number such as 1e-3")
     if tp is str:

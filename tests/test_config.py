@@ -104,3 +104,14 @@ def test_submit_refuses_missing_data(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     assert "data.path" in proc.stderr and "prepare_demo" in proc.stderr
+
+
+def test_exponent_without_a_dot_is_a_number():
+    """PyYAML (YAML 1.1) reads `3e-4` as a string; a float field takes it as the number it is, in a
+    file and in --set, and still refuses words."""
+    cfg = load_config(ROOT / "configs/demo-moe.yaml", ["train.lr=3e-4", "train.min_lr=+2E-5", "train.weight_decay=.5"])
+    assert (cfg.train.lr, cfg.train.min_lr, cfg.train.weight_decay) == (3e-4, 2e-5, 0.5)
+    assert config_from_dict({"train": {"lr": "1e-3"}}).train.lr == 1e-3
+    for bad in ("fast", "1e", "nan"):
+        with pytest.raises(ConfigError, match="train.lr"):
+            load_config(ROOT / "configs/demo-moe.yaml", [f"train.lr={bad}"])

@@ -107,15 +107,18 @@ def test_quantize_is_scaled_along_the_contraction_dimension():
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_scaled_mm_fast_path_equals_the_reference(scaling):
+@pytest.mark.parametrize("tokens,out_features", [(64, 128), (37, 120)])
+def test_scaled_mm_fast_path_equals_the_reference(scaling, tokens, out_features):
     """torch._scaled_mm (the H100 path; torch 2.13 runs it on the CPU) multiplies the same float8
-    values with the same scales: equal up to the order of fp32 additions, then bf16 rounding."""
+    values with the same scales: equal up to the order of fp32 additions, then bf16 rounding.
+    37 tokens and 120 outputs (an expert's odd token count; cuBLASLt wants multiples of 16) go
+    through the fast path zero-padded, with the same result."""
     if scaling == "rowwise" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
         pytest.skip("before torch 2.13 the CPU's _scaled_mm takes tensor-wise scales only")
     torch.manual_seed(4)
-    x = torch.randn(4, 16, 256, dtype=torch.bfloat16)
-    w = (torch.randn(128, 256) * 0.02).to(torch.bfloat16)
-    g = torch.randn(4, 16, 128, dtype=torch.bfloat16)
+    x = torch.randn(1, tokens, 256, dtype=torch.bfloat16)
+    w = (torch.randn(out_features, 256) * 0.02).to(torch.bfloat16)
+    g = torch.randn(1, tokens, out_features, dtype=torch.bfloat16)
     out = {}
     for fast in (False, True):
         X, W = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -124,6 +127,33 @@ def test_scaled_mm_fast_path_equals_the_reference(scaling):
         out[fast] = (y, X.grad, W.grad)
     for ref, fast in zip(out[False], out[True]):
         assert rel(fast, ref) <= 1e-3  # a few bf16 ulps at most (measured ≤ 3e-5)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_scaled_mm_gets_the_layouts_cublaslt_accepts(scaling, monkeypatch):
+    """Forward and both backward GEMMs hand torch._scaled_mm a row-major a, a column-major b and
+    fp32 scales ([N, 1] / [1, M] row-wise) with a bf16 output row-wise: cuBLASLt's rules, which the
+    CPU kernel does not enforce (an H200 refused the backward's transposed aᵀ: "Only
+    multiplication of row-major and column-major matrices is supported by cuBLASLt")."""
+    calls = []
+
+    def checked(a, b, scale_a, scale_b, out_dtype=None, **kw):
+        (n, k), m = a.shape, b.shape[1]
+        assert a.stride() == (k, 1), f"a {tuple(a.shape)} not row-major: stride {a.stride()}"
+        assert b.stride() == (1, k), f"b {tuple(b.shape)} not column-major: stride {b.stride()}"
+        assert scale_a.dtype == scale_b.dtype == torch.float32
+        if scaling == "rowwise":
+            assert scale_a.shape == (n, 1) and scale_b.shape == (1, m) and out_dtype == torch.bfloat16
+            assert scale_a.is_contiguous() and scale_b.is_contiguous()
+        calls.append((n, k, m))
+        return (a.float() * scale_a) @ (b.float() * scale_b)
+
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: checked(*a, **kw).to(kw["out_dtype"]))
+    X = torch.randn(1, 21, 64, dtype=torch.bfloat16, requires_grad=True)  # 21 tokens: padded to 32
+    W = (torch.randn(32, 64) * 0.02).to(torch.bfloat16).requires_grad_()
+    fp8_linear(X, W, Fp8Recipe(scaling, fast=True)).backward(torch.randn(1, 21, 32, dtype=torch.bfloat16))
+    assert calls == [(32, 64, 32), (32, 32, 64), (64, 32, 32)]  # y, dx = g @ w, dwᵀ = xᵀ @ g (as [K, M])
+    assert X.grad.shape == X.shape and W.grad.shape == W.shape
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])

@@ -140,27 +140,49 @@ def quantize(t: torch.Tensor, dim: int, fmt: torch.dtype, recipe: Fp8Recipe, wei
 
 def _fast(a: torch.Tensor, b: torch.Tensor, recipe: Fp8Recipe) -> bool:
     """Whether :func:`torch._scaled_mm` takes a @ b: tensor-wise or row-wise scales, plain
-    tensors, every dimension a multiple of 16 (cuBLASLt's FP8 layout rule; an expert's GEMMs
-    with a token count that is not take the reference path)."""
+    tensors (a dimension that is no multiple of 16, cuBLASLt's FP8 rule, is zero-padded by
+    :func:`mm`: an expert's token count rarely is one)."""
     if recipe.scaling not in ("tensorwise", "rowwise") or _is_dtensor(a) or _is_dtensor(b):
         return False
-    if any(d % 16 for d in (*a.shape, b.shape[1])):
-        return False
     return a.is_cuda if recipe.fast is None else recipe.fast
+
+
+def _pad16(t: torch.Tensor) -> torch.Tensor:
+    """2-D ``t`` zero-padded at the end of each dimension to a multiple of 16 (``t`` itself when
+    both are). Exact for a GEMM: zero rows and columns add nothing to the kept outputs, leave a
+    tensor-wise amax and a row-wise amax along K unchanged, and their own row-wise scales stay
+    finite (the amax floor)."""
+    pr, pc = -t.shape[0] % 16, -t.shape[1] % 16
+    return torch.nn.functional.pad(t, (0, pc, 0, pr)) if pr or pc else t
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, fmt_a: torch.dtype, fmt_b: torch.dtype, recipe: Fp8Recipe,
        weight_a: bool, weight_b: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """One fp8 GEMM: a [N, K] @ b [K, M] → [N, M] in ``out_dtype``, a scaled along K per row, b
     along K per column, as ``recipe`` says (the ``weight_*`` operand in B × B blocks)."""
+    if _fast(a, b, recipe):
+        (n, _), m = a.shape, b.shape[1]
+        qa, sa = quantize(_pad16(a), 1, fmt_a, recipe, weight_a)
+        qb, sb = quantize(_pad16(b), 0, fmt_b, recipe, weight_b)
+        y = _scaled_mm(qa, qb, sa, sb, recipe, out_dtype)
+        return y if y.shape == (n, m) else y[:n, :m].contiguous()
     qa, sa = quantize(a, 1, fmt_a, recipe, weight_a)
     qb, sb = quantize(b, 0, fmt_b, recipe, weight_b)
-    if _fast(a, b, recipe):
-        # _scaled_mm: a row-major, b column-major, scales as dequantization factors (row-wise:
-        # [N, 1] and [1, M], as quantize gives them).
-        inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
-        return torch._scaled_mm(qa, qb.t().contiguous().t(), inv_a, inv_b, out_dtype=out_dtype)
     return ((qa.float() / sa) @ (qb.float() / sb)).to(out_dtype)
+
+
+def _scaled_mm(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, recipe: Fp8Recipe,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """qa [N, K] @ qb [K, M] through :func:`torch._scaled_mm`, in the layouts cuBLASLt accepts:
+    qa row-major and qb column-major (the quantized operands keep their source's strides, and the
+    backward's ``aᵀ`` / ``bᵀ`` are transposed views, so either may arrive the other way round);
+    the scales as contiguous fp32 dequantization factors (row-wise: [N, 1] and [1, M]). Row-wise
+    scaling gives a bf16 output only (cuBLASLt), cast to ``out_dtype`` after."""
+    qa = qa.contiguous()
+    qb = qb.t().contiguous().t()
+    inv_a, inv_b = sa.reciprocal().float().contiguous(), sb.reciprocal().float().contiguous()
+    mm_dtype = torch.bfloat16 if recipe.scaling == "rowwise" else out_dtype
+    return torch._scaled_mm(qa, qb, inv_a, inv_b, out_dtype=mm_dtype).to(out_dtype)
 
 
 class _Fp8MatMul(torch.autograd.Function):
