@@ -20,7 +20,7 @@
    1 × 128 power-of-two scales in every layout): its bf16 losses against plain bf16 (the same
    limits as 1.), its step time and MFU, and the bytes per dispatched row against bf16.
 6. fp8 training (``train.precision: fp8``) with each recipe — tensorwise and rowwise take
-   ``torch._scaled_mm`` on CUDA where the shapes allow, blockwise the reference path: its losses
+   ``torch._scaled_mm`` on CUDA (operands zero-padded to multiples of 16), blockwise the reference path: its losses
    against bf16 (the same limits as 1.), step time, speed-up over bf16 and MFU (against the bf16
    peak, as Megatron-Core and TorchTitan report fp8 runs).
 

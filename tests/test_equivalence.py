@@ -60,10 +60,20 @@ def reference(tiny_shards, tmp_path_factory):
 
 
 def merged(results: list[dict]) -> dict:
-    """Losses of rank 0 and the union of all ranks' gradients (pipeline stages differ)."""
-    grads = {}
-    for r in results:
-        grads.update(r["grads"])
+    """Losses of rank 0 and the union of all ranks' gradients (pipeline stages differ), after
+    checking that the ranks agree: every rank reports the same losses, and a parameter that
+    several ranks hold (replicas, or the full tensor of a sharded one) has the same gradient on
+    each — bit for bit, since each is the result of one reduction that every rank receives."""
+    grads: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(results):
+        assert r["losses"] == results[0]["losses"], f"rank {rank} reports losses {r['losses']}, rank 0 " \
+                                                    f"{results[0]['losses']}"
+        for name, g in r["grads"].items():
+            if name in grads:
+                err = (g - grads[name]).abs().max().item()
+                assert torch.equal(g, grads[name]), f"{name}: rank {rank}'s gradient differs from an earlier " \
+                                                    f"rank's by {err:.3e}"
+            grads[name] = g
     return {"losses": results[0]["losses"], "grads": grads}
 
 

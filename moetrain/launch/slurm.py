@@ -40,6 +40,7 @@ import yaml
 from submitit.slurm.slurm import SlurmExecutor
 
 from moetrain.config import Config, field_error
+from moetrain.internals import render_submission
 from moetrain.launch.container import task_launch
 from moetrain.utils import check_sbatch_safe
 
@@ -411,10 +412,4 @@ def render_batch_script(cfg: Config, folder: str | Path, *, job_name: str | None
     params = slurm_executor_params(cfg, job_name=name)
     executor = _RenderOnlySlurmExecutor(folder, max_num_timeout=cfg.launch.max_restarts,
                                         python=task_launch(cfg).python_str)
-    # The translation AutoExecutor does: generic keys through SlurmExecutor's equivalence
-    # table (timeout_min → time, mem_gb → mem "16GB", ...), slurm_ keys with the prefix dropped.
-    generic = set(submitit.AutoExecutor._typed_parameters())
-    converted = executor._convert_parameters({k: v for k, v in params.items() if k in generic})
-    converted.update({k[len("slurm_"):]: v for k, v in params.items() if k.startswith("slurm_")})
-    executor.update_parameters(**converted)
-    return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")
+    return render_submission(executor, params)

@@ -74,12 +74,13 @@ def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """This rank's piece of ``p`` and the index of its first element in the whole tensor (zeros
     for a plain tensor)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from moetrain.internals import local_shape_and_offset
 
     if not isinstance(p, DTensor):
         return p, (0,) * p.ndim
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return p.to_local(), tuple(offset)
+    _, offset = local_shape_and_offset(p.shape, p.device_mesh, p.placements)
+    return p.to_local(), offset
 
 
 def local_piece(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:

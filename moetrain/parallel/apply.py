@@ -42,7 +42,8 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
-from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel, gate_post_backward
+from moetrain.internals import gate_post_backward
+from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
 from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, hold_for_weight_grads, queue_at_end_of_backward
 from moetrain.parallel.expert import apply_expert_parallel, hierarchical_groups
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts

@@ -51,7 +51,6 @@ keeps the modules' own casts (:mod:`moetrain.parallel.precision`).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,6 +58,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from moetrain.internals import foreach_norms, fsdp_replicate
 from moetrain.model.layers import QKNorm
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.precision import FP32_POLICY, fsdp_policy
@@ -93,9 +93,7 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
         """One FSDP group of ``modules`` over ``axis``; returns its first module."""
         mesh = ps.submesh(axis)
         if stage == 0:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-
-            out = replicate(modules, mesh=mesh, mp_policy=mp_policy)
+            out = fsdp_replicate(modules, mesh, mp_policy)
         else:
             out = fully_shard(modules, mesh=mesh, reshard_after_forward=reshard_after, mp_policy=mp_policy)
         group = out if isinstance(out, list) else [out]
@@ -181,41 +179,6 @@ class MicroBatchSync:
                 m.set_reshard_after_backward(last, recurse=False)
 
 
-def gate_post_backward(modules: list[FSDPModule], hold: Callable[[Callable[[], None]], bool]) -> None:
-    """Route the post-backward of every FSDP parameter group of ``modules`` (``fully_shard`` or
-    ``replicate``) through ``hold``: ``hold(run)`` returns True when it takes ``run`` (the
-    group's post-backward, with its arguments) to call later, False to let it run now. Used by
-    ``parallel.delay_wgrad_compute``, whose weight gradients land after FSDP's hook
-    (:func:`moetrain.parallel.ep_overlap.hold_for_weight_grads`).
-
-    An adapter on FSDP2's private parameter groups (``FSDPState._fsdp_param_groups``, torch
-    2.11's ``_fsdp_param_group``): each group's ``post_backward`` is wrapped on the instance, so
-    both FSDP's hook and its end-of-backward callback go through ``hold``. Idempotent.
-
-    Raises:
-        NotImplementedError: this torch's FSDP2 keeps its parameter groups elsewhere.
-    """
-    for module in modules:
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            if not hasattr(state, "_fsdp_param_group"):
-                raise NotImplementedError(f"torch {torch.__version__}'s FSDP2 keeps its parameter groups where "
-                                          f"moetrain does not look (parallel.delay_wgrad_compute)")
-            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-        for group in groups:
-            if not getattr(group, "_moetrain_gated", False):
-                group.post_backward = _gated(group.post_backward, hold)
-                group._moetrain_gated = True
-
-
-def _gated(post_backward: Callable[..., None], hold: Callable[[Callable[[], None]], bool]) -> Callable[..., None]:
-    def gate(*args: object) -> None:
-        if not hold(lambda: post_backward(*args)):
-            post_backward(*args)
-    return gate
-
-
 @torch.no_grad()
 def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each element counted once: an fp32 scalar on the
@@ -245,13 +208,13 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
             if any(pl.is_partial() for pl in g.placements):
                 raise RuntimeError(f"gradient placed {g.placements}: not reduced over its replica group")
             mesh, axes = g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            g = g._local_tensor
+            g = g.to_local()  # (no_grad: the local tensor itself)
         key = (mesh.mesh_dim_names if mesh is not None else (), axes)
         pieces.setdefault(key, ([], mesh, axes))[0].append(g.detach())
     total = torch.zeros((), dtype=torch.float64, device=ps.device)
     for key in sorted(pieces):  # the same order on every rank of a stage
         grads, mesh, axes = pieces[key]
-        value = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).pow(2).sum()
+        value = torch.stack(foreach_norms(grads, torch.float64)).pow(2).sum()
         for axis in axes:
             dist.all_reduce(value, group=mesh.get_group(axis))
         total += value
@@ -270,6 +233,6 @@ def clip_gradients(parts: list[nn.Module], max_norm: float, norm: torch.Tensor) 
     # Every piece is scaled by the same factor, so DTensor gradients are scaled through their
     # local shards (DTensor's foreach ops do not take a plain-tensor factor; the gradients of
     # different meshes could not share one call anyway).
-    holders = [SimpleNamespace(grad=p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+    holders = [SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
                for p in {id(p): p for part in parts for p in part.parameters()}.values() if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(holders, max_norm, norm, foreach=True)

@@ -54,6 +54,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from moetrain.internals import queue_backward_callback
 from moetrain.model.wgrad import weight_grads_to
 from moetrain.parallel.peers import waiting_on_peers
 
@@ -200,7 +201,7 @@ _deferring: list[Slot] = []
 
 
 def hold_for_weight_grads(post_backward: Callable[[], None]) -> bool:
-    """The hold of :func:`moetrain.parallel.data_parallel.gate_post_backward` for delayed weight
+    """The hold of :func:`moetrain.internals.gate_post_backward` for delayed weight
     gradients: an FSDP parameter group's post-backward — its gradient accumulation or
     reduce-scatter, which FSDP starts when the group's module has its input gradient — that comes
     while the backward now running has weight gradients pending is taken (True) and run after
@@ -339,7 +340,7 @@ def queue_at_end_of_backward(loss: torch.Tensor, at_end: Callable[[], None]) -> 
     backward's first end-of-backward callback (before FSDP's, which its root queues when the
     gradient reaches the model's output)."""
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+        queue_backward_callback(at_end)
         return grad
 
     if loss.requires_grad:

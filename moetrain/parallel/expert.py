@@ -354,9 +354,9 @@ def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.Proc
     Raises:
         ConfigError: an ep group's domains hold different numbers of its ranks.
     """
-    cached = getattr(ps, "_hierarchical_groups", None)
+    cached = ps.extra_groups.get("hierarchical")
     if cached is not None:
-        return cached
+        return cached  # type: ignore[return-value]
     ep = ps.size(EP)
     ep_groups = ps.expert_mesh.mesh.reshape(-1, ep).tolist()  # [pp, edp, tp, ep]: ep innermost
     mine: dict[str, dist.ProcessGroup] = {}
@@ -373,8 +373,8 @@ def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.Proc
             pg = dist.new_group(members)
             if ps.rank in members:
                 mine[kind] = pg
-    ps._hierarchical_groups = (mine["rail"], mine["domain"])  # type: ignore[attr-defined]
-    return ps._hierarchical_groups  # type: ignore[attr-defined]
+    ps.extra_groups["hierarchical"] = groups = (mine["rail"], mine["domain"])
+    return groups
 
 
 def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Config) -> None:

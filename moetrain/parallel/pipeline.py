@@ -70,12 +70,19 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
-from torch.distributed.pipelining import schedules as _schedules
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action, _PipelineScheduleRuntime, _wait_batch_p2p
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import Config, pipeline_stage_layers
 from moetrain.data.loader import MicroBatch
+from moetrain.internals import (
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    Action,
+    PipelineRuntime,
+    disable_backward,
+    interleaved_1f1b_order,
+)
 from moetrain.model.transformer import Transformer
 from moetrain.model.loss import model_loss
 from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, queue_at_end_of_backward
@@ -139,40 +146,35 @@ def split_model(model: Transformer, stages: list[int], num_stages: int, first: i
 
 # -- parallel.ep_overlap under pipeline parallelism ---------------------------------------------
 
-# The merged action of torch's pipeline runtime (torch >= 2.8, with ScheduleDualPipeV); None where
-# this torch lacks it, and MergedPairsSchedule then refuses to build.
-OVERLAP_F_B = getattr(_schedules, "OVERLAP_F_B", None)
-
-
-def one_f_one_b_order(rank: int, pp: int, n: int) -> list[_Action]:
+def one_f_one_b_order(rank: int, pp: int, n: int) -> list[Action]:
     """1F1B's compute order on pp rank ``rank`` (one stage per rank, stage = rank): ``pp - 1 -
     rank`` warm-up forwards, then a forward and a backward per step, then the cool-down backwards
     (PipeDream-Flush, Narayanan et al. 2021 §2.2.1; what ``Schedule1F1B`` runs)."""
     warmup = min(pp - 1 - rank, n)
-    order = [_Action(rank, FORWARD, i) for i in range(warmup)]
+    order = [Action(rank, FORWARD, i) for i in range(warmup)]
     for i in range(n - warmup):
-        order += [_Action(rank, FORWARD, warmup + i), _Action(rank, FULL_BACKWARD, i)]
-    return order + [_Action(rank, FULL_BACKWARD, i) for i in range(n - warmup, n)]
+        order += [Action(rank, FORWARD, warmup + i), Action(rank, FULL_BACKWARD, i)]
+    return order + [Action(rank, FULL_BACKWARD, i) for i in range(n - warmup, n)]
 
 
-def merge_backward_with_next_forward(order: list[_Action | None]) -> list[_Action]:
+def merge_backward_with_next_forward(order: list[Action | None]) -> list[Action]:
     """Each backward directly followed by a forward becomes one ``OVERLAP_F_B`` action with
     sub-actions (forward, backward); ``None`` (idle slots) are dropped. A forward never depends
     on a backward, so the two halves of a pair are independent by construction: on the last
     stage, where 1F1B runs F(i) B(i) F(i+1) ..., B(i) pairs with F(i+1) — Megatron-Core's extra
     warm-up forward of its combined 1F1B (``combined_1f1b.py``)."""
-    out: list[_Action] = []
+    out: list[Action] = []
     for a in order:
         if a is None:
             continue
         if a.computation_type == FORWARD and out and out[-1].computation_type == FULL_BACKWARD:
-            out[-1] = _Action(-1, OVERLAP_F_B, None, (a, out[-1]))
+            out[-1] = Action(-1, OVERLAP_F_B, None, (a, out[-1]))
         else:
             out.append(a)
     return out
 
 
-class MergedPairsSchedule(_PipelineScheduleRuntime):
+class MergedPairsSchedule(PipelineRuntime):
     """1F1B (one stage per rank) or interleaved 1F1B (``interleaved``: several) whose every
     backward that a forward follows runs merged with that forward, the two taking turns at their
     token all-to-alls (``parallel.ep_overlap``; :class:`moetrain.parallel.ep_overlap.MergedPair`).
@@ -191,11 +193,10 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable, interleaved: bool,
                  delay_wgrad: bool = False):
-        if OVERLAP_F_B is None or not hasattr(_PipelineScheduleRuntime, "register_custom_function"):
-            raise NotImplementedError(f"parallel.ep_overlap with pp > 1 needs the OVERLAP_F_B actions and custom "
-                                      f"functions of torch's pipeline runtime, which torch {torch.__version__} "
-                                      f"lacks: use pp = 1 or a newer torch")
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        try:
+            super().__init__(stages, n_microbatches, loss_fn)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"parallel.ep_overlap with pp > 1: {e}; use pp = 1 or a newer torch") from e
         self.n_local_stages = len(stages)
         if interleaved:  # ScheduleInterleaved1F1B's order, computed by its own method
             self.number_of_rounds = max(1, n_microbatches // self.pp_group_size)
@@ -203,49 +204,35 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
             if n_microbatches % self.number_of_rounds:
                 raise ValueError(f"interleaved 1F1B needs a multiple of {self.number_of_rounds} micro-batches, "
                                  f"got {n_microbatches}")
-            plain = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(self, r)
-                     for r in range(self.pp_group_size)}
+            plain = {r: interleaved_1f1b_order(self, r) for r in range(self.pp_group_size)}
         else:
             if len(stages) != 1:
                 raise ValueError(f"1F1B runs one stage per rank, got {len(stages)}")
             plain = {r: one_f_one_b_order(r, self.pp_group_size, n_microbatches) for r in range(self.pp_group_size)}
-        self.pipeline_order = {r: merge_backward_with_next_forward(o) for r, o in plain.items()}
+        order = {r: merge_backward_with_next_forward(o) for r, o in plain.items()}
         # The turn-taking's events, (side, event) in order, when a list (tests).
         self.events: list[tuple[str, str]] | None = None
         self._slots: dict[tuple[int, int], Slot] = {}  # (stage, micro-batch) → its slot, this step
         self.delay_wgrad = delay_wgrad  # parallel.delay_wgrad_compute
-        self._stage_of = {s.stage_index: s for s in stages}
         # forward_one_chunk keeps each output for the step's return value unless told not to
         # (the switch is newer than some torch versions this runs on).
         params = inspect.signature(PipelineStage.forward_one_chunk).parameters
         self._no_saved_output = {"save_forward_output": False} if "save_forward_output" in params else {}
-        if any(s + 1 in self._stage_of for s in self._stage_of):
+        if any(s + 1 in self.stage_of for s in self.stage_of):
             raise ValueError("two adjacent stages on one rank (V placement) are not supported here")
         self.register_custom_function(FORWARD, self._run_forward)
         self.register_custom_function(OVERLAP_F_B, self._run_pair)
-        self._prepare_schedule_with_comms(self.pipeline_order)
+        self.set_order(order)
 
-    # What the runtime's own FORWARD / FULL_BACKWARD do (torch's _PipelineScheduleRuntime), with
-    # each forward run in its micro-batch's slot so that its all-to-alls can hand over later.
+    # What the runtime's own FORWARD / FULL_BACKWARD do, with each forward run in its
+    # micro-batch's slot so that its all-to-alls can hand over later.
 
-    def _wait_recv(self, action: _Action) -> None:
-        stage = self._stage_of[action.stage_index]
-        if action.computation_type == FORWARD and not stage.is_first:
-            _wait_batch_p2p(self.fwd_recv_ops.pop((action.stage_index, action.microbatch_index)))
-        elif action.computation_type == FULL_BACKWARD and not stage.is_last:
-            _wait_batch_p2p(self.bwd_recv_ops.pop((action.stage_index, action.microbatch_index)))
-
-    def _forward(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
-        stage, mb = self._stage_of[action.stage_index], action.microbatch_index
-        self._assert_unsharded(stage)
+    def _forward(self, action: Action, ctx: object) -> None:
         # The outputs are not returned (PipelineRunner steps with return_outputs=False): keep none.
-        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], **self._no_saved_output)
-        self._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+        self.forward_chunk(action, ctx, **self._no_saved_output)
 
-    def _backward(self, action: _Action, at_end: Callable[[], None] | None) -> None:
-        stage, mb = self._stage_of[action.stage_index], action.microbatch_index
-        self._assert_unsharded(stage)
-        loss = self._maybe_get_loss(stage, mb)
+    def _backward(self, action: Action, at_end: Callable[[], None] | None) -> None:
+        loss = self.loss_of(action)
         if at_end is not None:
             # ``at_end`` must be queued before FSDP's end-of-backward callback, which the part's
             # root queues when the gradient reaches the stage's output: hang it on the loss (last
@@ -253,25 +240,22 @@ class MergedPairsSchedule(_PipelineScheduleRuntime):
             if loss is not None:
                 queue_at_end_of_backward(loss, at_end)
             else:
-                outputs, inputs = stage.fwd_cache[mb]
-                outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+                outputs, inputs = self.stage_outputs(action)
                 k = next(i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad)
                 view = queue_at_end_of_backward(outputs[k].view_as(outputs[k]), at_end)
-                stage.fwd_cache[mb] = (outputs[:k] + (view,) + outputs[k + 1:], inputs)
-        self.backward_counter[action.stage_index] += 1
-        last = self.backward_counter[action.stage_index] == self._n_microbatches
-        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+                self.replace_stage_outputs(action, outputs[:k] + (view,) + outputs[k + 1:], inputs)
+        self.backward_chunk(action, loss)
 
-    def _run_forward(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
-        self._wait_recv(action)
+    def _run_forward(self, action: Action, ctx: object) -> None:
+        self.wait_recv(action)
         slot = self._slots[(action.stage_index, action.microbatch_index)] = Slot(self.delay_wgrad)
         with forward_of(slot):
             self._forward(action, ctx)
 
-    def _run_pair(self, action: _Action, ctx: "_schedules._PipelineContext") -> None:
+    def _run_pair(self, action: Action, ctx: object) -> None:
         fwd, bwd = action.sub_actions
-        self._wait_recv(fwd)
-        self._wait_recv(bwd)
+        self.wait_recv(fwd)
+        self.wait_recv(bwd)
         nxt = self._slots[(fwd.stage_index, fwd.microbatch_index)] = Slot(self.delay_wgrad)
         pair = MergedPair(self._slots.pop((bwd.stage_index, bwd.microbatch_index)), nxt, self.events)
         pair.run(lambda at_end: self._backward(bwd, at_end), lambda: self._forward(fwd, ctx))
@@ -409,7 +393,8 @@ class PipelineRunner:
                 continue
             for p in part.tok_embeddings.parameters():
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                with torch.no_grad():  # to_local() is then the local tensor itself, reduced in place
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
                 dist.all_reduce(local, group=self.stage_ends)
                 p.grad = grad
 
@@ -447,7 +432,7 @@ class PipelineRunner:
             # What ``schedule.eval()`` does (a loss function but no backward), set once: eval()
             # has no return_outputs switch and would keep every micro-batch's [B, S, V] logits
             # for a merged return value that is not used.
-            schedule._has_backward = False
+            disable_backward(schedule)
             self._eval[n] = (schedule, loss_fn)
         schedule, loss_fn = self._eval[n]
         args, target, kwargs = self._batch(micro_batches)

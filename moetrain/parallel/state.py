@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.axes import CP, CP_TP, DENSE_AXES, DP, DP_CP, DP_CP_TP, EDP, EDP_TP, EP, EXPERT_AXES, PP, TP
 from moetrain.config import ParallelConfig
+from moetrain.internals import flatten_mesh
 
 __all__ = ["ParallelState", "init_distributed", "PP", "DP", "CP", "TP", "EDP", "EP", "DP_CP", "CP_TP",
            "DP_CP_TP", "EDP_TP"]
@@ -80,6 +81,10 @@ class ParallelState:
     domains: list[int] | None = None
     _axes: dict[str, tuple] = field(default_factory=dict, repr=False)  # see _axis
     _stage_ends: dist.ProcessGroup | None = field(default=None, repr=False)  # see stage_ends_group
+    # Process groups the parallel layer builds on first use, by name ("hierarchical": this rank's
+    # (rail, domain) groups, moetrain.parallel.expert.hierarchical_groups); new_group is collective,
+    # so each is built once, by every rank, in one order.
+    extra_groups: dict[str, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, parallel: ParallelConfig, device: torch.device, mesh_ranks: Sequence | torch.Tensor | None = None,
@@ -105,11 +110,11 @@ class ParallelState:
                              f"got shape {tuple(ranks.shape)}")
         dev_type = device.type
         mesh = DeviceMesh(dev_type, ranks, mesh_dim_names=DENSE_AXES)
-        flat = {DP_CP: mesh[(DP, CP)]._flatten(DP_CP), CP_TP: mesh[(CP, TP)]._flatten(CP_TP),
-                DP_CP_TP: mesh[(DP, CP, TP)]._flatten(DP_CP_TP)}
+        flat = {DP_CP: flatten_mesh(mesh[(DP, CP)], DP_CP), CP_TP: flatten_mesh(mesh[(CP, TP)], CP_TP),
+                DP_CP_TP: flatten_mesh(mesh[(DP, CP, TP)], DP_CP_TP)}
         expert_ranks = ranks.reshape(p.pp, p.edp, p.ep, p.tp).permute(0, 1, 3, 2)
         expert_mesh = DeviceMesh(dev_type, expert_ranks, mesh_dim_names=EXPERT_AXES)
-        flat[EDP_TP] = expert_mesh[(EDP, TP)]._flatten(EDP_TP)
+        flat[EDP_TP] = flatten_mesh(expert_mesh[(EDP, TP)], EDP_TP)
         if domains is not None and len(domains) != world:
             raise ValueError(f"domains gives {len(domains)} ranks' NVLink domains, the world has {world}")
         return cls(parallel=p, mesh=mesh, expert_mesh=expert_mesh, device=device,
