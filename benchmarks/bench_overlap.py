@@ -26,6 +26,7 @@ stream and the same structure hides most of it (see docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -89,7 +90,7 @@ def worker(rank: int, world: int, data: str, run_dir: str, case: str, rounds: in
 
         def toggle(on: bool) -> None:
             for m in moes:
-                m.overlap_shared = on
+                m.parallel = dataclasses.replace(m.parallel, overlap_shared=on)
 
         comm = None  # set below, with the layer's input
     else:  # fsdp_prefetch

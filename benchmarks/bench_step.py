@@ -78,7 +78,7 @@ def _moetrain_round(trainer, steps: int) -> float:
 
 
 def _bare_model(cfg):
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     init_weights(model, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
     set_compute_dtype(model, compute_dtype(cfg.train.precision))
     return model

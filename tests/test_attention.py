@@ -77,7 +77,7 @@ def test_packed_documents_equal_each_document_alone():
     when the model runs it alone."""
     cfg = tiny_config("unused", "unused", data={"document_mask": True, "reset_position_ids": True},
                       model={"seq_len": 32})
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     init_weights(model, 3, 0.02, cfg.model.layers)
     model.eval()  # MoE aux losses off; routing is per token either way
     lengths = [[7, 13, 12], [32]]

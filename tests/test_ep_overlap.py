@@ -155,7 +155,6 @@ def check_weight_grads_flushed(pairs: list[list], moe_layers: int) -> None:
 
 def test_turns_alternate_and_a_side_with_more_transfers_runs_on_alone():
     log: list[str] = []
-    turns = TurnTaking()
     prev, nxt = Slot(), Slot()
 
     def backward(at_end):

@@ -182,7 +182,7 @@ def test_recipes_match_torchao_float8_linear(scaling):
 
 def test_fp8_reaches_the_linears_and_experts_but_not_the_kept_modules():
     cfg = tiny_config("unused", "unused", model=MODEL, moe={"first_dense": 1, "shared_expert_gate": True})
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     init_weights(model, 0, 0.02, cfg.model.layers)
     set_compute_dtype(model, torch.bfloat16)
     ids = torch.randint(0, 257, (2, 16))

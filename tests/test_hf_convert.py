@@ -55,7 +55,7 @@ def converted(tmp_path_factory) -> dict:
 
 
 def moetrain_model(cfg, weights: Path) -> Transformer:
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     load_weights_dir(weights, [model])
     return model.eval()  # eval: no router losses attached to the gradients (transformers has none here)
 
@@ -222,7 +222,7 @@ def test_corrupt_weights_are_refused(converted, tmp_path):
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match="sha256"):
-        load_weights_dir(tmp_path / "w", [Transformer(c["cfg"])])
+        load_weights_dir(tmp_path / "w", [Transformer.from_config(c["cfg"])])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +417,7 @@ def test_mtp_logits_equal_deepseek_v3s_definition_with_transformers_block(with_m
     ours = moetrain_model(c["cfg"], c["weights"]).train()
     inputs, targets = tokens(3)
     for moe in ours.moe_layers().values():
-        moe.stats_accum = {}
+        moe.begin_step(1)
     logits = ours(inputs, future=future_tokens(targets, 1))
     assert logits.shape == (*inputs.shape, 2, VOCAB)
 
@@ -463,7 +463,7 @@ def test_mtp_is_left_out_of_architectures_without_it(tmp_path, caplog):
     cfg = config_from_dict({"model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "vocab_size": VOCAB,
                                       "mtp_depth": 1, "rope_theta": 10000.0},
                             "moe": {"num_experts": 4, "ffn_hidden": 16, "shared_experts": 0}})
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     init_weights(model, 0, 0.1, cfg.model.layers)
     state = model.state_dict()
     write_weights_dir(tmp_path / "w", cfg, state.items(), [(n, t.dtype, tuple(t.shape)) for n, t in state.items()],

@@ -85,7 +85,7 @@ def test_demo_finetunes_from_an_imported_model_and_exports(demo_data, tmp_path):
 
     # The first generated token is moetrain's own greedy choice for the prompt.
     run_cfg = load_config(run_dir / "config.yaml")
-    ours = Transformer(run_cfg)
+    ours = Transformer.from_config(run_cfg)
     reader = CheckpointReader(run_dir / "checkpoints", progress=False)
     ours.load_state_dict(reader.read(list(reader.shapes)), strict=True)
     with torch.no_grad():

@@ -15,7 +15,7 @@ from conftest import tiny_config
 
 def small_model(**sections) -> Transformer:
     cfg = tiny_config("unused", "unused", **sections)
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     init_weights(model, 0, 0.02, cfg.model.layers)
     return model
 
@@ -41,14 +41,14 @@ def test_capacity_factor_drops_and_reports():
         moe.router.weight.zero_()
         moe.router.weight[0] = 1.0  # route almost everything to expert 0
     x = torch.randn(1, 32, 8).abs()
-    moe.stats_accum = {}
+    moe.begin_step(1)
     y = moe(x)
     dropped = moe.stats_accum["dropped_fraction"].item()
     # capacity = ceil(0.5 * 32 / 4) = 4 tokens per expert: at least 28 of 32 dropped.
     assert dropped >= 28 / 32
     assert torch.count_nonzero(y.abs().sum(-1)) <= 4
     moe.capacity_factor = None
-    moe.stats_accum = {}
+    moe.begin_step(1)
     moe(x)
     assert moe.stats_accum["dropped_fraction"].item() == 0.0
 
@@ -67,7 +67,7 @@ def test_activation_checkpointing_recomputes_without_double_counting(mode):
     tokens = torch.randint(0, 257, (2, 16))
     for m in (ref, model):
         for moe in m.moe_layers().values():
-            moe.stats_accum = {}
+            moe.begin_step(1)
         m(tokens).sum().backward()
     assert calls["n"] == 2, "the forward was not recomputed in backward"
     for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
@@ -93,7 +93,7 @@ def test_mla_up_proj_recomputes_the_up_projections_and_the_kernel():
     tokens = torch.randint(0, 257, (2, 16))
     for m in (ref, model):
         for moe in m.moe_layers().values():
-            moe.stats_accum = {}
+            moe.begin_step(1)
         m(tokens).sum().backward()
     assert calls == {"wkv_b": 2, "wkv_a": 1}, calls
     for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
@@ -103,6 +103,6 @@ def test_mla_up_proj_recomputes_the_up_projections_and_the_kernel():
 def test_meta_construction_has_no_storage():
     cfg = tiny_config("unused", "unused")
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer.from_config(cfg)
     assert all(p.is_meta for p in model.parameters())
     assert model.layers["1"].moe.experts.w1.shape == (4, 32, 48)  # [experts, hidden, ffn]

@@ -72,7 +72,7 @@ def test_old_dtype_key_is_refused_with_the_new_one(tiny_shards, tmp_path):
 def test_bf16_step_dtypes():
     """Parameters and gradients fp32; matmul outputs bf16; router logits, logits and loss fp32."""
     cfg = tiny_config("unused", "unused", model=MODEL, moe={"first_dense": 1})
-    model = Transformer(cfg)
+    model = Transformer.from_config(cfg)
     init_weights(model, 0, 0.02, cfg.model.layers)
     set_compute_dtype(model, torch.bfloat16)
     seen = {}

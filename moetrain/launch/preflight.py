@@ -48,23 +48,19 @@ def check_node_limited(cfg: Config) -> None:
     if (M is None and not hierarchical) or not moe.num_experts or cfg.parallel.ep == 1:
         return
     from moetrain.topology import build_rank_map
+    from moetrain.topology.mapper import ranks_per_domain
 
     rank_map = build_rank_map(cfg)
     for group in rank_map.groups("ep"):
         domains = [rank_map.domain_of(r) for r in group]
-        counts = {d: domains.count(d) for d in set(domains)}
-        even = len(set(counts.values())) == 1
-        if hierarchical and not even:
-            raise field_error("moe.token_dispatcher", moe.token_dispatcher, f"an ep group spreads over NVLink "
-                              f"domains unevenly ({sorted(counts.values())} ranks); the hierarchical dispatch "
-                              "pairs each rank with one rank of every other domain", "use a layout whose ep "
-                              "groups span whole domains, or token_dispatcher: alltoall")
-        if M is None or len(counts) <= M:
+        if hierarchical:
+            ranks_per_domain("moe.token_dispatcher", moe.token_dispatcher, group, domains,
+                             "use a layout whose ep groups span whole domains, or token_dispatcher: alltoall")
+        if M is None or len(set(domains)) <= M:
             continue  # no limit, or a token can reach every domain of this group anyway
-        if not even:
-            raise field_error("moe.max_nodes_per_token", M, f"an ep group spreads over NVLink domains unevenly "
-                              f"({sorted(counts.values())} ranks)", "use a layout whose ep groups span whole "
-                              "domains, or max_nodes_per_token: null")
+        counts = {d: len(v) for d, v in ranks_per_domain(
+            "moe.max_nodes_per_token", M, group, domains,
+            "use a layout whose ep groups span whole domains, or max_nodes_per_token: null").items()}
         experts = moe.num_experts // len(group) * next(iter(counts.values()))
         if M * experts < moe.top_k:
             raise field_error("moe.max_nodes_per_token", M, f"the ep group spans {len(counts)} domains of "

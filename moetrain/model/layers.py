@@ -35,8 +35,8 @@ def cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return w if dtype is None else w.to(dtype)
 
 
-def local(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """The piece of weight ``w`` this rank computes with, in ``dtype``: ``w`` itself, or the
+def local_cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The piece of weight ``w`` this rank computes with, cast to ``dtype`` (None: as it is): ``w`` itself, or the
     local shard of a DTensor (a module whose inputs are this rank's own rows, such as the
     experts under expert parallelism). Differentiable: the gradient returns with w's placement."""
     from torch.distributed.tensor import DTensor
@@ -214,33 +214,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 AttentionKernel = Callable[..., torch.Tensor]
 
 
+@dataclass(frozen=True)
+class QKNormParallel:
+    """How a whole-projection :class:`QKNorm` is split over tensor-parallel ranks, the one object
+    :mod:`moetrain.parallel.tensor` hands it: ``rows`` — this rank's (first row, number of rows)
+    of the [heads·Dh] weight (its heads); ``sum_over_ranks`` — sums a [B, S, 1, 1] sum of squares
+    over the tp ranks, with autograd."""
+
+    rows: tuple[int, int]
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
+
+
 class QKNorm(RMSNorm):
     """RMSNorm of the queries or keys after their projection, before RoPE. x: [B, S, heads, Dh]
     → the same shape and dtype.
 
     * ``per_head`` (Qwen3): over each head's Dh; ``weight`` [Dh] is shared by the heads.
     * otherwise (OLMoE): over the whole projection, all heads·Dh values of a token; ``weight``
-      [heads·Dh]. Under tensor parallelism this rank holds a slice of the heads, so
-      :mod:`moetrain.parallel.tensor` sets ``tp_slice`` (this rank's (first row, rows) of the
-      weight) and ``stat_reducer`` (sums the sum of squares over the tp ranks, with autograd).
+      [heads·Dh]. Under tensor parallelism this rank holds a slice of the heads: ``parallel``
+      (:class:`QKNormParallel`, None in one process) says which, and sums the statistic.
     """
 
     def __init__(self, width: int, eps: float, per_head: bool):
         super().__init__(width, eps)
         self.per_head = per_head
-        self.tp_slice: tuple[int, int] | None = None
-        self.stat_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.parallel: QKNormParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.per_head:
             return super().forward(x)
         xf = x.float()
         sum_sq = xf.pow(2).sum((-2, -1), keepdim=True)
-        if self.stat_reducer is not None:
-            sum_sq = self.stat_reducer(sum_sq)
         w = cast(self.weight, self.compute_dtype)
-        if self.tp_slice is not None:
-            w = w.narrow(0, *self.tp_slice)
+        if self.parallel is not None:
+            sum_sq = self.parallel.sum_over_ranks(sum_sq)
+            w = w.narrow(0, *self.parallel.rows)
         xf = xf * torch.rsqrt(sum_sq / self.weight.shape[0] + self.eps)
         return (xf * w.float().view(x.shape[-2:])).to(x.dtype)
 
@@ -293,7 +301,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        sinks = local(self.sinks, None) if self.sinks is not None else None
+        sinks = local_cast(self.sinks, None) if self.sinks is not None else None
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc, window=self.window,
                           sinks=sinks)  # [B, H, S, Dh]
         return out.transpose(1, 2).reshape(B, S, -1)

@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.model.attention import DocumentMask, sdpa_attention
-from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local
+from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local_cast
 from moetrain.model.recompute import recompute_context
 
 
@@ -92,7 +92,7 @@ class MLAttention(nn.Module):
         else:
             q, k, v = self.up(c_q, c_kv, k_r, cos, sin)
         # 3. attend
-        sinks = local(self.sinks, None) if self.sinks is not None else None
+        sinks = local_cast(self.sinks, None) if self.sinks is not None else None
         out = self.kernel(q, k, v, doc, scale=self.scale, window=self.window, sinks=sinks)  # [B, H, S, Dv]
         # 4. project out
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))

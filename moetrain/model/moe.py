@@ -41,7 +41,7 @@ from torch import nn
 from moetrain.model import wgrad
 from moetrain.model.fp8 import round_trip
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_mm
-from moetrain.model.layers import FeedForward, Linear, local
+from moetrain.model.layers import FeedForward, Linear, local_cast
 from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
@@ -84,7 +84,9 @@ class Dispatcher(Protocol):
     here) is the reference, :mod:`moetrain.parallel.expert` has the all-to-all ones.
     """
 
-    rows_sent: list[int]  # rows sent to ranks [in this NVLink domain, in others], summed until reset
+    def take_rows_sent(self) -> tuple[int, int]:
+        """Rows the dispatches since the last call sent to ranks (in this NVLink domain, in
+        others): host integers from the split sizes; the count starts again from zero."""
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> Any:
         """Begin the dispatch of x_TD [T, D] by expert_idx_TK [T, K] (int64; ``capacity``: the
@@ -109,7 +111,9 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.rows_sent = [0, 0]
+
+    def take_rows_sent(self) -> tuple[int, int]:
+        return 0, 0  # nothing leaves the rank
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
         return permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
@@ -133,7 +137,8 @@ class MoEParallel:
       aux / z loss so that the gradient reduction of its parameters gives the one-process
       gradient (see :func:`moetrain.parallel.expert.sequence_split`);
     * node-limited routing: ``expert_groups`` (the NVLink domain of each expert's rank) and
-      ``max_groups`` (how many of them a token may use), or None.
+      ``max_groups`` (how many of them a token may use), or None;
+    * ``overlap_shared``: the shared experts compute while the routed tokens travel.
     """
 
     dispatcher: Dispatcher
@@ -143,6 +148,9 @@ class MoEParallel:
     z_scale: float = 1.0
     expert_groups: "ExpertGroups | None" = None
     max_groups: int | None = None
+    # Compute the shared experts while the dispatch is in flight (False: after it, the overlap
+    # benchmark's baseline).
+    overlap_shared: bool = True
 
 
 def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int, capacity: int | None
@@ -235,8 +243,8 @@ class GroupedExperts(nn.Module):
         x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D]."""
         if self.fp8 is not None and self.backend != "loop":
             raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
-        w1, w3, w2 = (local(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
-        b1, b3, b2 = (local(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
+        w1, w3, w2 = (local_cast(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
+        b1, b3, b2 = (local_cast(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
         x_ND = x_ND.to(w1.dtype)
         if self.backend == "grouped_mm":
             # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
@@ -348,8 +356,9 @@ class MoE(nn.Module):
             computed, bf16 or float8 E4M3); the layer rounds them to it before dispatching
             (:func:`moetrain.model.fp8.round_trip`), whether or not they leave the rank.
 
-    ``parallel`` (:class:`MoEParallel`) says how tokens and experts are spread over ranks; the
-    trainer sets ``aux_loss_scale`` (1 / micro-batches) and empties ``stats_accum`` every step.
+    ``parallel`` (:class:`MoEParallel`) says how tokens and experts are spread over ranks. A
+    training step calls :meth:`begin_step` before its micro-batches and :meth:`take_statistics`
+    after them.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, shared_experts: int = 0,
@@ -382,14 +391,28 @@ class MoE(nn.Module):
         self.shared = FeedForward(dim, width) if width else None
         self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
         self.parallel = MoEParallel(LocalDispatcher(num_experts))
-        # Compute the shared experts while the dispatch is in flight (off: after it, for the
-        # overlap benchmark's baseline).
-        self.overlap_shared = True
-        # Set by the trainer: gradient given to the aux losses in backward (1 / micro-batches).
+        # The gradient given to the aux losses in backward: 1 / micro-batches (begin_step).
         self.aux_loss_scale = 1.0
-        # Sums over the micro-batches of a step, on the device, reset by the trainer (``{}``):
-        # aux_loss, z_loss, dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
+        # Sums over the micro-batches of a step, on the device, from begin_step: aux_loss, z_loss,
+        # dropped_fraction (float64 scalars) and tokens_per_expert ([E] float64).
         self.stats_accum: dict[str, torch.Tensor] = {}
+
+    def begin_step(self, micro_batches: int) -> None:
+        """Start a training step of ``micro_batches`` forward + backward passes: the aux losses'
+        gradients are scaled by 1 / micro_batches (the LM loss is divided the same way), and the
+        statistics and the dispatch's row count start from zero (an evaluation since the last
+        step is not counted)."""
+        self.aux_loss_scale = 1.0 / micro_batches
+        self.stats_accum = {}
+        self.parallel.dispatcher.take_rows_sent()
+
+    def take_statistics(self) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+        """What this layer measured since :meth:`begin_step`: (sums over the micro-batches on the
+        device — ``aux_loss``, ``z_loss``, ``dropped_fraction`` float64 scalars and
+        ``tokens_per_expert`` [E] float64 —, rows its dispatch sent within / across NVLink
+        domains, host integers); both start again from zero."""
+        stats, self.stats_accum = self.stats_accum, {}
+        return stats, self.parallel.dispatcher.take_rows_sent()
 
     @torch.no_grad()
     def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, kept: torch.Tensor | None
@@ -493,7 +516,7 @@ class MoE(nn.Module):
         pending = dispatcher.start(round_trip(x_TD, self.dispatch_wire), topk_idx_TK, capacity)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).
-        shared_TD = self._shared_output(x_TD) if self.shared is not None and self.overlap_shared else None
+        shared_TD = self._shared_output(x_TD) if self.shared is not None and self.parallel.overlap_shared else None
         x_ND, counts_El, handle = dispatcher.finish(pending)
 
         # 4. expert compute, rows grouped by local expert.

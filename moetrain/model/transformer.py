@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moetrain.config import Config
+from moetrain.config import Config, ModelConfig, MoEConfig
 from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
 from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
@@ -33,16 +33,15 @@ from moetrain.model.recompute import recompute_context
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE."""
 
-    def __init__(self, cfg: Config, layer: int):
+    def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
-        m, moe = cfg.model, cfg.moe
         self.layer = layer
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
         window = m.window_of(layer)
         self.attention: Attention | MLAttention
         if m.attention == "mla":
             self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
-                                         m.qk_rope_head_dim, m.v_head_dim, mla_scale(cfg), m.norm_eps, window,
+                                         m.qk_rope_head_dim, m.v_head_dim, mla_scale(m), m.norm_eps, window,
                                          m.attention_sinks)
         else:
             self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
@@ -59,7 +58,7 @@ class Block(nn.Module):
                            topk_group=moe.topk_group, routing_bias=moe.routing_bias, router_bias=moe.router_bias,
                            expert_biases=moe.expert_biases, activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
                            swiglu_limit=moe.swiglu_limit,
-                           dispatch_wire=dispatch_wire(moe.dispatch_dtype, cfg.train.precision))
+                           dispatch_wire=dispatch_wire)
         else:
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 
@@ -80,19 +79,17 @@ class Block(nn.Module):
         return h + mlp(self.ffn_norm(h))
 
 
-def mla_scale(cfg: Config) -> float:
+def mla_scale(m: ModelConfig) -> float:
     """MLA's softmax scale: (qk_nope + qk_rope)^-1/2, times mscale(factor, mscale_all_dim)² under
     YaRN with ``rope_mscale_all_dim`` (DeepSeek-V3's reference code and Hugging Face's)."""
-    m = cfg.model
     scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
     if m.rope_scaling != "none" and m.rope_mscale_all_dim:
         scale *= yarn_mscale(m.rope_scaling_factor, m.rope_mscale_all_dim) ** 2
     return scale
 
 
-def rope_scaling(cfg: Config):
+def rope_scaling(m: ModelConfig):
     """The frequency rescaling of ``model.rope_scaling`` (None for ``none``)."""
-    m = cfg.model
     if m.rope_scaling == "llama3":
         return Llama3RopeScaling(m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
                                  m.rope_original_max_positions)
@@ -107,13 +104,12 @@ class MTPModule(nn.Module):
     RMSNorm(h_i^{k-1})] (Hugging Face's order), one block of the model's kind, and its own final
     norm before the shared output head. x: [B, S, D] → [B, S, D]."""
 
-    def __init__(self, cfg: Config, layer: int):
+    def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
-        m = cfg.model
         self.enorm = RMSNorm(m.hidden, m.norm_eps)
         self.hnorm = RMSNorm(m.hidden, m.norm_eps)
         self.eh_proj = Linear(2 * m.hidden, m.hidden, bias=False)
-        self.block = Block(cfg, layer)
+        self.block = Block(m, moe, layer, dispatch_wire)
         self.norm = RMSNorm(m.hidden, m.norm_eps)
 
     def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -133,21 +129,29 @@ class Transformer(nn.Module):
     ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` in a pipeline stage that does not
     own them; ``embeds_input`` False: the input is the previous stage's hidden state [B, S, D]
     (the last stage keeps a copy of the embedding for its MTP modules).
+
+    Built from the ``model`` and ``moe`` sections (:meth:`from_config` takes a run's config):
+    ``dispatch_wire`` the dtype routed tokens travel in (:func:`moetrain.model.fp8.dispatch_wire`,
+    None: as computed); ``reset_position_ids`` restarts RoPE positions at every document
+    (``data.reset_position_ids``).
+
+    Raises:
+        ValueError: ``model.vocab_size`` unresolved (None).
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, m: ModelConfig, moe: MoEConfig, *, dispatch_wire: torch.dtype | None = None,
+                 reset_position_ids: bool = False):
         super().__init__()
-        m = cfg.model
         if m.vocab_size is None:
             raise ValueError("model.vocab_size is unresolved; resolve it from the data manifest first "
                              "(moetrain.launch.preflight.resolve_vocab) or set it in the config")
-        self.cfg = cfg
+        self.model_cfg = m
         self.rotary_dim = m.rotary_dim
         self.rope_theta = m.rope_theta
-        self.rope_scaling = rope_scaling(cfg)
+        self.rope_scaling = rope_scaling(m)
         self.tok_embeddings: nn.Embedding | None = Embedding(m.vocab_size, m.hidden)
         self.embeds_input = True
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(m.layers)})
+        self.layers = nn.ModuleDict({str(i): Block(m, moe, i, dispatch_wire) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
         # The head's weight gets several gradient terms (the MTP heads, a tied embedding): computed
@@ -155,8 +159,9 @@ class Transformer(nn.Module):
         self.output.defer_wgrad = False
         # Multi-token prediction: keyed by their global index after the last block (the names
         # DeepSeek-V3's checkpoints give them), on the last pipeline stage.
-        self.mtp = nn.ModuleDict({str(m.layers + k): MTPModule(cfg, m.layers + k) for k in range(m.mtp_depth)})
-        self.reset_position_ids = cfg.data.reset_position_ids
+        self.mtp = nn.ModuleDict({str(m.layers + k): MTPModule(m, moe, m.layers + k, dispatch_wire)
+                                  for k in range(m.mtp_depth)})
+        self.reset_position_ids = reset_position_ids
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Global positions of the local tokens when they are not 0..S-1 (context parallelism
@@ -165,7 +170,10 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Transformer":
-        return cls(cfg)
+        """The model a run's config describes (its ``model``, ``moe``, the dispatch dtype that
+        ``moe.dispatch_dtype`` and ``train.precision`` give, ``data.reset_position_ids``)."""
+        return cls(cfg.model, cfg.moe, dispatch_wire=dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision),
+                   reset_position_ids=cfg.data.reset_position_ids)
 
     def blocks(self) -> dict[str, Block]:
         """Every transformer block held by this (possibly partial) model, the MTP modules' too,

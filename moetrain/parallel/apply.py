@@ -87,7 +87,7 @@ class SingleStageRunner:
         targets = mb.targets.to(self.device)
         future = targets if targets.dim() == 3 else None
         logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
-        return model_loss(logits, targets, self.model.cfg.model.mtp_loss_coef, mb.loss_divisor)
+        return model_loss(logits, targets, self.model.model_cfg.mtp_loss_coef, mb.loss_divisor)
 
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         if self.ep_overlap and len(micro_batches) > 1:
@@ -99,9 +99,9 @@ class SingleStageRunner:
             with loss_context(self.ps):
                 loss, lm, mtp = self._loss(mb)
                 (loss / len(micro_batches)).backward()
-            total[0] += _plain(lm).detach()
+            total[0] += _full_tensor(lm).detach()
             if mtp is not None:
-                total[1] += _plain(mtp).detach()
+                total[1] += _full_tensor(mtp).detach()
         return total
 
     def _merged_forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
@@ -122,9 +122,9 @@ class SingleStageRunner:
 
         def add(lm: torch.Tensor, mtp: torch.Tensor | None) -> None:
             # After the pair: DTensor losses (tp) reduce over tp, a collective no side may interleave.
-            total[0] += _plain(lm).detach()
+            total[0] += _full_tensor(lm).detach()
             if mtp is not None:
-                total[1] += _plain(mtp).detach()
+                total[1] += _full_tensor(mtp).detach()
 
         # loss_parallel is process-wide, not per thread: entered once around both sides.
         with loss_context(self.ps):
@@ -145,11 +145,12 @@ class SingleStageRunner:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             with loss_context(self.ps):
-                total += _plain(self._loss(mb)[1])
+                total += _full_tensor(self._loss(mb)[1])
         return total
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor: the whole value of a DTensor (a loss under tensor parallelism)."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t

@@ -58,6 +58,7 @@ from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, M
 from moetrain.parallel.ep_overlap import all_to_all_in_turn, exchange_rows
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
+from moetrain.topology.mapper import ranks_per_domain
 
 
 @dataclass
@@ -145,7 +146,11 @@ class AllToAllDispatcher:
         me = dist.get_rank(group)
         domains = domains or [0] * self.ep
         self._remote = [d != domains[me] for d in domains]
-        self.rows_sent = [0, 0]  # [same domain, other domains]
+        self.rows_sent = [0, 0]  # [same domain, other domains], until take_rows_sent
+
+    def take_rows_sent(self) -> tuple[int, int]:
+        sent, self.rows_sent = self.rows_sent, [0, 0]
+        return sent[0], sent[1]
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
         """Phases 1-3; the rows' all-to-all is left in flight (a functional collective: it is
@@ -275,6 +280,10 @@ class HierarchicalDispatcher:
         self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
         self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher
 
+    def take_rows_sent(self) -> tuple[int, int]:
+        sent, self.rows_sent = self.rows_sent, [0, 0]
+        return sent[0], sent[1]
+
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
         T, K = expert_idx_TK.shape
         N, dev = self.num_rail, x_TD.device
@@ -316,8 +325,7 @@ class HierarchicalDispatcher:
         counts = expert_counts(key, E_dom + 1)[:E_dom]
         local = DispatchHandle(order=order, num_assignments=key.numel(), kept=None)
         pending = self.inner.exchange(arrive()[order // K], counts, local)
-        self.rows_sent[0] += self.inner.rows_sent[0] + self.inner.rows_sent[1]
-        self.inner.rows_sent = [0, 0]
+        self.rows_sent[0] += sum(self.inner.take_rows_sent())
         return pending, HierarchicalHandle(pending[2], token_of_row, slot_mask, input_splits, output_splits, T, kept)
 
     def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, HierarchicalHandle]:
@@ -362,12 +370,8 @@ def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.Proc
     mine: dict[str, dist.ProcessGroup] = {}
     for group in ep_groups:
         doms = [ps.domains[r] if ps.domains is not None else 0 for r in group]
-        by_domain = {d: [r for r, dd in zip(group, doms) if dd == d] for d in dict.fromkeys(doms)}
-        sizes = sorted({len(v) for v in by_domain.values()})
-        if len(sizes) != 1:
-            raise field_error("moe.token_dispatcher", "hierarchical", f"the ep group {group} spreads over NVLink "
-                              f"domains unevenly ({sizes} ranks)", "use a layout whose ep groups span whole "
-                              "domains, or token_dispatcher: alltoall")
+        by_domain = ranks_per_domain("moe.token_dispatcher", "hierarchical", group, doms,
+                                     "use a layout whose ep groups span whole domains, or token_dispatcher: alltoall")
         rails = [list(col) for col in zip(*by_domain.values())]
         for kind, members in [("domain", v) for v in by_domain.values()] + [("rail", v) for v in rails]:
             pg = dist.new_group(members)

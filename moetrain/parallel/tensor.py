@@ -85,6 +85,7 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from moetrain.config import Config
+from moetrain.model.layers import QKNormParallel
 from moetrain.model.mla import MLAttention
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
@@ -147,7 +148,7 @@ class ReduceFromTP(torch.autograd.Function):
 
 
 class _TPSum:
-    """``stat_reducer`` of a projection q/k norm: :class:`AllReduceSum` over tp."""
+    """``sum_over_ranks`` of a projection q/k norm: :class:`AllReduceSum` over tp."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
@@ -253,8 +254,7 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
         for norm in (attn.q_norm, attn.k_norm):
             if norm is not None and not norm.per_head:
                 rows = norm.weight.shape[0] // tp
-                norm.tp_slice = (tp_rank * rows, rows)
-                norm.stat_reducer = _TPSum(group)
+                norm.parallel = QKNormParallel((tp_rank * rows, rows), _TPSum(group))
     if sp:
         model.positions = torch.arange(m.seq_len)
 

@@ -797,3 +797,25 @@ def build_rank_map(cfg: "Config", nodes: "list[str] | int | None" = None,
     alloc = resolve_allocation(nodes if nodes is not None else None, cfg, prof, topology)
     sizes = {"pp": par.pp, "dp": par.dp, "cp": par.cp, "tp": par.tp, "ep": par.ep}
     return map_ranks(sizes, alloc, prof, tpn, notes)
+
+
+def ranks_per_domain(field: str, value: Any, group: list[int], domains: list[Any], fix: str) -> dict[Any, list[int]]:
+    """The ranks of an ep ``group`` by NVLink domain (``domains[i]``: the domain of ``group[i]``),
+    in order of first appearance.
+
+    Raises:
+        ConfigError: naming ``field`` = ``value``, when the domains hold different numbers of the
+            group's ranks (the hierarchical dispatch and node-limited routing pair every rank with
+            one rank of each other domain); ``fix`` says what to do.
+    """
+    from moetrain.config import field_error
+
+    by_domain: dict[Any, list[int]] = {d: [] for d in dict.fromkeys(domains)}
+    for rank, d in zip(group, domains):
+        by_domain[d].append(rank)
+    sizes = sorted(len(v) for v in by_domain.values())
+    if len(set(sizes)) != 1:
+        raise field_error(field, value, f"the ep group {group} spreads over NVLink domains unevenly ({sizes} "
+                          f"ranks); the hierarchical dispatch and node-limited routing pair each rank with one "
+                          f"rank of every other domain", fix)
+    return by_domain

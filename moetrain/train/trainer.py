@@ -356,12 +356,12 @@ class Trainer:
         for opt in self.optimizers:
             set_lr(opt, lr)
         for moe in self.moe_layers.values():
-            moe.aux_loss_scale = 1.0 / accum
-            moe.stats_accum = {}
+            moe.begin_step(accum)
 
         # Forward + backward of every micro-batch (FSDP2 reduces the gradients during the last
-        # one's backward); each MoE layer sums its stats in stats_accum.
+        # one's backward); each MoE layer sums its statistics.
         loss_sums = self.runner.forward_backward(micro_batches)
+        moe_stats = {name: moe.take_statistics() for name, moe in self.moe_layers.items()}
 
         grad_norm = global_grad_norm(self.model_parts, self.ps)
         if self.cfg.train.grad_clip > 0:
@@ -371,21 +371,21 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         self.step += 1
 
-        scalars, loads = self._reduce_metrics(loss_sums, accum)
+        scalars, loads = self._reduce_metrics(loss_sums, accum, {n: s for n, (s, _) in moe_stats.items()})
         for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
             if moe.expert_bias is not None:
                 moe.update_expert_bias(loads[name])
-        # The step's one host read, of named slots: the step's scalars, the gradient norm, the
+        # The step's one host read, of named values: the step's scalars, the gradient norm, the
         # dispatch bytes (with ep) and every MoE layer's tokens per expert.
-        slots = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double()}
+        readings = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double()}
         if self.cfg.data.loss_mask:
-            slots["trained_tokens"] = self._trained_tokens
-        a2a = self._a2a_bytes()
+            readings["trained_tokens"] = self._trained_tokens
+        a2a = self._a2a_bytes([rows for _, rows in moe_stats.values()])
         if a2a is not None:
-            slots.update(intra_node=a2a[0], inter_node=a2a[1])
-        slots.update({f"load.{n}": t for n, t in loads.items()})
+            readings.update(intra_node=a2a[0], inter_node=a2a[1])
+        readings.update({f"load.{n}": t for n, t in loads.items()})
         with waiting_on_peers():  # on GPU the read completes the step's queued collectives
-            host = read_to_host(slots)
+            host = read_to_host(readings)
         rows = {n: host[f"load.{n}"] for n in loads}
         dt = time.perf_counter() - t0
         extra: dict[str, Any] = {
@@ -410,27 +410,27 @@ class Trainer:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
         return StepResult(self.step, host["lm"][0], host["aux"][0], host["z"][0], host["grad_norm"][0], lr, extra)
 
-    def _a2a_bytes(self) -> torch.Tensor | None:
+    def _a2a_bytes(self, rows_sent: list[tuple[int, int]]) -> torch.Tensor | None:
         """Bytes the forward dispatch all-to-alls of this step sent within and across NVLink
         domains, summed over all ranks ([2] float64 on the device; None without expert
-        parallelism). From the split sizes already on the host: no device read."""
+        parallelism). ``rows_sent``: each local MoE layer's (within, across) rows, host integers
+        from the split sizes: no device read."""
         if self.ps.size(EP) == 1 or self.cfg.moe.num_experts == 0:
             return None  # (a pipeline stage without MoE layers still joins the all-reduce)
-        intra = inter = 0
-        for moe in self.moe_layers.values():
-            intra += moe.parallel.dispatcher.rows_sent[0] * self.dispatch_row_bytes
-            inter += moe.parallel.dispatcher.rows_sent[1] * self.dispatch_row_bytes
-            moe.parallel.dispatcher.rows_sent = [0, 0]
+        intra = sum(r[0] for r in rows_sent) * self.dispatch_row_bytes
+        inter = sum(r[1] for r in rows_sent) * self.dispatch_row_bytes
         full = functools.partial(torch.full, (), dtype=torch.float64, device=self.device)  # fill kernels, no copy
         out = torch.stack([full(float(intra)), full(float(inter))])
         dist.all_reduce(out)
         return out
 
-    def _reduce_metrics(self, loss_sums: torch.Tensor, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _reduce_metrics(self, loss_sums: torch.Tensor, accum: int, moe_stats: dict[str, dict[str, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's metrics, reduced over the ranks, on the device: (:data:`STEP_SCALARS` as
         means over micro-batches, data-parallel ranks and MoE layers; float64 [5]) and each local
         MoE layer's tokens per expert summed over the whole batch ([E] float64). ``loss_sums``:
-        the runner's LM and MTP loss sums ([2]).
+        the runner's LM and MTP loss sums ([2]); ``moe_stats``: each local MoE layer's
+        :meth:`~moetrain.model.moe.MoE.take_statistics` sums.
 
         Under pipeline parallelism the LM loss lives on the last stage and each stage holds its
         own MoE layers: sums over pp gather them (MoE-layer counts too). Each tp rank routes its
@@ -441,8 +441,7 @@ class Trainer:
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         aux_sum, z_sum, dropped = zero.clone(), zero.clone(), zero.clone()
         loads = {}
-        for name, moe in self.moe_layers.items():
-            acc = moe.stats_accum
+        for name, acc in moe_stats.items():
             aux_sum += acc["aux_loss"]
             z_sum += acc["z_loss"]
             dropped += acc["dropped_fraction"]
@@ -590,15 +589,15 @@ class Trainer:
             self.heartbeat.beat(self.step, phase)
 
 
-# The step's scalar metrics, in their slots of Trainer._reduce_metrics.
+# The step's scalar metrics, in the order of Trainer._reduce_metrics.
 STEP_SCALARS = ("lm", "mtp", "aux", "z", "dropped")
 
 
-def read_to_host(slots: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+def read_to_host(readings: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     """Named device tensors → their values on the host, read in one copy (one sync on a GPU)."""
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in slots.values()]).tolist()
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in readings.values()]).tolist()
     out, at = {}, 0
-    for name, t in slots.items():
+    for name, t in readings.items():
         out[name], at = flat[at:at + t.numel()], at + t.numel()
     return out
 

@@ -288,7 +288,7 @@ def expected_shapes(cfg: Config, buffers: bool = True) -> dict[str, tuple[int, .
     from moetrain.model.transformer import Transformer
 
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer.from_config(cfg)
     return {name: shape for name, _, shape in model_parameters(model, buffers)}
 
 
