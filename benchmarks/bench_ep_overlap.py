@@ -44,11 +44,12 @@ def _bench(rank: int, world: int, data: str, run_dir: str, rounds: int, steps: i
 
     torch.set_num_threads(1)
     recorded: list = []
-    original = ov._exchange
+    original = ov.InTurnExchange.transfer
 
-    def recording(out, inp, output_splits, input_splits, group, slot):
-        recorded.append((tuple(out.shape), tuple(inp.shape), out.dtype, list(output_splits), list(input_splits), group))
-        return original(out, inp, output_splits, input_splits, group, slot)
+    def recording(self, out, inp, output_splits, input_splits, token, backward=False):
+        recorded.append((tuple(out.shape), tuple(inp.shape), out.dtype, list(output_splits), list(input_splits),
+                         self.group))
+        return original(self, out, inp, output_splits, input_splits, token, backward)
 
     trainers = {}
     for flag in (False, True):
@@ -67,9 +68,9 @@ def _bench(rank: int, world: int, data: str, run_dir: str, rounds: int, steps: i
             dist.barrier()
             times[flag].append((time.perf_counter() - t0) / steps)
     # One "on" step recorded, then its all-to-alls replayed alone (synchronously, same order).
-    ov._exchange = recording
+    ov.InTurnExchange.transfer = recording
     trainers[True].train_step()
-    ov._exchange = original
+    ov.InTurnExchange.transfer = original
     alone = []
     for _ in range(rounds):
         dist.barrier()

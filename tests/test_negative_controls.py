@@ -26,13 +26,13 @@ def _plant(fault: str) -> None:
     if fault == "dispatch_split":
         from moetrain.parallel.expert import AllToAllDispatcher
 
-        exchange = AllToAllDispatcher.exchange
+        send_sorted = AllToAllDispatcher.send_sorted
 
         def wrong_split(self, x_sorted, counts_E, local):
             rotated = counts_E.view(self.ep, self.num_local).roll(1, dims=1).reshape(-1)
-            return exchange(self, x_sorted, rotated, local)
+            return send_sorted(self, x_sorted, rotated, local)
 
-        AllToAllDispatcher.exchange = wrong_split
+        AllToAllDispatcher.send_sorted = wrong_split
     elif fault == "zero_divide":
         from torch.distributed.fsdp import FSDPModule
 

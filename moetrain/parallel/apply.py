@@ -44,7 +44,9 @@ from moetrain.parallel.compile import apply_compile
 from moetrain.parallel.context import apply_context_parallel
 from moetrain.internals import gate_post_backward
 from moetrain.parallel.data_parallel import MicroBatchSync, apply_data_parallel
-from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, hold_for_weight_grads, queue_at_end_of_backward
+from moetrain.parallel.ep_overlap import (InTurnExchange, MergedPair, Slot, forward_of, hold_for_weight_grads,
+                                          queue_at_end_of_backward)
+from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.expert import apply_expert_parallel, hierarchical_groups
 from moetrain.parallel.pipeline import PipelineRunner, pipeline_parts
 from moetrain.parallel.precision import compute_dtype, fp8_recipe
@@ -212,8 +214,10 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
             apply_tensor_parallel(part, ps, cfg)
         # 4. the MoE layers: experts over ep (and tp with etp), dispatcher, sequence split,
         #    node-limited routing.
+        #    How a token transfer waits: in flight until its rows are needed, or (ep_overlap) in
+        #    turn with the partner micro-batch of a merged pair.
         if part.moe_layers() and ps.world_size > 1:
-            apply_expert_parallel(part.moe_layers(), ps, cfg)
+            apply_expert_parallel(part.moe_layers(), ps, cfg, InTurnExchange if cfg.parallel.ep_overlap else Exchange)
         # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
         if ps.size(CP) > 1:
             apply_context_parallel(part, ps.group(CP), cfg.model.seq_len)

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from moetrain.internals import queue_backward_callback
 from moetrain.model.wgrad import weight_grads_to
+from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.peers import waiting_on_peers
 
 FORWARD, BACKWARD = 0, 1
@@ -213,70 +214,38 @@ def hold_for_weight_grads(post_backward: Callable[[], None]) -> bool:
     return False
 
 
-def _exchange(out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
-              input_splits: list[int] | None, group: dist.ProcessGroup, slot: Slot | None,
-              backward: bool = False) -> None:
-    """Uneven all-to-all of ``inp`` into ``out`` (rows; ``*_splits``: host ints per rank): issue,
-    let the partner compute while it is in flight, then wait. In a ``backward`` the deferred
-    weight gradients are computed first, while the transfer travels."""
-    work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=group, async_op=True)
-    if slot is not None:
-        if backward and slot.deferring():
-            slot.flush_weight_grads()
-        slot.while_in_flight()
-    with waiting_on_peers():
-        work.wait()
+class InTurnExchange(Exchange):
+    """The :class:`~moetrain.parallel.exchange.Exchange` of ``parallel.ep_overlap``: each
+    transfer is issued, then the micro-batch that issued it hands over to its partner in the
+    merged pair (the partner computes while the transfer is in flight), then waits for it. In a
+    backward, with ``flush_wgrad``, the deferred weight gradients are computed first, while the
+    transfer travels. The slot a transfer belongs to is the micro-batch's whose forward issued it,
+    remembered for its backward (which runs in the pair's helper thread).
+
+    Why every transfer, the small ones too (the hierarchical dispatcher's expert ids and routing
+    weights): a collective queues behind whatever the partner left in flight on the same group
+    (gloo sends a pair's messages in order on one connection; NCCL runs a communicator's work in
+    order), so a small synchronous exchange right after a hand-over would wait for the partner's
+    whole transfer and expose it."""
+
+    def token(self) -> object:
+        return current_slot()
+
+    def transfer(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
+                 input_splits: list[int] | None, token: object, backward: bool = False) -> Callable[[], None]:
+        work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
+        slot = token if isinstance(token, Slot) else None
+        if slot is not None:
+            if backward and self.flush_wgrad and slot.deferring():
+                slot.flush_weight_grads()
+            slot.while_in_flight()
+        with waiting_on_peers():
+            work.wait()
+        return _arrived
 
 
-def all_to_all_in_turn(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                       output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
-    """``all_to_all_single`` of ``inp`` into ``out`` (no autograd: the hierarchical dispatcher's
-    expert ids) by the micro-batch whose forward runs here, handing over to its partner while in
-    flight.
-
-    Why not synchronous: a collective queues behind whatever the partner left in flight on the
-    same group (gloo sends a pair's messages in order on one connection; NCCL runs a
-    communicator's work in order), so a small synchronous exchange right after a hand-over would
-    wait for the partner's whole transfer and expose it."""
-    _exchange(out, inp, output_splits, input_splits, group, current_slot())
-
-
-class RowExchange(torch.autograd.Function):
-    """Rows [N, D] to the ranks of ``group`` (``input_splits`` to each, ``output_splits`` from
-    each), encoded for the wire by ``encode`` and decoded on arrival by ``decode`` (identity
-    when None); backward: the gradient [sum(output_splits), D] back to the senders in its own
-    dtype. Both directions hand over to the partner while the transfer is in flight; with
-    ``flush_wgrad`` the backward computes the deferred weight gradients while its transfer travels
-    (False for a transfer too short to hide them: the hierarchical dispatcher's within a node)."""
-
-    @staticmethod
-    def forward(ctx, x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int],  # type: ignore[override]
-                group: dist.ProcessGroup, slot: Slot | None,
-                encode: Callable[[torch.Tensor], torch.Tensor] | None,
-                decode: Callable[[torch.Tensor], torch.Tensor] | None, flush_wgrad: bool = True) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.slot, ctx.rows_sent = (output_splits, input_splits), group, slot, x_ND.shape[0]
-        ctx.flush_wgrad = flush_wgrad
-        packet = (encode(x_ND) if encode is not None else x_ND).contiguous()
-        recv = packet.new_empty((sum(output_splits), *packet.shape[1:]))
-        _exchange(recv, packet, output_splits, input_splits, group, slot)
-        return decode(recv) if decode is not None else recv
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        output_splits, input_splits = ctx.splits
-        grad_sent = grad.new_empty(ctx.rows_sent, *grad.shape[1:])
-        _exchange(grad_sent, grad.contiguous(), input_splits, output_splits, ctx.group, ctx.slot,
-                  backward=ctx.flush_wgrad)
-        return grad_sent, None, None, None, None, None, None, None
-
-
-def exchange_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
-                  encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  decode: Callable[[torch.Tensor], torch.Tensor] | None = None, flush_wgrad: bool = True
-                  ) -> torch.Tensor:
-    """:class:`RowExchange` for the micro-batch whose forward runs here: x_ND [N, D] →
-    [sum(output_splits), D], differentiable with respect to x_ND."""
-    return RowExchange.apply(x_ND, output_splits, input_splits, group, current_slot(), encode, decode, flush_wgrad)
+def _arrived() -> None:
+    return None
 
 
 class MergedPair:

@@ -25,14 +25,14 @@ arrival into the compute dtype; their gradients travel back in the compute dtype
 tokens it routes to the wire's values (:func:`moetrain.model.fp8.round_trip`), so encoding them
 again is exact: the dispatch adds no rounding that one process does not have.
 
-With ``parallel.ep_overlap`` the rows' all-to-alls (phase 3 and its reverse, in both
-directions of autograd) are where the forward of one micro-batch and the backward of another
-take turns, each transfer in flight while the other side computes
-(:mod:`moetrain.parallel.ep_overlap`); so do the hierarchical dispatcher's expert ids and
-routing weights, which would otherwise queue behind the partner's rows in flight on the rail.
-The counts' exchange stays synchronous: its split sizes must reach the host before the rows go,
-and handing over there pairs the partner's long piece with a transfer of a few bytes (measured
-slower: docs/performance.md §5).
+Every transfer of rows (phase 3 and its reverse, both directions of autograd), routing weights
+and the hierarchical dispatcher's expert ids goes through the :class:`~moetrain.parallel.exchange.Exchange`
+the dispatcher is given; how a transfer waits (left in flight until its rows are needed, or in
+turn with the partner micro-batch of a merged pair) is that object's, chosen by
+:func:`moetrain.parallel.apply.build_model_parts`. The counts' exchange stays a plain synchronous
+collective: its split sizes must reach the host before the rows go, and handing over there
+would pair the partner's long piece with a transfer of a few bytes (measured slower:
+docs/performance.md §5).
 
 Gloo supports uneven ``all_to_all_single`` but not the list form (``all_to_all`` of tensor lists
 of different sizes raises "invalid tensor size" on gloo, torch 2.13), so every exchange here uses
@@ -42,12 +42,10 @@ the single-tensor form.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single, all_to_all_single_autograd
-
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -55,7 +53,7 @@ from moetrain.config import Config, field_error
 from moetrain.model import fp8
 from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, MoE, MoEParallel, expert_counts,
                                 permute_by_expert, sort_by_expert, unpermute, weighted_sum)
-from moetrain.parallel.ep_overlap import all_to_all_in_turn, exchange_rows
+from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
 from moetrain.topology.mapper import ranks_per_domain
@@ -74,75 +72,20 @@ class AllToAllHandle:
         return self.local.kept
 
 
-class _Arrive(torch.autograd.Function):
-    """Decode rows that arrived in a wire format; backward: their gradients back to the ranks
-    that sent them, in the rows' compute dtype (the reverse all-to-all)."""
-
-    @staticmethod
-    def forward(ctx: Any, packet: torch.Tensor, x_sent: torch.Tensor, output_splits: list[int],
-                input_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.rows_sent = (output_splits, input_splits), group, x_sent.shape[0]
-        D = x_sent.shape[1]
-        if packet.dtype == torch.uint8:
-            return fp8.unpack(packet, D, x_sent.dtype)
-        return packet.to(x_sent.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        output_splits, input_splits = ctx.splits
-        grad_sent = grad.new_empty(ctx.rows_sent, grad.shape[1])
-        dist.all_to_all_single(grad_sent, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return None, grad_sent, None, None, None
-
-
-def send_rows(x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup,
-              wire: torch.dtype | None, overlap: bool = False, flush_wgrad: bool = True) -> Callable[[], torch.Tensor]:
-    """Start the uneven all-to-all of x_ND [N, D] (``input_splits`` rows to each rank,
-    ``output_splits`` from each) in ``wire`` (None: as they are; bf16; float8 E4M3 as
-    :func:`moetrain.model.fp8.pack`); returns what waits for and decodes the received rows,
-    [sum(output_splits), D] in x_ND's dtype, differentiable with respect to x_ND. With
-    ``overlap`` (``parallel.ep_overlap``) the transfer hands over to the partner micro-batch
-    while in flight (:func:`moetrain.parallel.ep_overlap.exchange_rows`; ``flush_wgrad``: its
-    backward computes the delayed weight gradients meanwhile) and has arrived when this returns."""
-    if overlap:
-        D, dtype = x_ND.shape[1], x_ND.dtype
-        if wire is None or wire == dtype:
-            x_recv = exchange_rows(x_ND, output_splits, input_splits, group, flush_wgrad=flush_wgrad)
-        elif wire == fp8.E4M3:
-            x_recv = exchange_rows(x_ND, output_splits, input_splits, group, fp8.pack,
-                                   lambda packet: fp8.unpack(packet, D, dtype), flush_wgrad)
-        else:
-            x_recv = exchange_rows(x_ND, output_splits, input_splits, group, lambda x: x.to(wire),
-                                   lambda packet: packet.to(dtype), flush_wgrad)
-        return lambda: x_recv
-    if wire is None or wire == x_ND.dtype:
-        x_recv = all_to_all_single_autograd(x_ND, output_splits, input_splits, group)
-        return lambda: x_recv
-    with torch.no_grad():
-        packet = fp8.pack(x_ND) if wire == fp8.E4M3 else x_ND.to(wire)
-    recv = all_to_all_single(packet, output_splits, input_splits, group)  # in flight until used
-
-    def arrive() -> torch.Tensor:
-        got = recv.wait() if isinstance(recv, AsyncCollectiveTensor) else recv
-        return _Arrive.apply(got, x_ND, output_splits, input_splits, group)
-    return arrive
-
-
 class AllToAllDispatcher:
     """Dropless token dispatch over the ep group (see the module docstring for the phases);
-    rows travel in ``wire`` (None: as computed)."""
+    rows travel in ``wire`` (None: as computed) through ``exchange`` (bound to ``group``; a
+    plain :class:`~moetrain.parallel.exchange.Exchange` when None)."""
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, domains: list[int] | None = None,
-                 wire: torch.dtype | None = None, overlap: bool = False, flush_wgrad: bool = True):
-        self.group, self.wire, self.overlap = group, wire, overlap
-        # With ep_overlap: whether the rows' backward transfers are where the delayed weight
-        # gradients are computed (not the hierarchical dispatcher's within-node ones)
-        self.flush_wgrad = flush_wgrad
+                 wire: torch.dtype | None = None, exchange: Exchange | None = None):
+        self.group, self.wire = group, wire
+        self.exchange = exchange if exchange is not None else Exchange(group)
         self.ep = dist.get_world_size(group)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
         # Rows this rank's dispatches sent to ep ranks in its own NVLink domain and in others
-        # (host counts, from the split sizes; the trainer reads and resets them every step).
+        # (host counts, from the split sizes; read and reset by take_rows_sent).
         me = dist.get_rank(group)
         domains = domains or [0] * self.ep
         self._remote = [d != domains[me] for d in domains]
@@ -153,13 +96,12 @@ class AllToAllDispatcher:
         return sent[0], sent[1]
 
     def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
-        """Phases 1-3; the rows' all-to-all is left in flight (a functional collective: it is
-        waited for where its result is first used, in :meth:`finish`), so the caller can
-        compute meanwhile."""
+        """Phases 1-3; the rows' all-to-all may be left in flight (it is waited for in
+        :meth:`finish`), so the caller can compute meanwhile."""
         # 1. permute by global expert id; rows for ep rank r are contiguous.
-        return self.exchange(*permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity))
+        return self.send_sorted(*permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity))
 
-    def exchange(self, x_sorted: torch.Tensor, counts_E: torch.Tensor, local: DispatchHandle) -> tuple:
+    def send_sorted(self, x_sorted: torch.Tensor, counts_E: torch.Tensor, local: DispatchHandle) -> tuple:
         """Phases 2-3 for rows already sorted by expert: x_sorted [N, D] with N = sum(counts_E),
         counts_E [E] int64 on the device, ``local`` the handle that undoes the sort."""
         P, El = self.ep, self.num_local
@@ -178,8 +120,7 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        arrive = send_rows(x_sorted, output_splits, input_splits, self.group, self.wire, self.overlap,
-                           self.flush_wgrad)
+        arrive = self.exchange(x_sorted, output_splits, input_splits, self.wire)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
@@ -199,11 +140,7 @@ class AllToAllDispatcher:
         # 4'. back to (source, local expert) order.
         y_recv = torch.empty_like(y_ND).index_copy(0, handle.regroup, y_ND)
         # 3'. rows back to the ranks that sent them.
-        if self.overlap:
-            y_sorted = exchange_rows(y_recv, handle.input_splits, handle.output_splits, self.group,
-                                     flush_wgrad=self.flush_wgrad)
-        else:
-            y_sorted = all_to_all_single_autograd(y_recv, handle.input_splits, handle.output_splits, self.group)
+        y_sorted = self.exchange(y_recv, handle.input_splits, handle.output_splits)()
         # 1'. unpermute to assignment order.
         return unpermute(y_sorted, handle.local)
 
@@ -253,8 +190,11 @@ class HierarchicalDispatcher:
 
     def __init__(self, num_experts: int, ep_group_ranks: list[int], domains: list[int], rail: dist.ProcessGroup,
                  domain: dist.ProcessGroup, device: torch.device, wire: torch.dtype | None = None,
-                 overlap: bool = False):
-        self.wire, self.overlap = wire, overlap
+                 make_exchange: Callable[..., Exchange] = Exchange):
+        self.wire = wire
+        # Deferred weight gradients (ep_overlap) are computed while the rail's transfers travel
+        # (across nodes), not the domain's (short: they would show).
+        self.exchange = make_exchange(rail)
         self.num_experts, self.num_local = num_experts, num_experts // len(ep_group_ranks)
         self.rail, self.domain = rail, domain
         domain_of = dict(zip(ep_group_ranks, domains))
@@ -272,10 +212,8 @@ class HierarchicalDispatcher:
         self.rail_of_expert = torch.tensor(rail_of, dtype=torch.int64, device=device)
         self.num_rail = dist.get_world_size(rail)
         self.my_rail = dist.get_rank(rail)
-        # Under ep_overlap with delayed weight gradients, these are computed while the rail's
-        # transfers travel (across nodes), not the domain's (short: they would show).
         self.inner = AllToAllDispatcher(dist.get_world_size(domain) * self.num_local, domain, wire=wire,
-                                        overlap=overlap, flush_wgrad=False)
+                                        exchange=make_exchange(domain, flush_wgrad=False))
         # Domain-local id of expert e, for the rows this rank receives (experts of its domain).
         self.local_of_expert = torch.tensor(local_of, dtype=torch.int64, device=device)
         self.rows_sent = [0, 0]  # [within the domain, across domains], as AllToAllDispatcher
@@ -312,19 +250,16 @@ class HierarchicalDispatcher:
         ids_send = torch.where(slot_mask, expert_idx_TK[token_of_row], -1)  # global ids; -1: other domains
         inter = R_send - input_splits[self.my_rail]
         self.rows_sent[1] += inter
-        arrive = send_rows(x_TD[token_of_row], output_splits, input_splits, self.rail, self.wire, self.overlap)
+        arrive = self.exchange(x_TD[token_of_row], output_splits, input_splits, self.wire)
         ids_recv = ids_send.new_empty(sum(output_splits), K)
-        if self.overlap:
-            all_to_all_in_turn(ids_recv, ids_send, self.rail, output_splits, input_splits)
-        else:
-            dist.all_to_all_single(ids_recv, ids_send, output_splits, input_splits, group=self.rail)
+        self.exchange.ids(ids_recv, ids_send, output_splits, input_splits)
         # 2. within the domain: every valid slot of the received rows is an assignment.
         E_dom = self.inner.num_experts
         key = torch.where(ids_recv >= 0, self.local_of_expert[ids_recv.clamp(min=0)], E_dom).reshape(-1)
         order = torch.argsort(key, stable=True)[:recv_slots]
         counts = expert_counts(key, E_dom + 1)[:E_dom]
         local = DispatchHandle(order=order, num_assignments=key.numel(), kept=None)
-        pending = self.inner.exchange(arrive()[order // K], counts, local)
+        pending = self.inner.send_sorted(arrive()[order // K], counts, local)
         self.rows_sent[0] += sum(self.inner.take_rows_sent())
         return pending, HierarchicalHandle(pending[2], token_of_row, slot_mask, input_splits, output_splits, T, kept)
 
@@ -340,15 +275,9 @@ class HierarchicalDispatcher:
         K = weights_TK.shape[1]
         y_VD = self.inner.combine_rows(y_ND, handle.inner)  # [R_recv·K, D], zeros at other domains' slots
         w_send = torch.where(handle.slot_mask, weights_TK[handle.token_of_row], 0.0)
-        if self.overlap:
-            w_recv = exchange_rows(w_send, handle.output_splits, handle.input_splits, self.rail)
-        else:
-            w_recv = all_to_all_single_autograd(w_send, handle.output_splits, handle.input_splits, self.rail)
+        w_recv = self.exchange(w_send, handle.output_splits, handle.input_splits)()
         y_RD = (y_VD.view(-1, K, y_VD.shape[-1]).float() * w_recv.unsqueeze(-1)).sum(1).to(y_ND.dtype)
-        if self.overlap:
-            y_back = exchange_rows(y_RD, handle.input_splits, handle.output_splits, self.rail)
-        else:
-            y_back = all_to_all_single_autograd(y_RD, handle.input_splits, handle.output_splits, self.rail)
+        y_back = self.exchange(y_RD, handle.input_splits, handle.output_splits)()
         out = y_back.new_zeros(handle.num_tokens, y_back.shape[-1], dtype=torch.float32)
         return out.index_add(0, handle.token_of_row, y_back.float()).to(y_ND.dtype)
 
@@ -381,7 +310,8 @@ def hierarchical_groups(ps: ParallelState) -> tuple[dist.ProcessGroup, dist.Proc
     return groups
 
 
-def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Config) -> None:
+def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Config,
+                          make_exchange: Callable[..., Exchange] = Exchange) -> None:
     """Spread the MoE layers over the ranks: step 4 of
     :func:`moetrain.parallel.apply.build_model_parts`, on the meta-device model, after tensor
     parallelism. Each layer gets one :class:`~moetrain.model.moe.MoEParallel`:
@@ -391,7 +321,9 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
        with expert-tensor parallelism (``parallel.etp`` = tp) also Shard over tp along the ffn
        width F (:func:`_expert_tensor_parallel`);
     2. the dispatcher: :class:`AllToAllDispatcher` (``moe.token_dispatcher: alltoall``) or
-       :class:`HierarchicalDispatcher` (``hierarchical``) over ep, else the local one;
+       :class:`HierarchicalDispatcher` (``hierarchical``) over ep, else the local one, moving its
+       rows through exchanges ``make_exchange(group[, flush_wgrad=False])`` makes (the caller
+       chooses how transfers wait: :mod:`moetrain.parallel.exchange`);
     3. a sequence split over cp × tp ranks: :func:`sequence_split`;
     4. node-limited routing (``moe.max_nodes_per_token``): :func:`node_limited_groups`.
 
@@ -405,7 +337,6 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
     rail_domain = hierarchical_groups(ps) if ep > 1 and cfg.moe.token_dispatcher == "hierarchical" else None
     split = sequence_split(ps)
     wire = fp8.dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
-    overlap = cfg.parallel.ep_overlap
     for moe in moe_layers.values():
         E = moe.num_experts
         if ep > 1 or etp:
@@ -420,9 +351,9 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
             _expert_tensor_parallel(moe, ps)
         if rail_domain is not None:
             dispatcher = HierarchicalDispatcher(E, ep_ranks, domains or [0] * ep, *rail_domain, ps.device, wire,
-                                                overlap)
+                                                make_exchange)
         elif ep > 1:
-            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains, wire, overlap)
+            dispatcher = AllToAllDispatcher(E, ps.group(EP), domains, wire, make_exchange(ps.group(EP)))
         else:
             dispatcher = LocalDispatcher(E)
         groups, max_groups = (None, None)
