@@ -17,11 +17,18 @@ byte-level data) with ``python -m moetrain.submit`` on the dev cluster, dp = 4 �
   hierarchical`` (a token crosses the link once per remote node its experts are on);
 * ``…+overlap+delay_wgrad``: the overlap with ``parallel.delay_wgrad_compute`` (the backward's
   weight gradients computed while its all-to-alls travel); ``over_overlap_alone`` compares it
-  with the overlap without it.
+  with the overlap without it;
+* ``flat+overlap+split`` / ``flat+overlap+whole``: the overlap with ``parallel.ep_overlap_split``
+  ``always`` (each micro-batch as two halves) or ``never`` (``flat+overlap`` takes ``auto``: halves with
+  2 micro-batches per rank or fewer).
 
 Each figure is the median ``step_time_s`` of ``metrics.jsonl`` over the steps after the first
 two. ``hidden_fraction`` of an overlapped layout = (off − on) / (off − one-node): the share of
-the network's cost that the overlap removed.
+the network's cost that the overlap removed; ``hidden_share`` = (off − on) / min(one-node,
+off − one-node): the share of what can be hidden at all (a transfer longer than the compute
+beside it cannot hide whole), with the planner's ``predicted_hidden_share`` beside it. With 2
+micro-batches per rank (``--micro-batches 2``) the overlapped layouts split each micro-batch in
+two halves (``parallel.ep_overlap_split: auto``; ``split_micro_batches``).
 
 The planner (``moetrain.planner``) predicts each layout with the profile ``up`` wrote for the
 link rate, after two fits in this run, each on one layout:
@@ -59,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from conftest import ByteTokenizer, _documents, tiny_config  # noqa: E402
-from moetrain.config import to_dict  # noqa: E402
+from moetrain.config import overlap_split, to_dict  # noqa: E402
 from moetrain.data.writer import write_shards  # noqa: E402
 from moetrain.planner.layout import Layout  # noqa: E402
 from moetrain.planner.memory import MemoryAssumptions  # noqa: E402
@@ -80,6 +87,9 @@ LAYOUTS = {  # name: (nodes, moe overrides, parallel overrides)
     "flat": (2, {}, {}),
     "flat+overlap": (2, {}, OVERLAP),
     "flat+overlap+delay_wgrad": (2, {}, DELAY_WGRAD),
+    # ep_overlap_split forced: halves of every micro-batch (always), or whole ones (never)
+    "flat+overlap+split": (2, {}, {**OVERLAP, "ep_overlap_split": "always"}),
+    "flat+overlap+whole": (2, {}, {**OVERLAP, "ep_overlap_split": "never"}),
     "hierarchical": (2, HIER, {}),
     "hierarchical+overlap": (2, HIER, OVERLAP),
     "hierarchical+overlap+delay_wgrad": (2, HIER, DELAY_WGRAD),
@@ -102,8 +112,21 @@ def emulated_rate() -> tuple[float, Path]:
     return float(m.group(1)), state / "profiles" / "dev-emulated.yaml"
 
 
-def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batches: int, profile: Path):
+def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batches: int, profile: Path,
+                  config: str | None = None):
     nodes, moe, parallel = LAYOUTS[name]
+    if config is not None:  # a user's config (its model, data and batch) at dp4 x ep4 in this layout
+        from moetrain.config import load_config
+        from moetrain.launch.preflight import resolve_vocab
+
+        base = load_config(ROOT / config)
+        over = [f"moe.{k}={v}" for k, v in moe.items()] + [f"parallel.{k}={str(v).lower()}" for k, v in parallel.items()]
+        return resolve_vocab(load_config(ROOT / config, [
+            "parallel.dp=4", "parallel.ep=4", f"train.steps={steps}", "train.val_every=0", "checkpoint.every=0",
+            "checkpoint.resume=false", f"run.dir={run_dir}", f"run.name=bench-net-{name}", "data.verify=size",
+            f"data.path={(ROOT / base.data.path).resolve()}", "launch.cluster=slurm", f"launch.nodes={nodes}",
+            f"launch.tasks_per_node={4 // nodes}", "launch.cpus_per_task=1", f"launch.profile={profile}",
+            "launch.max_restarts=0", "launch.time_min=30", "train.log_every=1", *over]))
     return tiny_config(data, run_dir, run={"name": f"bench-net-{name}"}, model=MODEL,
                        moe={**MOE, **moe}, parallel={"dp": 4, "ep": 4, **parallel},
                        train={"steps": steps, "micro_batch_size": 2, "global_batch_size": 2 * 4 * micro_batches,
@@ -142,7 +165,8 @@ def predict(cfg, prof: ClusterProfile) -> dict:
         prof = dataclasses.replace(prof, gpus_per_node=gpn, nvswitch_domain_gpus=gpn)
     # FSDP2's gradient all-reduce blocks in its backward hooks on gloo: not overlapped here.
     ta = TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
-                           delay_wgrad=cfg.parallel.delay_wgrad_compute, overlap_grad_reduce=False)
+                           delay_wgrad=cfg.parallel.delay_wgrad_compute, overlap_grad_reduce=False,
+                           ep_overlap_split=cfg.parallel.ep_overlap_split)
     planner = Planner(ModelShape.from_config(cfg), prof, nodes, cfg.train.global_batch_size,
                       gpus_per_node=gpn, mem=MemoryAssumptions.for_train(cfg.train), timing=ta)
     t = planner.evaluate(Layout.from_config(cfg)).time
@@ -168,6 +192,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps per layout (the first 2 are not counted)")
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step per rank")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
+    ap.add_argument("--config", default=None,
+                    help="train this config (e.g. configs/demo-moe.yaml: its model, data and global batch) at "
+                         "dp4 x ep4 instead of the bench's model; --micro-batches is then the config's")
     ap.add_argument("--fit-overlap", default="flat+overlap",
                     help="the overlapped layout the planner's ep_overlap_efficiency is fitted on ('' for none: "
                          "the profile's value)")
@@ -182,8 +209,8 @@ def main() -> None:
         work = Path(tmp)
         write_shards(_documents(1500), ByteTokenizer(), work / "shards", shard_tokens=200_000, val_docs=10,
                      progress=False)
-        cfgs = {n: layout_config(n, work / "shards", work / n, args.steps, args.micro_batches, profile_path)
-                for n in names}
+        cfgs = {n: layout_config(n, work / "shards", work / n, args.steps, args.micro_batches, profile_path,
+                                 args.config) for n in names}
         measured = {}
         for n in names:
             times = run_layout(cfgs[n], work)
@@ -213,11 +240,19 @@ def main() -> None:
             off, on = measured[base]["step_s"], measured[n]["step_s"]
             row["on_over_off"] = on / off
             row["hidden_fraction"] = (off - on) / (off - ref) if off > ref else None
-            row["predicted_on_over_off"] = pred["step_s"] / predict(cfgs[base], fitted(prof, f, e))["step_s"]
+            pred_off = predict(cfgs[base], fitted(prof, f, e))["step_s"]
+            row["predicted_on_over_off"] = pred["step_s"] / pred_off
+            # What can be hidden at all: the network's cost (off - compute), or the compute when
+            # the network costs more than the compute has room to cover.
+            row["hidden_share"] = (off - on) / min(ref, off - ref) if off > ref else None
+            row["predicted_hidden_share"] = ((pred_off - pred["step_s"]) / min(ref, pred_off - ref)
+                                             if pred_off > ref else None)
+            row["split_micro_batches"] = overlap_split(cfgs[n])
         rows[n] = row
     out = {"bench": "emulated_network", "link_mbit_s": mbps, "profile": str(profile_path),
-           "model": {**MODEL, **MOE}, "parallel": "dp4 x ep4, 2 nodes x 2 tasks (one-node: 1 x 4)",
-           "micro_batches_per_rank": args.micro_batches, "micro_batch_size": 2,
+           "model": args.config or {**MODEL, **MOE}, "parallel": "dp4 x ep4, 2 nodes x 2 tasks (one-node: 1 x 4)",
+           "micro_batches_per_rank": cfgs["one-node"].grad_accum_steps,
+           "micro_batch_size": cfgs["one-node"].train.micro_batch_size,
            "calibration": {"compute": {"layout": "one-node", "factor": f, "peak_tflops": prof.peak_tflops * f,
                                        "hbm_gb_s": prof.hbm_gb_s * f},
                            "ep_overlap_efficiency": {"layout": fit, "value": e,

@@ -54,6 +54,7 @@ __all__ = [
     "save_config",
     "validate",
     "check_supported",
+    "overlap_split",
 ]
 
 
@@ -319,7 +320,15 @@ class ParallelConfig:
     weight gradient after the backward's next token all-to-all is issued, while it travels
     (:mod:`moetrain.model.wgrad`): the experts' behind the dispatch's backward, the attention's
     and shared experts' behind the combine's backward of the layer below. Tensor-parallel
-    (DTensor) linears, fp8 GEMMs and the output head compute theirs at once."""
+    (DTensor) linears, fp8 GEMMs and the output head compute theirs at once.
+    ``ep_overlap_split`` (with ``ep_overlap`` at pp = 1): run each micro-batch as two halves of
+    its samples, so that the halves pair up too (DeepSeek's two-micro-batch overlap) — with n
+    micro-batches per step, 2n halves in 2n − 1 pairs hide all but 1/(2n) of the transfers instead
+    of all but 1/n. ``auto``: when the step has 2 micro-batches per rank or fewer; ``always``;
+    ``never`` (each half's GEMMs are half as long: on a GPU, less efficient). Needs an even micro-batch size, no capacity factor (each half would drop by
+    its own capacity) and, with multi-token prediction, ``data.loss_mask`` (the MTP loss's
+    divisor). The step equals the unsplit one within fp32's rounding (sums reordered), not bit
+    for bit; :func:`overlap_split` says whether a config splits."""
 
     dp: int = 1
     tp: int = 1
@@ -337,6 +346,7 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     collective_timeout_s: float = 600.0
     ep_overlap: bool = False
+    ep_overlap_split: Literal["auto", "always", "never"] = "auto"
     delay_wgrad_compute: bool = False
 
     @property
@@ -1273,14 +1283,42 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
                           "set parallel.sequence_parallel=false or tp >= 2")
     if par.ep_overlap:
         _check_ep_overlap(cfg)
+    elif par.ep_overlap_split == "always":
+        raise field_error("parallel.ep_overlap_split", "always", "splits the micro-batches of ep_overlap, which is off",
+                          "set parallel.ep_overlap: true, or parallel.ep_overlap_split: auto")
     elif par.delay_wgrad_compute:
         raise field_error("parallel.delay_wgrad_compute", True, "defers weight gradients behind the token "
                           "all-to-alls of ep_overlap's merged pairs, and ep_overlap is off",
                           "set parallel.ep_overlap: true, or parallel.delay_wgrad_compute: false")
 
 
+def _split_blocker(cfg: Config) -> str | None:
+    """Why ``parallel.ep_overlap_split`` cannot split this config's micro-batches, or None."""
+    if not cfg.parallel.ep_overlap or cfg.parallel.pp > 1:
+        return "it splits the micro-batches of ep_overlap at pp = 1"
+    if cfg.train.micro_batch_size % 2:
+        return f"train.micro_batch_size = {cfg.train.micro_batch_size} does not split into two halves"
+    if cfg.moe.capacity_factor is not None:
+        return "with moe.capacity_factor each half would drop tokens by its own capacity"
+    if cfg.model.mtp_depth and not cfg.data.loss_mask:
+        return "multi-token prediction's loss divides by the whole micro-batch's positions (set data.loss_mask)"
+    return None
+
+
+def overlap_split(cfg: Config) -> bool:
+    """Whether the step runs each micro-batch as two halves (``parallel.ep_overlap_split``; see
+    :class:`ParallelConfig`): ``on``, or ``auto`` with 2 micro-batches per rank or fewer, where
+    nothing blocks it."""
+    mode = cfg.parallel.ep_overlap_split
+    if mode == "never" or _split_blocker(cfg) is not None:
+        return False
+    return mode == "always" or cfg.grad_accum_steps <= 2
+
+
 def _check_ep_overlap(cfg: Config) -> None:
     par = cfg.parallel
+    if par.ep_overlap_split == "always" and (why := _split_blocker(cfg)) is not None:
+        raise field_error("parallel.ep_overlap_split", "always", why, "set parallel.ep_overlap_split: auto or never")
     if par.ep == 1:
         raise field_error("parallel.ep_overlap", True, "there is no expert all-to-all to hide with ep = 1",
                           "set parallel.ep_overlap: false, or ep >= 2")

@@ -113,7 +113,8 @@ def _ep_overlap(cfg: Config, rm: RankMap) -> dict[str, Any] | None:
                              ("with_delay_wgrad", "merged_pairs", True)):
         planner = Planner(shape, rm.profile, len(rm.allocation), cfg.train.global_batch_size, rm.allocation,
                           gpus_per_node=rm.tasks_per_node, mem=MemoryAssumptions.for_train(cfg.train),
-                          timing=TimingAssumptions(ep_overlap=mode, delay_wgrad=delay))
+                          timing=TimingAssumptions(ep_overlap=mode, delay_wgrad=delay,
+                                                   ep_overlap_split=cfg.parallel.ep_overlap_split))
         try:
             t = planner.evaluate(lay).time
         except ValueError as e:  # e.g. ZeRO-3 or pp_schedule gpipe: not with the overlap

@@ -31,8 +31,8 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from moetrain.config import Config, check_supported
-from moetrain.data.loader import MicroBatch
+from moetrain.config import Config, check_supported, overlap_split
+from moetrain.data.loader import IGNORE_INDEX, MicroBatch
 from moetrain.model.init import init_weights
 from moetrain.model.fp8_gemm import set_fp8
 from moetrain.model.layers import set_compute_dtype
@@ -65,16 +65,43 @@ class StepRunner(Protocol):
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of LM losses without gradients (validation); same conventions."""
 
+    def forwards_per_step(self, micro_batches: int) -> int:
+        """How many forward passes a step of ``micro_batches`` runs (what the MoE layers' losses
+        and statistics are averaged over)."""
+
+
+def split_micro_batch(mb: MicroBatch) -> list[MicroBatch]:
+    """``mb`` as two halves of its samples whose losses add up to ``mb``'s: each keeps the whole
+    micro-batch's loss divisor (with none, the count of its trained targets: a device scalar, no
+    host read), so each half's loss is its summed token losses over that count.
+
+    Raises:
+        ValueError: an odd number of samples.
+    """
+    B = mb.inputs.shape[0]
+    if B % 2:
+        raise ValueError(f"a micro-batch of {B} samples does not split into two halves")
+    divisor = mb.loss_divisor
+    if divisor is None:
+        lm_targets = mb.targets if mb.targets.dim() == 2 else mb.targets[..., 0]
+        divisor = (lm_targets != IGNORE_INDEX).sum().clamp(min=1)
+    h = B // 2
+    return [MicroBatch(mb.inputs[s], mb.targets[s], None if mb.doc_ids is None else mb.doc_ids[s], divisor)
+            for s in (slice(0, h), slice(h, B))]
+
 
 class SingleStageRunner:
     """Gradient accumulation over micro-batches on a model that is not pipelined; with
     ``ep_overlap`` (``parallel.ep_overlap``) the forward of each micro-batch runs merged with the
-    backward of the one before it (:mod:`moetrain.parallel.ep_overlap`)."""
+    backward of the one before it (:mod:`moetrain.parallel.ep_overlap`), and with ``split``
+    (:func:`moetrain.config.overlap_split`) each micro-batch runs as two halves that pair up the
+    same way (:func:`split_micro_batch`)."""
 
     def __init__(self, model: Transformer, ps: ParallelState, ep_overlap: bool = False,
-                 delay_wgrad: bool = False):
+                 delay_wgrad: bool = False, split: bool = False):
         self.model, self.ps, self.device = model, ps, ps.device
         self.ep_overlap, self.delay_wgrad = ep_overlap, delay_wgrad
+        self.split = ep_overlap and split
         # Called as (index, count) before each micro-batch's backward is due (before its forward
         # without overlap): FSDP's gradient sync and resharding (MicroBatchSync); None in one
         # process. Its settings act in the backward only.
@@ -91,9 +118,15 @@ class SingleStageRunner:
         logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
         return model_loss(logits, targets, self.model.model_cfg.mtp_loss_coef, mb.loss_divisor)
 
+    def forwards_per_step(self, micro_batches: int) -> int:
+        return 2 * micro_batches if self.split else micro_batches
+
     def forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        if self.split:
+            halves = [h for mb in micro_batches for h in split_micro_batch(mb)]
+            return self._merged_forward_backward(halves, len(micro_batches))
         if self.ep_overlap and len(micro_batches) > 1:
-            return self._merged_forward_backward(micro_batches)
+            return self._merged_forward_backward(micro_batches, len(micro_batches))
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro_batches):
             if self.before_micro_batch is not None:
@@ -106,10 +139,11 @@ class SingleStageRunner:
                 total[1] += _full_tensor(mtp).detach()
         return total
 
-    def _merged_forward_backward(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+    def _merged_forward_backward(self, micro_batches: list[MicroBatch], divide: int) -> torch.Tensor:
         """F0 | B0+F1 | ... | B(n-2)+F(n-1) | B(n-1): the same micro-batches, losses and
         gradient accumulation order as :meth:`forward_backward`, each pair taking turns at its
-        all-to-alls."""
+        all-to-alls; each objective is divided by ``divide`` (the step's micro-batches: halves of
+        one add up to it)."""
         n = len(micro_batches)
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         slots = [Slot(self.delay_wgrad) for _ in micro_batches]
@@ -117,7 +151,7 @@ class SingleStageRunner:
         def backward(i: int, loss: torch.Tensor, at_end: Callable[[], None] | None = None) -> None:
             if self.before_micro_batch is not None:
                 self.before_micro_batch(i, n)
-            scaled = loss / n
+            scaled = loss / divide
             if at_end is not None:
                 scaled = queue_at_end_of_backward(scaled, at_end)
             scaled.backward()
@@ -236,7 +270,7 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
     # The runner: a pipeline schedule over the stages, or plain accumulation on one part.
     runner: StepRunner = (PipelineRunner(parts, stages, cfg, ps) if ps.size(PP) > 1
                           else SingleStageRunner(parts[0], ps, cfg.parallel.ep_overlap,
-                                                 cfg.parallel.delay_wgrad_compute))
+                                                 cfg.parallel.delay_wgrad_compute, overlap_split(cfg)))
     if cfg.parallel.delay_wgrad_compute and fsdp_modules:
         # FSDP reduces a group's gradients once its module has its input gradient: with weight
         # gradients deferred past that point, it waits for them (moetrain.parallel.ep_overlap).

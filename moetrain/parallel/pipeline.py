@@ -420,6 +420,9 @@ class PipelineRunner:
         mtp = self._total(self.train_loss.mtp_values, self.n_micro if self.mtp else 0)
         return torch.stack([lm, mtp])
 
+    def forwards_per_step(self, micro_batches: int) -> int:
+        return micro_batches
+
     @torch.no_grad()
     def forward_only(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of the LM losses without gradients, forward through the pipeline (GPipe, or Looped

@@ -152,7 +152,8 @@ class Planner:
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
                    mem=MemoryAssumptions.for_train(cfg.train),
                    timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
-                                            delay_wgrad=cfg.parallel.delay_wgrad_compute))
+                                            delay_wgrad=cfg.parallel.delay_wgrad_compute,
+                                            ep_overlap_split=cfg.parallel.ep_overlap_split))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:

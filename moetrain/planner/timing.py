@@ -90,7 +90,8 @@ class TimingAssumptions:
     after it, at any pp with the 1F1B schedules; see :func:`merged_pair_share`).
     ``delay_wgrad``: with ``merged_pairs``, moetrain's ``parallel.delay_wgrad_compute`` (the
     backward's weight-gradient GEMMs run after its next all-to-all is issued; see
-    :func:`merged_pair_hidden`).
+    :func:`merged_pair_hidden`). ``ep_overlap_split``: with ``merged_pairs``, moetrain's
+    ``parallel.ep_overlap_split`` (``auto`` / ``always`` / ``never``; :func:`split_pairs`).
     ``tp_comm_overlap``: the TP all-gathers / reduce-scatters hide behind the layer's GEMMs
     (Megatron's ``--tp-comm-overlap``; moetrain does not overlap them).
     ``cross_entropy``: ``fused`` — the fp32 softmax cross-entropy reads and writes each logit
@@ -125,6 +126,7 @@ class TimingAssumptions:
     overlap_slowdown: float = 0.15
     ep_overlap: str = "none"
     delay_wgrad: bool = False
+    ep_overlap_split: str = "never"
     attention_efficiency: float | None = None
     fp8_cast_bytes: float = 5.0
     grad_buffer_bytes: float = 0.0
@@ -200,6 +202,17 @@ def merged_pair_hidden(dispatch_f: float, combine_f: float, combine_b: float, di
     hf = min(dispatch_f, moe_b) + min(combine_f, attn_b)
     hb = min(combine_b, attn_f + attn_dw) + min(dispatch_b, moe_f + moe_dw)
     return hf, hb
+
+
+def split_pairs(mode: str, layout: Layout, m: int) -> int:
+    """The number of forward passes a step's m micro-batches pair up as under
+    ``parallel.ep_overlap_split`` (``moetrain.config.overlap_split``): 2m where each micro-batch
+    runs as two halves (pp = 1, an even micro-batch size; ``always``, or ``auto`` with m ≤ 2), else
+    m. Halves halve every transfer and compute piece, so a merged pair of halves hides half of
+    what a pair of whole micro-batches hides, over twice as many pairs."""
+    if mode == "never" or layout.pp > 1 or layout.mbs % 2:
+        return m
+    return 2 * m if mode == "always" or m <= 2 else m
 
 
 def merged_pair_share(pp: int, vpp: int, m: int) -> float:
@@ -509,8 +522,9 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
             # A weight gradient costs the FLOPs of its forward GEMM. moetrain defers the experts' and,
             # without tp (its tensor-parallel linears compute theirs at once), the projections'.
             segments += (att_f if lay.tp == 1 else 0.0, moe_f)
+        m_pairs = split_pairs(ta.ep_overlap_split, lay, m) if ta.ep_overlap == "merged_pairs" else m
         ep_f, ep_b, ep_hidden = ep_exposed(t_disp + t_a2a, 2 * t_a2a, att_f + core_f + moe_f, att_b + core_b + moe_b,
-                                           shared_f, shared_b, ta.ep_overlap, lay, m, segments,
+                                           shared_f, shared_b, ta.ep_overlap, lay, m_pairs, segments,
                                            prof.ep_overlap_efficiency)
         if lay.etp > 1:
             t_etp = (comm_time("all_gather", sz["etp"], places["tp"], prof)[0]

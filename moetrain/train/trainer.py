@@ -355,8 +355,9 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.train)
         for opt in self.optimizers:
             set_lr(opt, lr)
+        forwards = self.runner.forwards_per_step(accum)  # 2 per micro-batch when ep_overlap splits them
         for moe in self.moe_layers.values():
-            moe.begin_step(accum)
+            moe.begin_step(forwards)
 
         # Forward + backward of every micro-batch (FSDP2 reduces the gradients during the last
         # one's backward); each MoE layer sums its statistics.
@@ -371,7 +372,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         self.step += 1
 
-        scalars, loads = self._reduce_metrics(loss_sums, accum, {n: s for n, (s, _) in moe_stats.items()})
+        scalars, loads = self._reduce_metrics(loss_sums, accum, {n: s for n, (s, _) in moe_stats.items()}, forwards)
         for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
             if moe.expert_bias is not None:
                 moe.update_expert_bias(loads[name])
@@ -424,13 +425,14 @@ class Trainer:
         dist.all_reduce(out)
         return out
 
-    def _reduce_metrics(self, loss_sums: torch.Tensor, accum: int, moe_stats: dict[str, dict[str, torch.Tensor]]
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _reduce_metrics(self, loss_sums: torch.Tensor, accum: int, moe_stats: dict[str, dict[str, torch.Tensor]],
+                        forwards: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's metrics, reduced over the ranks, on the device: (:data:`STEP_SCALARS` as
         means over micro-batches, data-parallel ranks and MoE layers; float64 [5]) and each local
         MoE layer's tokens per expert summed over the whole batch ([E] float64). ``loss_sums``:
         the runner's LM and MTP loss sums ([2]); ``moe_stats``: each local MoE layer's
-        :meth:`~moetrain.model.moe.MoE.take_statistics` sums.
+        :meth:`~moetrain.model.moe.MoE.take_statistics` sums, over ``forwards`` forward passes
+        (``accum`` unless the runner splits micro-batches).
 
         Under pipeline parallelism the LM loss lives on the last stage and each stage holds its
         own MoE layers: sums over pp gather them (MoE-layer counts too). Each tp rank routes its
@@ -459,8 +461,9 @@ class Trainer:
         if tp > 1:
             for once in (lm, mtp, dropped, n_moe):  # the same on every tp rank; python divisors: no copy
                 once /= tp
-        scalars = torch.stack([lm, mtp, aux / n_moe.clamp(min=1.0), z / n_moe.clamp(min=1.0),
-                               dropped / n_moe.clamp(min=1.0)]) / accum
+        per_forward = (forwards or accum) / accum  # the MoE sums count each forward pass
+        moe_div = n_moe.clamp(min=1.0) * per_forward
+        scalars = torch.stack([lm, mtp, aux / moe_div, z / moe_div, dropped / moe_div]) / accum
         if self.ps.size(DP_CP) > 1:
             dist.all_reduce(scalars, group=self.ps.group(DP_CP))
             scalars /= self.ps.size(DP_CP)
