@@ -151,34 +151,6 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
     return wrapped
 
 
-class MicroBatchSync:
-    """Called by the step runner before each micro-batch's backward is due: FSDP's gradient sync
-    and resharding for the stage (module docstring). Stages 0 and 1: no reduction until the last
-    micro-batch; 1 and 2: parameters kept unsharded until the last; 3: FSDP's defaults.
-
-    With ``ep_overlap`` (:mod:`moetrain.parallel.ep_overlap`) stage 0 keeps its parameters'
-    unsharded copies until the last backward too: a forward that runs through a block while the
-    other micro-batch's backward is inside it finds FSDP's state there in backward, so FSDP takes
-    it for a recomputation and registers no hooks for its backward, which must then find the
-    parameters still in place (FSDP's end-of-backward callback reduces what no hook did)."""
-
-    def __init__(self, modules: list[FSDPModule], stage: int, ep_overlap: bool = False):
-        if stage not in ZERO_STAGES:
-            raise ValueError(f"zero stage {stage!r}: expected one of 0, 1, 2, 3")
-        if ep_overlap and stage == 3:
-            raise ValueError("ZeRO-3 frees parameters after each block's backward: not with ep_overlap")
-        self.modules, self.stage, self.ep_overlap = modules, stage, ep_overlap
-
-    def __call__(self, index: int, count: int) -> None:
-        """Before micro-batch ``index`` (0-based) of ``count``."""
-        last = index == count - 1
-        for m in self.modules:
-            if self.stage in (0, 1):
-                m.set_requires_gradient_sync(last, recurse=False)
-            if self.stage in (1, 2) or self.ep_overlap:
-                m.set_reshard_after_backward(last, recurse=False)
-
-
 @torch.no_grad()
 def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each element counted once: an fp32 scalar on the

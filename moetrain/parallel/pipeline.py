@@ -331,7 +331,7 @@ class PipelineRunner:
     @property
     def overlap_events(self) -> list[tuple[str, str]] | None:
         """With ``ep_overlap``: the merged pairs' turn-taking, (side, event) in order, when set
-        to a list (tests); as :attr:`moetrain.parallel.apply.SingleStageRunner.overlap_events`."""
+        to a list (tests); as :attr:`moetrain.parallel.runner.SingleStageRunner.overlap_events`."""
         return self.schedule.events if self.ep_overlap else None
 
     @overlap_events.setter
