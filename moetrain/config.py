@@ -55,6 +55,7 @@ __all__ = [
     "validate",
     "check_supported",
     "overlap_split",
+    "splits_micro_batches",
 ]
 
 
@@ -325,9 +326,9 @@ class ParallelConfig:
     its samples, so that the halves pair up too (DeepSeek's two-micro-batch overlap) — with n
     micro-batches per step, 2n halves in 2n − 1 pairs hide all but 1/(2n) of the transfers instead
     of all but 1/n. ``auto``: when the step has 2 micro-batches per rank or fewer; ``always``;
-    ``never`` (each half's GEMMs are half as long: on a GPU, less efficient). Needs an even micro-batch size, no capacity factor (each half would drop by
-    its own capacity) and, with multi-token prediction, ``data.loss_mask`` (the MTP loss's
-    divisor). The step equals the unsplit one within fp32's rounding (sums reordered), not bit
+    ``never`` (each half's GEMMs are half as long: on a GPU, less efficient). Needs an even
+    micro-batch size, no capacity factor (each half would drop by its own capacity) and, with
+    multi-token prediction, ``data.loss_mask`` (the MTP loss's divisor). The step equals the unsplit one within fp32's rounding (sums reordered), not bit
     for bit; :func:`overlap_split` says whether a config splits."""
 
     dp: int = 1
@@ -1305,14 +1306,20 @@ def _split_blocker(cfg: Config) -> str | None:
     return None
 
 
+def splits_micro_batches(mode: str, pp: int, micro_batch_size: int, micro_batches: int) -> bool:
+    """The rule of ``parallel.ep_overlap_split`` = ``mode`` for a layout (the runner's, through
+    :func:`overlap_split`, and the planner's): halves at pp = 1 of an even micro-batch size,
+    ``always``, or ``auto`` with 2 micro-batches per rank or fewer."""
+    if mode == "never" or pp > 1 or micro_batch_size % 2:
+        return False
+    return mode == "always" or micro_batches <= 2
+
+
 def overlap_split(cfg: Config) -> bool:
     """Whether the step runs each micro-batch as two halves (``parallel.ep_overlap_split``; see
-    :class:`ParallelConfig`): ``on``, or ``auto`` with 2 micro-batches per rank or fewer, where
-    nothing blocks it."""
-    mode = cfg.parallel.ep_overlap_split
-    if mode == "never" or _split_blocker(cfg) is not None:
-        return False
-    return mode == "always" or cfg.grad_accum_steps <= 2
+    :class:`ParallelConfig`): :func:`splits_micro_batches`, where nothing else blocks it."""
+    return _split_blocker(cfg) is None and splits_micro_batches(
+        cfg.parallel.ep_overlap_split, cfg.parallel.pp, cfg.train.micro_batch_size, cfg.grad_accum_steps)
 
 
 def _check_ep_overlap(cfg: Config) -> None:

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from moetrain.config import splits_micro_batches
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import MemoryAssumptions, stage_counts
 from moetrain.planner.model import ModelShape
@@ -206,13 +207,11 @@ def merged_pair_hidden(dispatch_f: float, combine_f: float, combine_b: float, di
 
 def split_pairs(mode: str, layout: Layout, m: int) -> int:
     """The number of forward passes a step's m micro-batches pair up as under
-    ``parallel.ep_overlap_split`` (``moetrain.config.overlap_split``): 2m where each micro-batch
-    runs as two halves (pp = 1, an even micro-batch size; ``always``, or ``auto`` with m ≤ 2), else
-    m. Halves halve every transfer and compute piece, so a merged pair of halves hides half of
-    what a pair of whole micro-batches hides, over twice as many pairs."""
-    if mode == "never" or layout.pp > 1 or layout.mbs % 2:
-        return m
-    return 2 * m if mode == "always" or m <= 2 else m
+    ``parallel.ep_overlap_split`` (:func:`moetrain.config.splits_micro_batches`): 2m where each
+    micro-batch runs as two halves, else m. Halves halve every transfer and compute piece, so a
+    merged pair of halves hides half of what a pair of whole micro-batches hides, over twice as
+    many pairs."""
+    return 2 * m if splits_micro_batches(mode, layout.pp, layout.mbs, m) else m
 
 
 def merged_pair_share(pp: int, vpp: int, m: int) -> float:

@@ -426,7 +426,7 @@ class Trainer:
         return out
 
     def _reduce_metrics(self, loss_sums: torch.Tensor, accum: int, moe_stats: dict[str, dict[str, torch.Tensor]],
-                        forwards: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                        forwards: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The step's metrics, reduced over the ranks, on the device: (:data:`STEP_SCALARS` as
         means over micro-batches, data-parallel ranks and MoE layers; float64 [5]) and each local
         MoE layer's tokens per expert summed over the whole batch ([E] float64). ``loss_sums``:
@@ -461,7 +461,7 @@ class Trainer:
         if tp > 1:
             for once in (lm, mtp, dropped, n_moe):  # the same on every tp rank; python divisors: no copy
                 once /= tp
-        per_forward = (forwards or accum) / accum  # the MoE sums count each forward pass
+        per_forward = forwards / accum  # the MoE sums count each forward pass
         moe_div = n_moe.clamp(min=1.0) * per_forward
         scalars = torch.stack([lm, mtp, aux / moe_div, z / moe_div, dropped / moe_div]) / accum
         if self.ps.size(DP_CP) > 1:
