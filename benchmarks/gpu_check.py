@@ -24,12 +24,20 @@
    against bf16 (the same limits as 1.), step time, speed-up over bf16 and MFU (against the bf16
    peak, as Megatron-Core and TorchTitan report fp8 runs).
 
-7. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
+7. ``parallel.ep_overlap`` (docs/design/ep-overlap.md): fp32, ``min(--steps, 20)`` steps of the
+   demo model with the merged pairs (and delayed weight gradients) against the plain step, run
+   twice to see how far two plain runs differ: losses and gradient norms within 10 times that
+   (at least 1e-5 relative; bit for bit on the CPU). With two or more GPUs dp = ep = their
+   number (up to 4) over NCCL; with one, one rank whose dispatchers send to themselves
+   (:func:`_overlap_run`). Reports the step time with and without (on one rank there is no
+   network to hide, so the ratio is the turn-taking's cost).
+
+8. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
    defaults of :data:`MFU_MODEL` make a 2.8B-parameter MoE, 6 layers of hidden 4096 with 8 experts
    of 4096 and top-2, 4096-token sequences): bf16 and fp8 tensorwise for ``--steps`` steps, their
    step time, TFLOP/s, MFU and peak memory. No parity check (the demo's checks above do that).
 
-8. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
+9. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
    steady state (benchmarks/kernel_sweep.py): HBM copy bandwidth, the short-K constant and the
    large-GEMM efficiency, and the forward GEMMs of Megatron-LM's weak-scaling rows against the
    planner's prediction; ``--seconds`` per shape (2).
@@ -137,9 +145,11 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override applied to every training of the check (repeatable)")
-    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8",
+    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap",
                     help="comma-separated sections of the check to run (default: all); bf16 is trained as the "
                          "baseline of the fp8 sections either way")
+    ap.add_argument("--overlap-ranks", type=int, default=0,
+                    help="ranks of the ep_overlap check (default: the GPUs, up to 4; with one, the one-rank check)")
     ap.add_argument("--recipes", default="tensorwise,rowwise,blockwise", help="fp8 training recipes to check")
     ap.add_argument("--mfu", action="store_true",
                     help="only MFU on a model that fills the GPU (MFU_MODEL, then --set), bf16 and fp8 tensorwise")
@@ -214,6 +224,8 @@ def main() -> int:
         dispatch(a, out, bf16, extra, peak, failures)
     if "fp8" in only:
         fp8_training(a, out, bf16, extra, peak, failures)
+    if "overlap" in only:
+        overlap(a, out, extra, cuda, failures)
     out["wall_s"] = time.time() - t0
     out["failures"] = failures
     print(json.dumps(out, indent=1, default=str))
@@ -312,6 +324,97 @@ def fp8_training(a, out: dict, bf16: dict, extra: list[str], peak: float | None,
         except Exception as e:  # noqa: BLE001
             out["fp8_training"][recipe] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"fp8 training {recipe}: {e}")
+
+
+def _overlap_run(a, extra: list[str], on: bool, steps: int, world: int) -> dict:
+    """fp32 losses, gradient norms and median step time of ``steps`` steps of the demo model with
+    ``parallel.ep_overlap`` (and ``delay_wgrad_compute``) ``on`` or off. ``world`` > 1: this is
+    one rank of dp = ep = world (run_distributed). ``world`` = 1: one rank, whose MoE layers are
+    given the all-to-all dispatcher over the one-rank world group (each transfer an NCCL
+    all-to-all with itself) and whose runner merges the micro-batches' pairs — what a config
+    cannot ask for (ep_overlap needs ep > 1), but every piece a GPU changes runs: the backward
+    side's thread on the rank's device and stream, autograd's device thread handing over inside
+    the exchange's backward, NCCL's wait as a stream wait, the deferred weight gradients."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from moetrain.parallel.ep_overlap import InTurnExchange
+    from moetrain.parallel.exchange import Exchange
+    from moetrain.parallel.expert import AllToAllDispatcher
+    from moetrain.parallel.runner import SingleStageRunner
+
+    sets = [*extra, f"parallel.dp={world}", f"parallel.ep={world}"]
+    if world > 1:
+        sets += [f"parallel.ep_overlap={on}", f"parallel.delay_wgrad_compute={on}"]
+    trainer = make_trainer(a, "fp32", steps, extra=sets)
+    if world == 1:
+        group = dist.group.WORLD
+        for moe in trainer.moe_layers.values():
+            exchange = (InTurnExchange if on else Exchange)(group)
+            moe.parallel = dataclasses.replace(moe.parallel, dispatcher=AllToAllDispatcher(
+                moe.num_experts, group, exchange=exchange))
+        trainer.runner = SingleStageRunner(trainer.model_parts[0], trainer.ps, ep_overlap=on, delay_wgrad=on)
+    import logging
+
+    hand_overs = [0]
+
+    class Count(logging.Handler):  # the turn-taking's DEBUG records (moetrain.parallel.ep_overlap)
+        def emit(self, record: logging.LogRecord) -> None:
+            hand_overs[0] += getattr(record, "what", "") == "issue"
+
+    log, handler = logging.getLogger("moetrain.parallel.ep_overlap"), Count()
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        results = [trainer.train_step() for _ in range(steps)]
+    finally:
+        log.removeHandler(handler)
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "step_s": statistics.median(r.extra["step_time_s"] for r in results[2:]),
+            "micro_batches": trainer.cfg.grad_accum_steps, "hand_overs_per_step": hand_overs[0] / steps}
+
+
+def _overlap_rank(rank: int, world: int, a, extra: list[str], on: bool, steps: int) -> dict:
+    return _overlap_run(a, extra, on, steps, world)
+
+
+def overlap(a, out: dict, extra: list[str], cuda: bool, failures: list[str]) -> None:
+    # 7. parallel.ep_overlap: the merged pairs on this machine's devices, against the plain step.
+    from multiproc import run_distributed
+
+    gpus = torch.cuda.device_count() if cuda else 0
+    world = a.overlap_ranks or (min(gpus, 4) if gpus >= 2 else 1)
+    steps = max(min(a.steps, 20), 4)
+
+    def run(on: bool) -> dict:
+        if world == 1:
+            return _overlap_run(a, extra, on, steps, 1)
+        return run_distributed(_overlap_rank, world, a, extra, on, steps, timeout=600)[0]
+
+    def rel(x: dict, y: dict) -> float:
+        return max(abs(u - v) / max(abs(v), 1e-30) for k in ("losses", "norms") for u, v in zip(x[k], y[k]))
+
+    try:
+        off, off_again, on = run(False), run(False), run(True)
+        res = {"ranks": world, "steps": steps, "micro_batches": on["micro_batches"],
+               "bit_exact": on["losses"] == off["losses"] and on["norms"] == off["norms"],
+               "max_rel_on_vs_off": rel(on, off), "max_rel_off_vs_off": rel(off_again, off),
+               "step_s_off": off["step_s"], "step_s_on": on["step_s"], "on_over_off": on["step_s"] / off["step_s"],
+               "hand_overs_per_step": on["hand_overs_per_step"], "loss_last": on["losses"][-1]}
+        out["ep_overlap"] = res
+        # The pairs run the plain step's kernels in its order: only kernels that are not
+        # deterministic run to run (atomics) may make them differ, as they make two plain runs differ.
+        limit = max(1e-5, 10 * res["max_rel_off_vs_off"])
+        if not res["hand_overs_per_step"]:
+            failures.append("ep_overlap: no pair handed over at a transfer (the overlap did not run)")
+        if res["max_rel_on_vs_off"] > limit:
+            failures.append(f"ep_overlap: losses / grad norms {res['max_rel_on_vs_off']:.2e} from the plain step "
+                            f"(limit {limit:.1e}; two plain runs differ by {res['max_rel_off_vs_off']:.1e})")
+    except Exception as e:  # noqa: BLE001
+        out["ep_overlap"] = {"error": f"{type(e).__name__}: {e}"}
+        failures.append(f"ep_overlap: {e}")
 
 
 if __name__ == "__main__":

@@ -1322,6 +1322,24 @@ def overlap_split(cfg: Config) -> bool:
         cfg.parallel.ep_overlap_split, cfg.parallel.pp, cfg.train.micro_batch_size, cfg.grad_accum_steps)
 
 
+def ep_overlap_blocker(pp: int, pp_schedule: str, zero_stage: int, activation_checkpointing: str
+                       ) -> tuple[str, str] | None:
+    """Why ``parallel.ep_overlap`` cannot run in this layout, as (why, fix), or None: the one rule
+    that :func:`validate` raises with and the planner's search applies to each candidate layout."""
+    if pp > 1 and pp_schedule not in ("1f1b", "interleaved_1f1b"):
+        return (f"merges a backward with the next forward of 1F1B schedules; pp_schedule={pp_schedule!r} is not one",
+                "use pp_schedule 1f1b or interleaved_1f1b, or set parallel.ep_overlap: false")
+    if zero_stage == 3:
+        return ("does not run with ZeRO-3: FSDP frees a block's parameters after its backward while the other "
+                "micro-batch's forward may be inside that block",
+                "use zero_stage 0, 1 or 2, or set parallel.ep_overlap: false")
+    if activation_checkpointing == "full":
+        return ("does not run with activation_checkpointing: full (the recomputed blocks would exchange tokens "
+                "again inside the backward)",
+                "use activation_checkpointing: selective or none, or set parallel.ep_overlap: false")
+    return None
+
+
 def _check_ep_overlap(cfg: Config) -> None:
     par = cfg.parallel
     if par.ep_overlap_split == "always" and (why := _split_blocker(cfg)) is not None:
@@ -1329,18 +1347,8 @@ def _check_ep_overlap(cfg: Config) -> None:
     if par.ep == 1:
         raise field_error("parallel.ep_overlap", True, "there is no expert all-to-all to hide with ep = 1",
                           "set parallel.ep_overlap: false, or ep >= 2")
-    if par.pp > 1 and par.pp_schedule not in ("1f1b", "interleaved_1f1b"):
-        raise field_error("parallel.ep_overlap", True, f"merges a backward with the next forward of 1F1B schedules; "
-                          f"pp_schedule={par.pp_schedule!r} is not one",
-                          "use pp_schedule 1f1b or interleaved_1f1b, or set parallel.ep_overlap: false")
-    if par.zero_stage == 3:
-        raise field_error("parallel.ep_overlap", True, "does not run with ZeRO-3: FSDP frees a block's parameters "
-                          "after its backward while the other micro-batch's forward may be inside that block",
-                          "use zero_stage 0, 1 or 2, or set parallel.ep_overlap: false")
-    if par.activation_checkpointing == "full":
-        raise field_error("parallel.ep_overlap", True, "does not run with activation_checkpointing: full (the "
-                          "recomputed blocks would exchange tokens again inside the backward)",
-                          "use activation_checkpointing: selective or none, or set parallel.ep_overlap: false")
+    if blocked := ep_overlap_blocker(par.pp, par.pp_schedule, par.zero_stage, par.activation_checkpointing):
+        raise field_error("parallel.ep_overlap", True, *blocked)
     if cfg.train.compile:
         raise field_error("parallel.ep_overlap", True, "does not run with train.compile (the turn-taking at the "
                           "all-to-alls is Python, a graph break inside every block)",

@@ -11,7 +11,10 @@ expert-tensor parallelism and the fp8 wire. Speed is not asserted here (benchmar
 
 from __future__ import annotations
 
+import logging
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -29,6 +32,29 @@ from test_equivalence import steps_with_first_grads
 STEPS = 20
 
 
+@contextmanager
+def turn_events() -> Iterator[list[tuple[str, str]]]:
+    """The merged pairs' turn-taking in order, (side, what), as ``moetrain.ep_overlap`` logs it
+    at DEBUG level while the block runs."""
+    events: list[tuple[str, str]] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            events.append((record.side, record.what))
+
+    log = logging.getLogger("moetrain.parallel.ep_overlap")
+    handler, level, propagate = Collect(logging.DEBUG), log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False
+    try:
+        yield events
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def overlap_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict, overlap: bool,
                     domains: list[int] | None = None, model: dict | None = None) -> dict:
     # micro_batch_size 1: 8 / (1 · data-parallel ranks) = 2-8 micro-batches per step to merge.
@@ -40,9 +66,8 @@ def overlap_capture(rank: int, world: int, data: str, run_dir: str, parallel: di
     kwargs = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(), "rank_domains": domains
               } if domains else {}
     trainer = Trainer(cfg, write_files=False, **kwargs)
-    events: list = []
-    trainer.runner.overlap_events = events
-    results, grads = steps_with_first_grads(trainer, STEPS)
+    with turn_events() as events:
+        results, grads = steps_with_first_grads(trainer, STEPS)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for part in trainer.model_parts for n, p in part.named_parameters()}
     pairs = cfg.grad_accum_steps - 1  # F0 | B0+F1 | ... | B(n-1) on one stage
@@ -170,8 +195,12 @@ def test_turns_alternate_and_a_side_with_more_transfers_runs_on_alone():
             nxt.while_in_flight()
         return "out"
 
-    pair = MergedPair(prev, nxt, events=[])
-    assert pair.run(backward, forward) == "out"
+    with turn_events() as events:
+        assert MergedPair(prev, nxt).run(backward, forward) == "out"
+    assert events == [("backward", "issue"), ("forward", "issue"), ("backward", "resume"), ("backward", "issue"),
+                      ("forward", "resume"), ("forward", "issue"), ("backward", "resume"), ("backward", "issue"),
+                      ("forward", "resume"), ("forward", "issue"), ("backward", "resume"),  # B2 | F2
+                      ("forward", "resume"), ("forward", "done"), ("backward", "done")], events  # F3, F4 alone
     assert log == ["B0", "F0", "B1", "F1", "B2", "F2", "F3", "F4", "B-end"]
     assert prev.turns is None and nxt.turns is None
 
@@ -309,9 +338,8 @@ def split_capture(rank: int, world: int, data: str, run_dir: str, parallel: dict
     cfg = tiny_config(data, run_dir, parallel={**parallel, "ep_overlap": overlap}, moe=moe,
                       train={"steps": STEPS, "micro_batch_size": 2, "grad_clip": 1.0})
     trainer = Trainer(cfg, write_files=False)
-    events: list = []
-    trainer.runner.overlap_events = events
-    results, grads = steps_with_first_grads(trainer, STEPS)
+    with turn_events() as events:
+        results, grads = steps_with_first_grads(trainer, STEPS)
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for part in trainer.model_parts for n, p in part.named_parameters()}
     return {"losses": [r.loss for r in results], "aux": [r.aux_loss for r in results],

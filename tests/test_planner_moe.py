@@ -643,3 +643,20 @@ def test_sliding_windows_are_read_from_the_config():
     assert (s.window, s.window_layers) == (128, 2)
     full = dataclasses.replace(s, window=None, window_layers=0)
     assert s.attention_flops() == pytest.approx((full.attention_flops() * 2 + 2.0 * 128 * (s.h_q + s.h_v) * 2) / 4)
+
+
+@pytest.mark.parametrize("lay, reason", [
+    (Layout(tp=1, pp=1, dp=1024, ep=64, zero=3), "does not run with ZeRO-3"),
+    (Layout(tp=1, pp=1, dp=1024, ep=64, zero=1, ac="full"), "activation_checkpointing: full"),
+    (Layout(tp=1, pp=8, dp=128, ep=64, zero=1, schedule="gpipe"), "pp_schedule='gpipe' is not one"),
+])
+def test_the_search_refuses_what_the_config_refuses_for_ep_overlap(lay, reason):
+    """The planner's search and ``validate`` apply one rule (``config.ep_overlap_blocker``): a
+    layout the config would refuse with ep_overlap is not a candidate, for the same reason; the
+    same layout without the overlap is one."""
+    cfg = load_config("configs/deepseek-v3-like.yaml")
+    shape, prof = ModelShape.from_config(cfg), load_profile("h100-superpod")
+    on = Planner(shape, prof, 128, 4096, timing=TimingAssumptions(ep_overlap="merged_pairs"))
+    off = Planner(shape, prof, 128, 4096, timing=TimingAssumptions(ep_overlap="none"))
+    assert reason in (on.check(lay) or "")
+    assert off.check(lay) is None

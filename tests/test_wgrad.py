@@ -11,30 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moetrain.model import wgrad
 from moetrain.model.layers import Linear
 from moetrain.model.moe import GroupedExperts
+from moetrain.parallel.ep_overlap import DeferredWeightGrads
 
 
-class Store:
-    """A store that defers when told to and flushes as the ep_overlap slot does."""
-
-    def __init__(self, defer: bool):
-        self.defer, self.pending = defer, []
-
-    def deferring(self) -> bool:
-        return self.defer
-
-    def put(self, weight, compute) -> None:
-        self.pending.append((weight, compute))
-
-    def flush(self) -> None:
-        with torch.no_grad():
-            grads = [c() for _, c in self.pending]
-        torch.autograd.backward([w for w, _ in self.pending], grads)
-        self.pending = []
+def Store(defer: bool) -> DeferredWeightGrads:
+    """ep_overlap's store of one micro-batch's weight gradients, deferring as in a merged pair's
+    backward (``defer``) or not."""
+    store = DeferredWeightGrads()
+    store.in_pair = defer
+    return store
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,7 +43,7 @@ def test_linear_matches_autograd_bit_for_bit(dtype, defer):
         y.backward(g)
         if store is not None:
             assert (lin.weight.grad is None or not lin.weight.grad.any()) == defer
-            assert len(store.pending) == int(defer)
+            assert len(store) == int(defer)
             if defer:
                 store.flush()
         runs.append((y.detach(), x.grad.clone(), lin.weight.grad.clone()))
@@ -81,7 +70,7 @@ def test_experts_weight_grads_deferred_then_flushed_match_autograd(backend, dtyp
             y = experts(x, counts, counts.tolist())
         y.backward(torch.linspace(-1, 1, y.numel()).view_as(y).to(dtype))
         if store is not None:
-            assert len(store.pending) == (12 if backend == "loop" else 3)  # 3 GEMMs per expert, or per group
+            assert len(store) == (12 if backend == "loop" else 3)  # 3 GEMMs per expert, or per group
             store.flush()
         runs.append((y.detach(), x.grad.clone(), *(p.grad.clone() for p in (experts.w1, experts.w3, experts.w2))))
     for a, b in zip(*runs):

@@ -28,7 +28,7 @@ it on the rank (:class:`moetrain.parallel.pipeline.MergedPairsSchedule`), with t
 
 With ``parallel.delay_wgrad_compute`` a pair's backward also splits its GEMMs' weight gradients
 from their input gradients (:mod:`moetrain.model.wgrad`): the GEMMs leave dW in the micro-batch's
-:class:`Slot`, which computes it right after the backward issues its next transfer, before the
+:class:`DeferredWeightGrads`, which computes it right after the backward issues its next transfer, before the
 hand-over, so the transfer leaves earlier and travels during the weight GEMMs as well:
 
     backward (mb i):  ... experts dX ─ dispatch-bwd a2a issued ─ experts dW ─┐
@@ -36,6 +36,12 @@ hand-over, so the transfer leaves earlier and travels during the weight GEMMs as
 
 FSDP2's post-backward of a parameter group waits for the group's deferred gradients
 (:func:`hold_for_weight_grads`). Still bit for bit the step without overlap.
+
+The turn-taking is logged at DEBUG level on the ``moetrain.ep_overlap`` logger, one record per
+event with ``side`` (``forward`` / ``backward``) and ``what`` (``issue``: a hand-over with a
+transfer in flight; ``resume``: that side runs again; ``wgrad``: deferred weight gradients
+computed; ``done``: the side ended) as record attributes: what to read when an overlap hangs or
+hides less than it should (tests/test_ep_overlap.py reads it to check the order).
 
 What it costs: two micro-batches' activations are alive in a pair (as in Megatron-Core). What it
 needs (refused otherwise by :func:`moetrain.config.validate`): ep > 1, with pp > 1 the 1F1B or
@@ -46,8 +52,9 @@ backward, while the other micro-batch's forward may be inside the same block.
 
 from __future__ import annotations
 
+import logging
 import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Callable, Iterator
 
@@ -61,24 +68,25 @@ from moetrain.parallel.peers import waiting_on_peers
 
 FORWARD, BACKWARD = 0, 1
 _SIDE_NAMES = ("forward", "backward")
+_log = logging.getLogger(__name__)
+
+
+def _event(side: int, what: str) -> None:
+    """One turn-taking event at DEBUG level (module docstring)."""
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s %s", _SIDE_NAMES[side], what, extra={"side": _SIDE_NAMES[side], "what": what})
 
 
 class TurnTaking:
     """Two sides of a merged pair, :data:`FORWARD` and :data:`BACKWARD`, of which exactly one
-    runs at a time. The backward side has the first turn. ``events`` (when a list is given)
-    records ``(side name, what)`` for the structural test: ``issue`` at each hand-over with a
-    transfer in flight, ``resume`` when that side runs again, ``done`` at its end."""
+    runs at a time. The backward side has the first turn. Each hand-over, resumption and end is
+    logged (:func:`_event`)."""
 
-    def __init__(self, events: list[tuple[str, str]] | None = None):
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._turn = BACKWARD
         self._done = [False, False]
         self._ending = [False, False]  # in let_other_finish: takes no more turns
-        self.events = events
-
-    def log(self, side: int, what: str) -> None:
-        if self.events is not None:
-            self.events.append((_SIDE_NAMES[side], what))
 
     def wait_turn(self, side: int) -> None:
         """Block until it is ``side``'s turn (or the other side has ended)."""
@@ -92,11 +100,11 @@ class TurnTaking:
         with self._cond:
             if self._done[1 - side] or self._ending[1 - side]:
                 return
-            self.log(side, "issue")
+            _event(side, "issue")
             self._turn = 1 - side
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == side or self._done[1 - side])
-            self.log(side, "resume")
+            _event(side, "resume")
 
     def let_other_finish(self, side: int) -> None:
         """``side`` has nothing left to overlap: the other side runs to its end, then this
@@ -114,53 +122,42 @@ class TurnTaking:
         """``side`` has ended (also on an error: the other side must not wait for it)."""
         with self._cond:
             self._done[side] = True
-            self.log(side, "done")
+            _event(side, "done")
             self._turn = 1 - side
             self._cond.notify_all()
 
 
-class Slot:
-    """One micro-batch's place in the schedule: which pair it belongs to now and on which side.
-    Its all-to-alls keep a reference to it, so the backward of micro-batch i (paired with the
-    forward of i+1) hands over in the pair it belongs to by then.
+class DeferredWeightGrads:
+    """One micro-batch's :class:`~moetrain.model.wgrad.WeightGradStore` under
+    ``parallel.delay_wgrad_compute``: while its backward runs in a merged pair (``in_pair``), its
+    GEMMs leave their weight gradients here, and :meth:`flush` computes them right after the
+    backward issues its next all-to-all (they run while it travels) and at the backward's end."""
 
-    With ``delay_wgrad`` (``parallel.delay_wgrad_compute``) it is also the micro-batch's
-    :class:`~moetrain.model.wgrad.WeightGradStore`: while its backward runs in a pair, its GEMMs
-    leave their weight gradients here, and :meth:`flush_weight_grads` computes them right after
-    the backward issues its next all-to-all (they run while it travels) and at the backward's end.
-    """
-
-    def __init__(self, delay_wgrad: bool = False) -> None:
-        self.turns: TurnTaking | None = None
-        self.side = FORWARD
-        self.delay_wgrad = delay_wgrad
+    def __init__(self) -> None:
+        self.in_pair = False
         self._pending: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
         # FSDP post-backwards that waited for this micro-batch's deferred weight gradients
         self._owed: list[Callable[[], None]] = []
 
-    def while_in_flight(self) -> None:
-        """Called with one of this micro-batch's all-to-alls in flight: the partner's turn."""
-        turns = self.turns
-        if turns is not None:
-            turns.hand_over(self.side)
-
-    # -- WeightGradStore (moetrain.model.wgrad) --
-
     def deferring(self) -> bool:
-        """True while this micro-batch's backward runs in a pair with ``delay_wgrad``."""
-        return self.delay_wgrad and self.turns is not None and self.side == BACKWARD
+        """True while this micro-batch's backward runs in a pair."""
+        return self.in_pair
 
     def put(self, weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
         self._pending.append((weight, compute))
 
-    def has_pending_weight_grads(self) -> bool:
+    def has_pending(self) -> bool:
         return bool(self._pending)
+
+    def __len__(self) -> int:
+        """How many weight gradients are pending."""
+        return len(self._pending)
 
     def owe(self, post_backward: Callable[[], None]) -> None:
         """Run ``post_backward`` (an FSDP parameter group's) after the next flush."""
         self._owed.append(post_backward)
 
-    def flush_weight_grads(self) -> None:
+    def flush(self) -> None:
         """Compute the deferred weight gradients and back-propagate them from the weights the
         GEMMs saw, in one ``torch.autograd.backward`` (so an unbound expert stack is stacked back
         once, as without the delay); then the FSDP post-backwards that waited for them."""
@@ -169,11 +166,29 @@ class Slot:
             with torch.no_grad():
                 grads = [compute() for _, compute in pending]
             torch.autograd.backward([w for w, _ in pending], grads)
-            if self.turns is not None:
-                self.turns.log(BACKWARD, "wgrad")
+            _event(BACKWARD, "wgrad")
         owed, self._owed = self._owed, []
         for post_backward in owed:
             post_backward()
+
+
+class Slot:
+    """One micro-batch's place in the schedule: which pair it belongs to now (``turns``) and on
+    which side. Its all-to-alls keep a reference to it, so the backward of micro-batch i (paired
+    with the forward of i+1) hands over in the pair it belongs to by then. ``weight_grads``: its
+    deferred weight gradients with ``delay_wgrad`` (``parallel.delay_wgrad_compute``), else None.
+    """
+
+    def __init__(self, delay_wgrad: bool = False) -> None:
+        self.turns: TurnTaking | None = None
+        self.side = FORWARD
+        self.weight_grads = DeferredWeightGrads() if delay_wgrad else None
+
+    def while_in_flight(self) -> None:
+        """Called with one of this micro-batch's all-to-alls in flight: the partner's turn."""
+        turns = self.turns
+        if turns is not None:
+            turns.hand_over(self.side)
 
 
 _slot: ContextVar[Slot | None] = ContextVar("moetrain_ep_overlap_slot", default=None)
@@ -190,15 +205,15 @@ def forward_of(slot: Slot) -> Iterator[None]:
     go to it when it delays them)."""
     token = _slot.set(slot)
     try:
-        with weight_grads_to(slot if slot.delay_wgrad else None):
+        with weight_grads_to(slot.weight_grads):
             yield
     finally:
         _slot.reset(token)
 
 
-# The slot whose backward runs in a pair with delayed weight gradients now (one per process: the
+# The deferred weight gradients of the backward that runs in a pair now (one per process: the
 # pairs run one after the other), for the FSDP post-backward gate.
-_deferring: list[Slot] = []
+_deferring: list[DeferredWeightGrads] = []
 
 
 def hold_for_weight_grads(post_backward: Callable[[], None]) -> bool:
@@ -206,10 +221,10 @@ def hold_for_weight_grads(post_backward: Callable[[], None]) -> bool:
     gradients: an FSDP parameter group's post-backward — its gradient accumulation or
     reduce-scatter, which FSDP starts when the group's module has its input gradient — that comes
     while the backward now running has weight gradients pending is taken (True) and run after
-    that slot's next flush; otherwise (False) it runs at once."""
-    slot = _deferring[-1] if _deferring else None
-    if slot is not None and slot.has_pending_weight_grads():
-        slot.owe(post_backward)
+    that backward's next flush; otherwise (False) it runs at once."""
+    weight_grads = _deferring[-1] if _deferring else None
+    if weight_grads is not None and weight_grads.has_pending():
+        weight_grads.owe(post_backward)
         return True
     return False
 
@@ -236,8 +251,8 @@ class InTurnExchange(Exchange):
         work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
         slot = token if isinstance(token, Slot) else None
         if slot is not None:
-            if backward and self.flush_wgrad and slot.deferring():
-                slot.flush_weight_grads()
+            if backward and self.flush_wgrad and slot.weight_grads is not None and slot.weight_grads.deferring():
+                slot.weight_grads.flush()
             slot.while_in_flight()
         with waiting_on_peers():
             work.wait()
@@ -254,8 +269,8 @@ class MergedPair:
     ``prev``/``nxt``: their slots. Returns what ``forward`` returns; an error on either side is
     raised here, after both have stopped."""
 
-    def __init__(self, prev: Slot, nxt: Slot, events: list[tuple[str, str]] | None = None):
-        self.turns = TurnTaking(events)
+    def __init__(self, prev: Slot, nxt: Slot):
+        self.turns = TurnTaking()
         self.prev, self.nxt = prev, nxt
 
     def run(self, backward: Callable[[Callable[[], None]], None], forward: Callable[[], object]) -> object:
@@ -267,26 +282,31 @@ class MergedPair:
         self.nxt.turns, self.nxt.side = turns, FORWARD
         error: list[BaseException] = []
 
-        prev = self.prev
+        weight_grads = self.prev.weight_grads
+        on_callers_device = _callers_device_and_stream()
 
         def at_end() -> None:
-            prev.flush_weight_grads()  # before FSDP's end-of-backward callback
+            if weight_grads is not None:
+                weight_grads.flush()  # before FSDP's end-of-backward callback
             turns.let_other_finish(BACKWARD)
 
         def backward_side() -> None:
-            if prev.delay_wgrad:
-                _deferring.append(prev)
+            if weight_grads is not None:
+                weight_grads.in_pair = True
+                _deferring.append(weight_grads)
             try:
                 turns.wait_turn(BACKWARD)
-                backward(at_end)
-                if prev.has_pending_weight_grads():
+                with on_callers_device():
+                    backward(at_end)
+                if weight_grads is not None and weight_grads.has_pending():
                     raise RuntimeError("weight gradients were deferred after the backward's end: at_end was not "
                                        "called at the end of the backward")
             except BaseException as e:  # re-raised in the calling thread
                 error.append(e)
             finally:
-                if prev.delay_wgrad:
-                    _deferring.remove(prev)
+                if weight_grads is not None:
+                    weight_grads.in_pair = False
+                    _deferring.remove(weight_grads)
                 turns.finish(BACKWARD)
 
         thread = threading.Thread(target=backward_side, name="moetrain-ep-overlap-backward", daemon=True)
@@ -302,6 +322,23 @@ class MergedPair:
         if error:
             raise error[0]
         return out
+
+
+def _callers_device_and_stream() -> Callable[[], AbstractContextManager]:
+    """What puts another thread on the calling thread's CUDA device and stream, both of which are
+    per thread (a new thread starts on device 0 and its default stream): the backward side of a
+    pair then creates its tensors (the loss's initial gradient) on the rank's GPU, in the order of
+    the stream its forward ran on. Nothing to do on the CPU."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return nullcontext
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+
+    @contextmanager
+    def on_device() -> Iterator[None]:
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(stream):
+            yield
+    return on_device
 
 
 def queue_at_end_of_backward(loss: torch.Tensor, at_end: Callable[[], None]) -> torch.Tensor:

@@ -210,8 +210,6 @@ class MergedPairsSchedule(PipelineRuntime):
                 raise ValueError(f"1F1B runs one stage per rank, got {len(stages)}")
             plain = {r: one_f_one_b_order(r, self.pp_group_size, n_microbatches) for r in range(self.pp_group_size)}
         order = {r: merge_backward_with_next_forward(o) for r, o in plain.items()}
-        # The turn-taking's events, (side, event) in order, when a list (tests).
-        self.events: list[tuple[str, str]] | None = None
         self._slots: dict[tuple[int, int], Slot] = {}  # (stage, micro-batch) → its slot, this step
         self.delay_wgrad = delay_wgrad  # parallel.delay_wgrad_compute
         # forward_one_chunk keeps each output for the step's return value unless told not to
@@ -257,7 +255,7 @@ class MergedPairsSchedule(PipelineRuntime):
         self.wait_recv(fwd)
         self.wait_recv(bwd)
         nxt = self._slots[(fwd.stage_index, fwd.microbatch_index)] = Slot(self.delay_wgrad)
-        pair = MergedPair(self._slots.pop((bwd.stage_index, bwd.microbatch_index)), nxt, self.events)
+        pair = MergedPair(self._slots.pop((bwd.stage_index, bwd.microbatch_index)), nxt)
         pair.run(lambda at_end: self._backward(bwd, at_end), lambda: self._forward(fwd, ctx))
 
 
@@ -328,17 +326,6 @@ class PipelineRunner:
         # another n than training), with its own stage objects (stages keep per-n buffers).
         self._eval: dict[int, tuple[object, _LMLoss]] = {}
 
-    @property
-    def overlap_events(self) -> list[tuple[str, str]] | None:
-        """With ``ep_overlap``: the merged pairs' turn-taking, (side, event) in order, when set
-        to a list (tests); as :attr:`moetrain.parallel.runner.SingleStageRunner.overlap_events`."""
-        return self.schedule.events if self.ep_overlap else None
-
-    @overlap_events.setter
-    def overlap_events(self, events: list[tuple[str, str]] | None) -> None:
-        if self.ep_overlap:
-            self.schedule.events = events
-
     def _build(self, cls: type, n: int, loss_fn: Callable, merged: bool = False) -> object:
         stages = []
         for part, s in zip(self.parts, self.stages):
@@ -346,9 +333,7 @@ class PipelineRunner:
             out = self._logits if s == self.num_stages - 1 else self._hidden
             stages.append(PipelineStage(part, s, self.num_stages, self.ps.device, input_args=(inp,),
                                         output_args=(out,), group=self.ps.group(PP)))
-        if merged:
-            if cls not in (Schedule1F1B, ScheduleInterleaved1F1B):
-                raise ValueError(f"parallel.ep_overlap merges 1F1B schedules, not {cls.__name__}")
+        if merged:  # a 1F1B schedule (config.ep_overlap_blocker)
             return MergedPairsSchedule(stages, n, loss_fn, interleaved=cls is ScheduleInterleaved1F1B,
                                        delay_wgrad=self.delay_wgrad)
         if cls in (ScheduleGPipe, Schedule1F1B):

@@ -29,7 +29,6 @@ from moetrain.data.loader import IGNORE_INDEX, MicroBatch
 from moetrain.internals import gate_post_backward
 from moetrain.model.loss import model_loss
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.data_parallel import ZERO_STAGES
 from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, hold_for_weight_grads, queue_at_end_of_backward
 from moetrain.parallel.pipeline import PipelineRunner
 from moetrain.parallel.state import PP, ParallelState
@@ -90,8 +89,6 @@ class SingleStageRunner:
         # without overlap): FSDP's gradient sync and resharding (MicroBatchSync); None in one
         # process. Its settings act in the backward only.
         self.before_micro_batch: Callable[[int, int], None] | None = None
-        # The merged pairs' turn-taking, (side, event) in order, when a list (tests).
-        self.overlap_events: list[tuple[str, str]] | None = None
 
     def _loss(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(objective, LM loss, MTP loss or None); ``mb.targets`` [B, S, 1 + D] carries the MTP
@@ -152,7 +149,7 @@ class SingleStageRunner:
                 loss, lm, mtp = self._loss(micro_batches[0])
             add(lm, mtp)
             for i in range(1, n):
-                pair = MergedPair(slots[i - 1], slots[i], self.overlap_events)
+                pair = MergedPair(slots[i - 1], slots[i])
                 prev, mb = loss, micro_batches[i]
                 loss, lm, mtp = pair.run(lambda at_end, i=i, prev=prev: backward(i - 1, prev, at_end),
                                          lambda mb=mb: self._loss(mb))
@@ -188,10 +185,7 @@ class MicroBatchSync:
     parameters still in place (FSDP's end-of-backward callback reduces what no hook did)."""
 
     def __init__(self, modules: list[FSDPModule], stage: int, ep_overlap: bool = False):
-        if stage not in ZERO_STAGES:
-            raise ValueError(f"zero stage {stage!r}: expected one of 0, 1, 2, 3")
-        if ep_overlap and stage == 3:
-            raise ValueError("ZeRO-3 frees parameters after each block's backward: not with ep_overlap")
+        # stage and its pairing with ep_overlap are the validated config's (config.ep_overlap_blocker)
         self.modules, self.stage, self.ep_overlap = modules, stage, ep_overlap
 
     def __call__(self, index: int, count: int) -> None:

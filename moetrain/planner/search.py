@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
+from moetrain.config import ep_overlap_blocker
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import GIB, MemoryAssumptions, MemoryBreakdown, memory_per_gpu
 from moetrain.planner.model import ModelShape
@@ -194,9 +195,8 @@ class Planner:
             return (f"etp = {lay.etp}: use 1, or tp = {lay.tp} for an MoE model whose expert width "
                     f"({s.expert_ffn}) it divides")
         if self.timing.ep_overlap == "merged_pairs" and (
-                lay.pp > 1 and lay.schedule not in ("1f1b", "interleaved_1f1b") or lay.zero == 3 or lay.ac == "full"):
-            return (f"parallel.ep_overlap runs with the 1F1B schedules, ZeRO 0-2 and no full recomputation "
-                    f"(schedule {lay.schedule}, ZeRO {lay.zero}, ac = {lay.ac})")
+                blocked := ep_overlap_blocker(lay.pp, lay.schedule, lay.zero, lay.ac)):
+            return f"parallel.ep_overlap {blocked[0]}"
         div = 2 * lay.cp if lay.cp > 1 else 1
         tp_splits = lay.tp > 1 and (lay.sp or s.is_moe)  # as the config's rule: MoE splits by tp too
         if tp_splits:
