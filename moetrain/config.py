@@ -1255,6 +1255,9 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
     if m.kv_heads % par.tp:
         raise field_error("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
                           f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
+    if m.ffn_hidden % par.tp and not all(cfg.moe.is_moe_layer(i) for i in range(m.layers)):
+        raise field_error("model.ffn_hidden", m.ffn_hidden, f"not divisible by parallel.tp = {par.tp} (the dense "
+                          "MLP's width is split over tp)", f"use a multiple of {par.tp}")
     stages = par.pp * par.virtual_stages
     if par.pp_first_stage_layers is None and par.pp_last_stage_layers is None:
         if m.layers % stages:
@@ -1398,9 +1401,6 @@ def _check_model(cfg: Config, device: str | None) -> None:
             if getattr(m, name) != ModelConfig.__dataclass_fields__[name].default:
                 raise field_error(f"model.{name}", getattr(m, name), "does not apply to model.attention = 'mla'",
                                   "remove it, or use attention: gqa")
-        if m.heads % par.tp:
-            raise field_error("model.heads", m.heads, f"not divisible by parallel.tp = {par.tp} (MLA splits heads)",
-                              f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
         if m.qkv_bias or m.attention_out_bias:
             raise field_error("model.qkv_bias" if m.qkv_bias else "model.attention_out_bias", True,
                               "MLA's projections have no biases in moetrain (nor in DeepSeek-V3)", "remove it")

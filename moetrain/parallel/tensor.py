@@ -228,17 +228,11 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     S/t local rows, but attention runs on the all-gathered S (context parallelism, applied
     later, replaces them by its chunks' positions).
 
-    Raises:
-        ValueError: the model's attention heads, kv heads, ffn widths or vocabulary do not
-            divide by tp (``moetrain.config.validate`` refuses these before launch).
+    ``cfg`` must be validated (:func:`moetrain.config.validate`): heads, kv heads, the dense MLP
+    width and the vocabulary divide by tp.
     """
     tp = ps.size(TP)
     m = cfg.model
-    dense_mlp = any(block.feed_forward is not None for block in model.layers.values())
-    for what, n in (("model.heads", m.heads), ("model.kv_heads", m.kv_heads),
-                    ("model.ffn_hidden", m.ffn_hidden if dense_mlp else 0), ("model.vocab_size", m.vocab_size)):
-        if n % tp:
-            raise ValueError(f"{what} = {n} is not divisible by tp = {tp}")
     sp, etp = cfg.parallel.sequence_parallel, cfg.parallel.etp > 1
     parallelize_module(model, ps.submesh(TP), tensor_parallel_plan(model, sp, etp))
     if m.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
