@@ -36,6 +36,7 @@ __all__ = [
     "DataConfig",
     "BlendSource",
     "TrainConfig",
+    "AnomalyConfig",
     "CheckpointConfig",
     "LaunchConfig",
     "ContainerConfig",
@@ -433,6 +434,33 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class AnomalyConfig:
+    """What a step does with a non-finite loss or gradient norm and with a loss spike
+    (``train.anomaly``; Megatron-Core's ``--check-for-nan-in-loss-and-grad`` and
+    ``--check-for-spiky-loss``). Both are detected on the device from the step's global LM loss
+    and gradient norm, and every rank takes the same decision before the optimizer step (no host
+    read is added: :mod:`moetrain.train.anomaly`).
+
+    ``on_nan``: ``stop`` — the update is not applied and the run stops with one line naming the
+    step, the value and this setting; ``skip`` — the update is not applied (parameters, optimizer
+    state and the expert-bias balancing untouched; the batch is consumed and logged) and the run
+    goes on; ``rollback`` — as ``skip``, then every rank reloads the latest complete checkpoint and
+    goes on from its step with the data that follows the anomalous batch (the batches since the
+    checkpoint are skipped, PaLM's recipe, Chowdhery et al. 2022 §5.1). ``on_spike``: ``off``,
+    ``warn`` (console and event log), ``skip`` or ``rollback``; a spike is an LM loss more than
+    ``spike_z`` standard deviations above the mean of the last ``window`` accepted steps (checked
+    once ``window`` steps are in; the window starts empty after a restart). ``max_skips``: after
+    that many skipped or rolled-back steps in one run attempt the next anomaly stops the run,
+    naming the steps."""
+
+    on_nan: Literal["stop", "skip", "rollback"] = "stop"
+    on_spike: Literal["off", "warn", "skip", "rollback"] = "warn"
+    spike_z: float = 6.0
+    window: int = 50
+    max_skips: int = 10
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``steps``: optimizer steps. ``micro_batch_size``: sequences per rank per forward.
     ``global_batch_size``: sequences per optimizer step over all data-parallel ranks
@@ -456,7 +484,8 @@ class TrainConfig:
     and attention's softmax are never fp8). ``compile``: compile
     each transformer block with ``torch.compile`` (inductor); under tensor parallelism only its
     regions free of DTensors (:mod:`moetrain.parallel.compile`); the first steps pay the
-    compilation (tens of seconds per distinct block on a CPU)."""
+    compilation (tens of seconds per distinct block on a CPU). ``anomaly``: what a non-finite or
+    spiking loss does (:class:`AnomalyConfig`)."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -477,6 +506,7 @@ class TrainConfig:
     fp8_block: int = 128
     fp8_keep: tuple[str, ...] = ("output", "*.shared_gate")
     compile: bool = False
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
 
     @property
     def resolved_decay_steps(self) -> int:
@@ -1095,7 +1125,7 @@ def render_config(cfg: Config, layers: Layers | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env"}
+_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "train.anomaly"}
 
 
 def explain(layers: Layers, cfg: Config, key: str) -> str:
@@ -1561,6 +1591,18 @@ def _check_train(cfg: Config, device: str | None) -> None:
         raise field_error("train.global_batch_size", tr.global_batch_size, f"gives {n} micro-batches per step; "
                           f"pp_schedule={par.pp_schedule!r} needs a multiple of {rounds} (rounds of n // pp)",
                           f"use a number of micro-batches that is < pp·2 or a multiple of pp, e.g. {par.pp * rounds}")
+    an = tr.anomaly
+    if not an.spike_z > 0:
+        raise field_error("train.anomaly.spike_z", an.spike_z, "must be positive", "use e.g. 6")
+    if an.window < 2:
+        raise field_error("train.anomaly.window", an.window, "a standard deviation needs 2 steps or more",
+                          "use e.g. 50")
+    if an.max_skips < 0:
+        raise field_error("train.anomaly.max_skips", an.max_skips, "must not be negative", "use e.g. 10")
+    for name, policy in (("on_nan", an.on_nan), ("on_spike", an.on_spike)):
+        if policy == "rollback" and not cfg.checkpoint.every:
+            raise field_error(f"train.anomaly.{name}", "rollback", "rolls back to the latest checkpoint, and "
+                              "checkpoint.every is 0", "set checkpoint.every (e.g. 100), or use skip")
 
 
 def _check_data(cfg: Config, device: str | None) -> None:

@@ -465,12 +465,16 @@ class MoE(nn.Module):
         return shared_TD
 
     @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing step (DeepSeek-V3 §2.1.2): bias_e += rate · sign(mean load −
         load_e). ``tokens_per_expert``: [E], this step's assignments over the whole global batch
-        (the same on every rank, so the bias is too); on the device, no host read."""
+        (the same on every rank, so the bias is too); ``skip``: a 0-dim device flag, 1 when the
+        step's update is not applied (the bias stays); on the device, no host read."""
         load = tokens_per_expert.to(self.expert_bias.dtype)
-        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_update_rate)
+        step = torch.sign(load.mean() - load)
+        if skip is not None:
+            step = step * (1 - skip.to(step.dtype))
+        self.expert_bias.add_(step, alpha=self.bias_update_rate)
 
     def router_losses(self, logits_BSE: torch.Tensor, probs_BSE: torch.Tensor, idx_BSK: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

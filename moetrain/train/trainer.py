@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
 import resource
 import time
@@ -51,6 +50,7 @@ from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
+from moetrain.train.anomaly import FLAGS, AnomalyGuard, gated_step
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.environment import record_environment
 from moetrain.train.flops import flops_per_token
@@ -130,6 +130,9 @@ class Trainer:
         # runner: runs forward + backward of a step's micro-batches over them.
         self.model_parts, self.runner = build_model_parts(cfg, self.ps)
         self.optimizers = [build_optimizer(part, cfg.train) for part in self.model_parts]
+        # train.anomaly: the device-side check, and the steps skipped or rolled back so far
+        self.anomaly = AnomalyGuard(cfg.train.anomaly, self.device)
+        self.anomalous_steps: list[int] = []
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
 
         manifests = self._verify_data()
@@ -365,20 +368,24 @@ class Trainer:
         moe_stats = {name: moe.take_statistics() for name, moe in self.moe_layers.items()}
 
         grad_norm = global_grad_norm(self.model_parts, self.ps)
+        scalars, loads = self._reduce_metrics(loss_sums, accum, {n: s for n, (s, _) in moe_stats.items()}, forwards)
+        # train.anomaly: a non-finite or spiking loss skips the update, decided on the device from
+        # the global loss and gradient norm (the same on every rank).
+        anomaly = self.anomaly.check(scalars[0], grad_norm)
+        skip = anomaly[FLAGS.index("skip")]
         if self.cfg.train.grad_clip > 0:
             clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
+        gated_step(self.optimizers, skip)
         for opt in self.optimizers:
-            opt.step()
             opt.zero_grad(set_to_none=True)
         self.step += 1
 
-        scalars, loads = self._reduce_metrics(loss_sums, accum, {n: s for n, (s, _) in moe_stats.items()}, forwards)
         for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
             if moe.expert_bias is not None:
-                moe.update_expert_bias(loads[name])
+                moe.update_expert_bias(loads[name], skip)
         # The step's one host read, of named values: the step's scalars, the gradient norm, the
-        # dispatch bytes (with ep) and every MoE layer's tokens per expert.
-        readings = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double()}
+        # anomaly flags, the dispatch bytes (with ep) and every MoE layer's tokens per expert.
+        readings = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double(), "anomaly": anomaly}
         if self.cfg.data.loss_mask:
             readings["trained_tokens"] = self._trained_tokens
         a2a = self._a2a_bytes([rows for _, rows in moe_stats.values()])
@@ -409,6 +416,10 @@ class Trainer:
                             "weights", self.step)
         if a2a is not None:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
+        flags = dict(zip(FLAGS, host["anomaly"]))
+        if flags["nonfinite"] or flags["spike"]:
+            extra["anomaly"] = {"kind": "nan" if flags["nonfinite"] else "spike", "skipped": bool(flags["skip"]),
+                                "z": flags["z"]}
         return StepResult(self.step, host["lm"][0], host["aux"][0], host["z"][0], host["grad_norm"][0], lr, extra)
 
     def _a2a_bytes(self, rows_sent: list[tuple[int, int]]) -> torch.Tensor | None:
@@ -560,11 +571,10 @@ class Trainer:
             res = self.train_step()
             if self.watchdog is not None:
                 self.watchdog.step_done(res.extra["step_time_s"])
-            if not math.isfinite(res.loss):
-                raise FloatingPointError(f"loss is {res.loss} at step {res.step}; lower train.lr or check the data")
-            if not math.isfinite(res.grad_norm):
-                raise FloatingPointError(f"gradient norm is {res.grad_norm} at step {res.step}; lower train.lr or "
-                                         f"check the data")
+            if "anomaly" in res.extra and self._on_anomaly(res) == "rollback":
+                self._log(res, None)
+                self._rollback(res.step)
+                continue
             val = None
             if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or self.step == cfg.train.steps):
                 val = self.evaluate()
@@ -586,6 +596,65 @@ class Trainer:
         if self.write_files and self.ps.is_logging_rank:
             append_event(cfg.run_dir, self.fence, "finished", step=self.step)
         return "done"
+
+    def _on_anomaly(self, res: StepResult) -> str:
+        """Apply ``train.anomaly``'s policy to a step whose loss or gradient norm was non-finite
+        or whose loss spiked (its update already skipped on the device where the policy says so);
+        returns the action taken: ``warn``, ``skip`` or ``rollback``.
+
+        Raises:
+            FloatingPointError: ``on_nan: stop``, or more than ``max_skips`` skipped steps — one
+                line naming the step(s), the values and the setting that changes it.
+        """
+        an, info = self.cfg.train.anomaly, res.extra["anomaly"]
+        nan = info["kind"] == "nan"
+        policy = an.on_nan if nan else an.on_spike
+        what = (f"loss {res.loss:.6g}, gradient norm {res.grad_norm:.6g}" if nan else
+                f"loss {res.loss:.6g}, {info['z']:.1f} standard deviations above the mean of the last "
+                f"{an.window} steps")
+        if nan and policy == "stop":
+            raise FloatingPointError(f"step {res.step}: {what}: not finite; its update was not applied and the run "
+                                     f"stops (train.anomaly.on_nan: stop). Set train.anomaly.on_nan: skip or rollback "
+                                     f"to go on past such steps, or lower train.lr / check the data")
+        if policy != "warn":
+            self.anomalous_steps.append(res.step)
+            if len(self.anomalous_steps) > an.max_skips:
+                raise FloatingPointError(f"step {res.step}: {what}: {len(self.anomalous_steps)} anomalous steps "
+                                         f"({', '.join(map(str, self.anomalous_steps))}), more than "
+                                         f"train.anomaly.max_skips = {an.max_skips}: the run stops")
+        action = {"warn": "warned", "skip": "update skipped", "rollback": "update skipped, rolling back"}[policy]
+        if self.ps.is_logging_rank:
+            log.warning("step %d: %s %s: %s (train.anomaly.on_%s: %s)", res.step,
+                        "non-finite" if nan else "loss spike,", what, action, "nan" if nan else "spike", policy)
+            if self.write_files:
+                append_event(self.cfg.run_dir, self.fence, "anomaly", step=res.step, anomaly=info["kind"],
+                             loss=res.loss, grad_norm=res.grad_norm, z=info["z"], action=policy)
+        return policy
+
+    def _rollback(self, step: int) -> None:
+        """``rollback``: reload the latest complete checkpoint on every rank and go on from its
+        step, the data going on after the anomalous batch (the batches since the checkpoint are
+        skipped: the loader's position is not restored).
+
+        Raises:
+            FloatingPointError: no complete checkpoint to roll back to.
+        """
+        self.checkpointer.wait()
+        found = self.checkpointer.latest_valid()
+        if found is None:
+            raise FloatingPointError(f"step {step}: train.anomaly asks for a rollback, and {self.cfg.run_dir / 'checkpoints'} "
+                                     f"holds no complete checkpoint yet: the run stops (use skip until the first "
+                                     f"checkpoint, or checkpoint more often)")
+        _, path = found
+        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
+        self.step = int(state["step"])
+        if self.ps.is_logging_rank:
+            log.warning("step %d: rolled back to %s (step %d); steps %d-%d go on with the data after step %d's batch",
+                        step, path, self.step, self.step + 1, step, step)
+            if self.write_files:
+                truncate_metrics(self.metrics_path, self.step, self.fence)
+                append_event(self.cfg.run_dir, self.fence, "rolled_back", step=step, to_step=self.step,
+                             checkpoint=str(path))
 
     def _beat(self, phase: str) -> None:
         if self.heartbeat is not None:
