@@ -37,6 +37,7 @@ __all__ = [
     "BlendSource",
     "TrainConfig",
     "AnomalyConfig",
+    "ProfileConfig",
     "CheckpointConfig",
     "LaunchConfig",
     "ContainerConfig",
@@ -461,6 +462,19 @@ class AnomalyConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """``train.profile``: run ``torch.profiler`` on ``steps`` steps from step ``start`` (1-based)
+    on ``ranks`` (``[]``: every rank) — CPU and CUDA activities, shapes and memory — and write a
+    Chrome / Perfetto trace per rank to ``<run.dir>/profile/`` (:mod:`moetrain.train.profile`;
+    ``python -m moetrain.monitor RUN --profile`` sums it up). Profile a few steps after the first
+    ones: the first steps pay allocation and, with ``compile``, compilation."""
+
+    start: int = 3
+    steps: int = 2
+    ranks: tuple[int, ...] = (0,)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``steps``: optimizer steps. ``micro_batch_size``: sequences per rank per forward.
     ``global_batch_size``: sequences per optimizer step over all data-parallel ranks
@@ -485,7 +499,8 @@ class TrainConfig:
     each transformer block with ``torch.compile`` (inductor); under tensor parallelism only its
     regions free of DTensors (:mod:`moetrain.parallel.compile`); the first steps pay the
     compilation (tens of seconds per distinct block on a CPU). ``anomaly``: what a non-finite or
-    spiking loss does (:class:`AnomalyConfig`)."""
+    spiking loss does (:class:`AnomalyConfig`). ``profile``: ``null`` or which steps and ranks to
+    profile (:class:`ProfileConfig`)."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -507,6 +522,7 @@ class TrainConfig:
     fp8_keep: tuple[str, ...] = ("output", "*.shared_gate")
     compile: bool = False
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+    profile: ProfileConfig | None = None
 
     @property
     def resolved_decay_steps(self) -> int:
@@ -1125,7 +1141,7 @@ def render_config(cfg: Config, layers: Layers | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "train.anomaly"}
+_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "train.anomaly", "train.profile"}
 
 
 def explain(layers: Layers, cfg: Config, key: str) -> str:
@@ -1599,6 +1615,15 @@ def _check_train(cfg: Config, device: str | None) -> None:
                           "use e.g. 50")
     if an.max_skips < 0:
         raise field_error("train.anomaly.max_skips", an.max_skips, "must not be negative", "use e.g. 10")
+    if (pr := tr.profile) is not None:
+        if pr.start < 1 or pr.steps < 1:
+            raise field_error("train.profile.start" if pr.start < 1 else "train.profile.steps",
+                              pr.start if pr.start < 1 else pr.steps, "must be at least 1 (steps count from 1)",
+                              "use e.g. start: 3, steps: 2")
+        world = par.pp * par.dp * par.cp * par.tp
+        if bad := [r for r in pr.ranks if not 0 <= r < world]:
+            raise field_error("train.profile.ranks", list(pr.ranks), f"rank(s) {bad} outside the world of {world}",
+                              f"use ranks in 0..{world - 1}, or [] for every rank")
     for name, policy in (("on_nan", an.on_nan), ("on_spike", an.on_spike)):
         if policy == "rollback" and not cfg.checkpoint.every:
             raise field_error(f"train.anomaly.{name}", "rollback", "rolls back to the latest checkpoint, and "

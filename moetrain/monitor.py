@@ -1,4 +1,5 @@
-"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json] [--plot OUT.png] [--environment]``
+"""``python -m moetrain.monitor RUN_DIR_OR_JOB_ID [--follow] [--format text|json] [--plot OUT.png] [--environment]
+[--profile] [--compare RUN ...]`` or ``python -m moetrain.monitor --list``
 
 Shows a run's health from outside the job: its SLURM state (sacct, every requeued instance),
 restarts and their causes (``events.jsonl``), training progress (``metrics.jsonl``: step / total
@@ -9,7 +10,11 @@ instead: versions, the git state, and the variables of rank 0 and of every rank 
 A job id is mapped to its run directory through the registry that ``moetrain.submit`` appends to
 (``$MOETRAIN_HOME/jobs.jsonl``, default ``~/.cache/moetrain``).
 ``--plot OUT.png`` draws the run's loss and validation loss, tokens/s and each MoE layer's
-max/mean expert load against step (matplotlib, the ``plot`` extra).
+max/mean expert load against step (matplotlib, the ``plot`` extra). ``--profile`` sums up the
+traces of ``train.profile`` (:mod:`moetrain.train.profile`). ``--list`` shows every run of the
+registry, newest first, with its state, step, loss and last event; ``--compare RUN ...`` puts the
+target and other runs side by side (last loss, mean of the last 10, validation loss, tokens/s,
+step time) and, with ``--plot``, their loss and throughput curves in one figure.
 Exit status: 0 running or done, 1 failing / gave up, 2 stalled (or ``--plot`` without
 matplotlib, or ``--environment`` before any attempt recorded one), 4 unknown run.
 """
@@ -32,6 +37,7 @@ import yaml
 from moetrain.train.environment import (RANK_IDENTITY, read_environment, read_rank_environments,
                                         summarize_environment)
 from moetrain.train.metrics import format_duration
+from moetrain.train.profile import phase_table, render_phase_table
 from moetrain.train.records import read_events, read_heartbeats, read_json, read_jsonl
 
 
@@ -176,6 +182,117 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
         st.warnings.append(f"{len(hangs)} hang(s) detected; suspected nodes {hangs[-1].get('nodes')}; "
                            f"stacks in {run_dir / 'stacks'}")
     return st
+
+
+def registered_runs() -> list[dict]:
+    """The runs of the job registry, newest submission first: ``run_dir``, its ``job_ids`` (in
+    submission order) and the ``time`` of the latest submission."""
+    path = registry_path()
+    runs: dict[str, dict] = {}
+    for rec in read_jsonl(path):
+        if "run_dir" not in rec:
+            continue
+        run = runs.setdefault(rec["run_dir"], {"run_dir": rec["run_dir"], "job_ids": [], "time": 0.0})
+        run["job_ids"].append(str(rec.get("job_id")))
+        run["time"] = max(run["time"], float(rec.get("time", 0.0)))
+    return sorted(runs.values(), key=lambda r: -r["time"])
+
+
+def run_list(limit: int = 50) -> list[dict]:
+    """One row per registered run (:func:`registered_runs`, at most ``limit``): ``run_dir``,
+    ``jobs``, ``submitted`` (epoch s), ``state`` (:func:`collect`'s, ``missing`` when the
+    directory is gone), ``step`` / ``total_steps``, the last ``loss`` and the ``last_event``."""
+    rows = []
+    for run in registered_runs()[:limit]:
+        d = Path(run["run_dir"])
+        row = {"run_dir": run["run_dir"], "jobs": run["job_ids"], "submitted": run["time"]}
+        if not d.is_dir():
+            rows.append({**row, "state": "missing", "step": None, "total_steps": None, "loss": None,
+                         "last_event": None})
+            continue
+        st = collect(d)
+        events = read_events(d)
+        rows.append({**row, "state": st.state, "step": st.step, "total_steps": st.total_steps, "loss": st.loss,
+                     "last_event": events[-1]["event"] if events else None})
+    return rows
+
+
+def render_run_list(rows: list[dict]) -> str:
+    if not rows:
+        return f"no runs in {registry_path()} (moetrain.submit records each submission there)"
+    lines = [f"{'submitted':<17} {'state':<11} {'step':>13} {'loss':>8}  {'last event':<18} run (jobs)"]
+    for r in rows:
+        step = f"{r['step']}/{r['total_steps'] or '?'}" if r["step"] is not None else "-"
+        loss = f"{r['loss']:.4f}" if isinstance(r["loss"], (int, float)) else "-"
+        lines.append(f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(r['submitted'])):<17} {r['state']:<11} "
+                     f"{step:>13} {loss:>8}  {r['last_event'] or '-':<18} {r['run_dir']} "
+                     f"({', '.join(r['jobs'][-3:])})")
+    return "\n".join(lines)
+
+
+def compare_runs(run_dirs: list[Path]) -> list[dict]:
+    """One row per run: ``run_dir``, ``steps`` (the last step logged), ``loss`` (the last),
+    ``loss_last10`` (the mean of the last 10 steps), ``val_loss`` (the last evaluated, None
+    without), ``tokens_per_s`` and ``step_s`` (medians over the last 50 steps).
+
+    Raises:
+        ValueError: a run with no metrics yet.
+    """
+    rows = []
+    for d in run_dirs:
+        records = read_metrics(d)
+        if not records:
+            raise ValueError(f"{d / 'metrics.jsonl'}: no metrics yet")
+        tail = records[-50:]
+        val = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+        tok = [r["tokens_per_s"] for r in tail if r.get("tokens_per_s")]
+        dt = [r["step_time_s"] for r in tail if r.get("step_time_s")]
+        rows.append({"run_dir": str(d), "steps": records[-1]["step"], "loss": records[-1]["loss"],
+                     "loss_last10": statistics.fmean(r["loss"] for r in records[-10:]),
+                     "val_loss": val[-1] if val else None,
+                     "tokens_per_s": statistics.median(tok) if tok else None,
+                     "step_s": statistics.median(dt) if dt else None})
+    return rows
+
+
+def render_comparison(rows: list[dict]) -> str:
+    lines = [f"{'steps':>7} {'loss':>8} {'last 10':>8} {'val loss':>9} {'tokens/s':>10} {'step s':>8}  run"]
+    for r in rows:
+        def num(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+        lines.append(f"{r['steps']:>7} {r['loss']:>8.4f} {r['loss_last10']:>8.4f} {num(r['val_loss'], '.4f'):>9} "
+                     f"{num(r['tokens_per_s'], '.0f'):>10} {num(r['step_s'], '.3f'):>8}  {r['run_dir']}")
+    return "\n".join(lines)
+
+
+def plot_comparison(run_dirs: list[Path], out: Path) -> Path:
+    """Loss (and validation loss) and tokens/s of several runs against step, in one figure.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (the ``plot`` extra).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_tok) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for d in run_dirs:
+        records = read_metrics(d)
+        steps = [r["step"] for r in records]
+        line, = ax_loss.plot(steps, [r["loss"] for r in records], label=str(d))
+        val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+        if val:
+            ax_loss.plot(*zip(*val), "o--", color=line.get_color())
+        ax_tok.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records], color=line.get_color())
+    ax_loss.set_ylabel("loss (dashed: validation)")
+    ax_loss.legend(fontsize="small")
+    ax_tok.set_ylabel("tokens/s")
+    ax_tok.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -346,21 +463,54 @@ EXIT = {"running": 0, "done": 0, "not started": 0, "stalled": 2, "failing": 1, "
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moetrain.monitor", description=__doc__.split("\n\n")[1])
-    ap.add_argument("target", help="run directory or SLURM job id")
+    ap.add_argument("target", nargs="?", help="run directory or SLURM job id")
+    ap.add_argument("--list", action="store_true",
+                    help="the runs this user submitted (the job registry), newest first: state, step, loss, last "
+                         "event")
+    ap.add_argument("--compare", nargs="+", metavar="RUN",
+                    help="compare the target with these runs (directories or job ids): a table of losses and "
+                         "throughput, and with --plot their curves in one figure")
     ap.add_argument("--follow", action="store_true", help="refresh until the run ends")
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --follow")
     ap.add_argument("--format", choices=("text", "json"), default="text")
     ap.add_argument("--plot", metavar="OUT.png", type=Path,
                     help="draw loss, validation loss, tokens/s and expert load against step, then exit")
+    ap.add_argument("--profile", action="store_true",
+                    help="sum up the traces of train.profile: per rank, each profiled step's time in compute, "
+                         "communication nothing overlapped, and idle, then exit")
     ap.add_argument("--environment", action="store_true",
                     help="print the latest attempt's recorded environment (versions, git state, each rank's "
                          "variables where they differ from rank 0's), then exit")
     args = ap.parse_args(argv)
-    run_dir = resolve_run_dir(args.target)
-    if run_dir is None:
-        print(f"monitor: {args.target!r} is neither a run directory nor a job id known to {registry_path()}",
-              file=sys.stderr)
-        return 4
+    if args.list:
+        rows = run_list()
+        print(json.dumps(rows) if args.format == "json" else render_run_list(rows))
+        return 0
+    if args.target is None:
+        ap.error("give a run directory or job id (or --list)")
+    targets = [args.target, *(args.compare or [])]
+    dirs = [resolve_run_dir(t) for t in targets]
+    for t, d in zip(targets, dirs):
+        if d is None:
+            print(f"monitor: {t!r} is neither a run directory nor a job id known to {registry_path()}",
+                  file=sys.stderr)
+            return 4
+    run_dir = dirs[0]
+    if args.compare:
+        try:
+            rows = compare_runs(dirs)
+            if args.plot is not None:
+                plot_comparison(dirs, args.plot)
+        except ModuleNotFoundError:
+            print("monitor: --plot needs matplotlib. Fix: pip install 'moetrain[plot]'", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"monitor: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(rows) if args.format == "json" else render_comparison(rows))
+        if args.plot is not None:
+            print(f"wrote {args.plot}")
+        return 0
     if args.plot is not None:
         try:
             print(f"wrote {plot(run_dir, args.plot)}")
@@ -370,6 +520,18 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"monitor: {e}", file=sys.stderr)
             return 2
+        return 0
+    if args.profile:
+        try:
+            rows = phase_table(run_dir)
+        except ValueError as e:
+            print(f"monitor: {e}", file=sys.stderr)
+            return 2
+        if not rows:
+            print(f"monitor: {run_dir / 'profile'} holds no traces. Fix: set train.profile (e.g. --set "
+                  f"'train.profile={{start: 3, steps: 2}}') and run again", file=sys.stderr)
+            return 2
+        print(json.dumps(rows) if args.format == "json" else render_phase_table(rows))
         return 0
     if args.environment:
         text = render_environment(run_dir)

@@ -88,3 +88,55 @@ def test_node_fail_then_pending_instance_reads_as_requeued(tmp_path, monkeypatch
     monkeypatch.setattr(monitor, "slurm_job_queued", lambda job: False)
     st = collect(run, now)
     assert st.state == "failing" and st.warnings == ["job 7 is NODE_FAIL"], st.warnings
+
+
+def small_run(path: Path, losses: list[float], tokens_per_s: float, finished: bool) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({"train": {"steps": 10}}))
+    (path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": 1000 / tokens_per_s,
+                    **({"val_loss": loss + 0.1} if i == len(losses) - 1 else {})}) + "\n"
+        for i, loss in enumerate(losses)))
+    events = [{"time": 1.0, "event": "started", "attempt": 0}]
+    if finished:
+        events.append({"time": 2.0, "event": "finished", "attempt": 0, "step": len(losses)})
+    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_list_shows_every_registered_run_newest_first(tmp_path, monkeypatch, capsys):
+    from moetrain.monitor import main
+
+    monkeypatch.setenv("MOETRAIN_HOME", str(tmp_path / "home"))
+    a = small_run(tmp_path / "a", [5.0, 4.0], 1000.0, finished=False)
+    b = small_run(tmp_path / "b", [5.0, 4.5, 4.2], 2000.0, finished=True)
+    register_job("11", a)
+    register_job("12", b)
+    register_job("13", tmp_path / "gone")
+    assert main(["--list", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [Path(r["run_dir"]).name for r in rows] == ["gone", "b", "a"]
+    assert [r["state"] for r in rows] == ["missing", "done", "running"]
+    assert (rows[1]["step"], rows[1]["loss"], rows[1]["last_event"], rows[1]["jobs"]) == (3, 4.2, "finished", ["12"])
+    assert main(["--list"]) == 0
+    text = capsys.readouterr().out
+    assert "3/10" in text and "4.2000" in text and "finished" in text
+
+
+def test_compare_puts_runs_side_by_side(tmp_path, capsys):
+    from moetrain.monitor import main
+
+    a = small_run(tmp_path / "a", [5.0, 4.0], 1000.0, finished=True)
+    b = small_run(tmp_path / "b", [5.0, 4.5, 4.2], 2000.0, finished=True)
+    assert main([str(a), "--compare", str(b), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["steps"], r["loss"], r["val_loss"], r["tokens_per_s"]) for r in rows] == [(2, 4.0, 4.1, 1000.0),
+                                                                                      (3, 4.2, 4.3, 2000.0)]
+    assert rows[1]["loss_last10"] == (5.0 + 4.5 + 4.2) / 3 and rows[0]["step_s"] == 1.0
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        return
+    out = tmp_path / "cmp.png"
+    assert main([str(a), "--compare", str(b), "--plot", str(out)]) == 0
+    assert out.stat().st_size > 1000

@@ -65,6 +65,7 @@ from moetrain.internals import queue_backward_callback
 from moetrain.model.wgrad import weight_grads_to
 from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.peers import waiting_on_peers
+from moetrain.ranges import WAIT, phase
 
 FORWARD, BACKWARD = 0, 1
 _SIDE_NAMES = ("forward", "backward")
@@ -247,14 +248,16 @@ class InTurnExchange(Exchange):
         return current_slot()
 
     def transfer(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
-                 input_splits: list[int] | None, token: object, backward: bool = False) -> Callable[[], None]:
-        work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
+                 input_splits: list[int] | None, token: object, backward: bool = False,
+                 name: str = "moetrain.all_to_all") -> Callable[[], None]:
+        with phase(name):
+            work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
         slot = token if isinstance(token, Slot) else None
         if slot is not None:
             if backward and self.flush_wgrad and slot.weight_grads is not None and slot.weight_grads.deferring():
                 slot.weight_grads.flush()
             slot.while_in_flight()
-        with waiting_on_peers():
+        with phase(name + WAIT), waiting_on_peers():
             work.wait()
         return _arrived
 

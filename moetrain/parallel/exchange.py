@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from moetrain.model import fp8
 from moetrain.parallel.peers import waiting_on_peers
+from moetrain.ranges import WAIT, phase
 
 __all__ = ["Exchange"]
 
@@ -53,17 +54,19 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x_sent: torch.Tensor, recv: list[torch.Tensor], output_splits: list[int],
-                input_splits: list[int], exchange: "Exchange", token: object) -> torch.Tensor:
+                input_splits: list[int], exchange: "Exchange", token: object, name: str) -> torch.Tensor:
         ctx.splits, ctx.exchange, ctx.token, ctx.rows_sent = (output_splits, input_splits), exchange, token, \
             x_sent.shape[0]
+        ctx.name = name
         return _decode(recv[0], x_sent.shape[1], x_sent.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         output_splits, input_splits = ctx.splits
         grad_sent = grad.new_empty(ctx.rows_sent, *grad.shape[1:])
-        ctx.exchange.transfer(grad_sent, grad.contiguous(), input_splits, output_splits, ctx.token, backward=True)()
-        return grad_sent, None, None, None, None, None
+        ctx.exchange.transfer(grad_sent, grad.contiguous(), input_splits, output_splits, ctx.token, backward=True,
+                              name=ctx.name + "_backward")()
+        return grad_sent, None, None, None, None, None, None
 
 
 class Exchange:
@@ -84,33 +87,38 @@ class Exchange:
         return None
 
     def transfer(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
-                 input_splits: list[int] | None, token: object, backward: bool = False) -> Callable[[], None]:
+                 input_splits: list[int] | None, token: object, backward: bool = False,
+                 name: str = "moetrain.all_to_all") -> Callable[[], None]:
         """Start the all-to-all of ``inp`` into ``out`` (rows; splits: host ints per rank, None for
-        even); returns what waits for it. ``backward``: a transfer of the backward."""
-        work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
+        even); returns what waits for it. ``backward``: a transfer of the backward. ``name``: its
+        range in profiles (:mod:`moetrain.ranges`; the wait is ``name + ".wait"``)."""
+        with phase(name):
+            work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
 
         def wait() -> None:
-            with waiting_on_peers():
+            with phase(name + WAIT), waiting_on_peers():
                 work.wait()
         return wait
 
     def __call__(self, x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                 wire: torch.dtype | None = None) -> Callable[[], torch.Tensor]:
+                 wire: torch.dtype | None = None, name: str = "moetrain.all_to_all") -> Callable[[], torch.Tensor]:
         """Send x_ND [N, D] (``input_splits`` rows to each rank, ``output_splits`` from each) in
         ``wire``; returns what waits for and decodes the received rows: [sum(output_splits), D]
-        in x_ND's dtype, differentiable with respect to x_ND."""
+        in x_ND's dtype, differentiable with respect to x_ND. ``name``: the transfer's range in
+        profiles (``moetrain.ranges.DISPATCH`` or ``COMBINE``; its gradient's is ``name + "_backward"``)."""
         with torch.no_grad():
             packet = _encode(x_ND, wire).contiguous()
         recv = packet.new_empty((sum(output_splits), *packet.shape[1:]))
         token = self.token()
-        wait = self.transfer(recv, packet, output_splits, input_splits, token)
+        wait = self.transfer(recv, packet, output_splits, input_splits, token, name=name)
 
         def arrive() -> torch.Tensor:
             wait()
-            return _Rows.apply(x_ND, [recv], output_splits, input_splits, self, token)
+            return _Rows.apply(x_ND, [recv], output_splits, input_splits, self, token, name)
         return arrive
 
-    def ids(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> None:
+    def ids(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int], input_splits: list[int],
+            name: str = "moetrain.all_to_all") -> None:
         """All-to-all of ``inp`` into ``out`` with no autograd (the hierarchical dispatcher's
         expert ids), waited for before returning."""
-        self.transfer(out, inp, output_splits, input_splits, self.token())()
+        self.transfer(out, inp, output_splits, input_splits, self.token(), name=name)()

@@ -56,6 +56,7 @@ from moetrain.model.moe import (DispatchHandle, ExpertGroups, LocalDispatcher, M
 from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, CP_TP, EP, TP, ParallelState
+from moetrain.ranges import COMBINE, DISPATCH, WAIT, phase
 from moetrain.topology.mapper import ranks_per_domain
 
 
@@ -108,8 +109,8 @@ class AllToAllDispatcher:
         # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e. Then the
         #    one host read of this layer: split sizes must be host integers.
         recv_counts = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts, counts_E, group=self.group)
-        with waiting_on_peers():  # on GPU the read waits for the counts' all-to-all
+        with phase(DISPATCH + "_counts" + WAIT), waiting_on_peers():  # on GPU the read waits for the counts
+            dist.all_to_all_single(recv_counts, counts_E, group=self.group)
             host = torch.cat([counts_E, recv_counts]).tolist()
         send_PE = [host[r * El:(r + 1) * El] for r in range(P)]
         recv_PE = [host[(P + r) * El:(P + r + 1) * El] for r in range(P)]
@@ -120,7 +121,7 @@ class AllToAllDispatcher:
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
         # 3. rows to the ranks holding their experts (in flight until used).
-        arrive = self.exchange(x_sorted, output_splits, input_splits, self.wire)
+        arrive = self.exchange(x_sorted, output_splits, input_splits, self.wire, name=DISPATCH)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
         seg = torch.arange(P * El, device=x_sorted.device).repeat_interleave(recv_counts, output_size=sum(output_splits))
         src, e = seg // El, seg % El
@@ -140,7 +141,7 @@ class AllToAllDispatcher:
         # 4'. back to (source, local expert) order.
         y_recv = torch.empty_like(y_ND).index_copy(0, handle.regroup, y_ND)
         # 3'. rows back to the ranks that sent them.
-        y_sorted = self.exchange(y_recv, handle.input_splits, handle.output_splits)()
+        y_sorted = self.exchange(y_recv, handle.input_splits, handle.output_splits, name=COMBINE)()
         # 1'. unpermute to assignment order.
         return unpermute(y_sorted, handle.local)
 
@@ -238,8 +239,8 @@ class HierarchicalDispatcher:
         need_NT = need_NT > 0
         send = torch.stack([need_NT.sum(1), slots_N], 1).reshape(-1)  # [N·2]: rows, valid slots
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.rail)
-        with waiting_on_peers():  # on GPU the read waits for the counts' all-to-all
+        with phase(DISPATCH + "_counts" + WAIT), waiting_on_peers():  # on GPU the read waits for the counts
+            dist.all_to_all_single(recv, send, group=self.rail)
             host = torch.cat([send, recv]).tolist()
         input_splits, output_splits = host[0:2 * N:2], host[2 * N::2]
         recv_slots = sum(host[2 * N + 1::2])
@@ -250,9 +251,9 @@ class HierarchicalDispatcher:
         ids_send = torch.where(slot_mask, expert_idx_TK[token_of_row], -1)  # global ids; -1: other domains
         inter = R_send - input_splits[self.my_rail]
         self.rows_sent[1] += inter
-        arrive = self.exchange(x_TD[token_of_row], output_splits, input_splits, self.wire)
+        arrive = self.exchange(x_TD[token_of_row], output_splits, input_splits, self.wire, name=DISPATCH)
         ids_recv = ids_send.new_empty(sum(output_splits), K)
-        self.exchange.ids(ids_recv, ids_send, output_splits, input_splits)
+        self.exchange.ids(ids_recv, ids_send, output_splits, input_splits, name=DISPATCH)
         # 2. within the domain: every valid slot of the received rows is an assignment.
         E_dom = self.inner.num_experts
         key = torch.where(ids_recv >= 0, self.local_of_expert[ids_recv.clamp(min=0)], E_dom).reshape(-1)
@@ -275,9 +276,9 @@ class HierarchicalDispatcher:
         K = weights_TK.shape[1]
         y_VD = self.inner.combine_rows(y_ND, handle.inner)  # [R_recv·K, D], zeros at other domains' slots
         w_send = torch.where(handle.slot_mask, weights_TK[handle.token_of_row], 0.0)
-        w_recv = self.exchange(w_send, handle.output_splits, handle.input_splits)()
+        w_recv = self.exchange(w_send, handle.output_splits, handle.input_splits, name=COMBINE)()
         y_RD = (y_VD.view(-1, K, y_VD.shape[-1]).float() * w_recv.unsqueeze(-1)).sum(1).to(y_ND.dtype)
-        y_back = self.exchange(y_RD, handle.input_splits, handle.output_splits)()
+        y_back = self.exchange(y_RD, handle.input_splits, handle.output_splits, name=COMBINE)()
         out = y_back.new_zeros(handle.num_tokens, y_back.shape[-1], dtype=torch.float32)
         return out.index_add(0, handle.token_of_row, y_back.float()).to(y_ND.dtype)
 

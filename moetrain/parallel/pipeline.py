@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,7 @@ from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, queue_at_
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.state import CP, PP, TP, ParallelState
 from moetrain.parallel.tensor import loss_context
+from moetrain import ranges
 
 __all__ = ["MergedPairsSchedule", "PipelineRunner", "SCHEDULES", "merge_backward_with_next_forward", "one_f_one_b_order",
            "pipeline_parts", "split_model", "stage_blocks", "stage_ids"]
@@ -259,6 +260,23 @@ class MergedPairsSchedule(PipelineRuntime):
         pair.run(lambda at_end: self._backward(bwd, at_end), lambda: self._forward(fwd, ctx))
 
 
+class _Stage(PipelineStage):
+    """torch's pipeline stage, its forward and backward of a micro-batch marked as
+    :mod:`moetrain.ranges`' forward / backward in profiles (every schedule calls these three)."""
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with ranges.phase(ranges.FORWARD):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with ranges.phase(ranges.BACKWARD):
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with ranges.phase(ranges.BACKWARD):
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
 class _LMLoss:
     """The last stage's loss function: objective / ``divisor`` is back-propagated (the division
     the single-stage runner does; :func:`moetrain.model.loss.model_loss`); the undivided LM and
@@ -331,7 +349,7 @@ class PipelineRunner:
         for part, s in zip(self.parts, self.stages):
             inp = self._tokens if s == 0 else self._hidden
             out = self._logits if s == self.num_stages - 1 else self._hidden
-            stages.append(PipelineStage(part, s, self.num_stages, self.ps.device, input_args=(inp,),
+            stages.append(_Stage(part, s, self.num_stages, self.ps.device, input_args=(inp,),
                                         output_args=(out,), group=self.ps.group(PP)))
         if merged:  # a 1F1B schedule (config.ep_overlap_blocker)
             return MergedPairsSchedule(stages, n, loss_fn, interleaved=cls is ScheduleInterleaved1F1B,

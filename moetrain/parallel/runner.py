@@ -33,6 +33,7 @@ from moetrain.parallel.ep_overlap import MergedPair, Slot, forward_of, hold_for_
 from moetrain.parallel.pipeline import PipelineRunner
 from moetrain.parallel.state import PP, ParallelState
 from moetrain.parallel.tensor import loss_context
+from moetrain.ranges import BACKWARD, FORWARD, phase
 
 __all__ = ["MicroBatchSync", "SingleStageRunner", "StepRunner", "build_runner", "split_micro_batch"]
 
@@ -93,11 +94,12 @@ class SingleStageRunner:
     def _loss(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(objective, LM loss, MTP loss or None); ``mb.targets`` [B, S, 1 + D] carries the MTP
         targets (:func:`moetrain.model.transformer.future_tokens`)."""
-        doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
-        targets = mb.targets.to(self.device)
-        future = targets if targets.dim() == 3 else None
-        logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
-        return model_loss(logits, targets, self.model.model_cfg.mtp_loss_coef, mb.loss_divisor)
+        with phase(FORWARD):
+            doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
+            targets = mb.targets.to(self.device)
+            future = targets if targets.dim() == 3 else None
+            logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
+            return model_loss(logits, targets, self.model.model_cfg.mtp_loss_coef, mb.loss_divisor)
 
     def forwards_per_step(self, micro_batches: int) -> int:
         return 2 * micro_batches if self.split else micro_batches
@@ -114,7 +116,8 @@ class SingleStageRunner:
                 self.before_micro_batch(i, len(micro_batches))
             with loss_context(self.ps):
                 loss, lm, mtp = self._loss(mb)
-                (loss / len(micro_batches)).backward()
+                with phase(BACKWARD):
+                    (loss / len(micro_batches)).backward()
             total[0] += _full_tensor(lm).detach()
             if mtp is not None:
                 total[1] += _full_tensor(mtp).detach()
@@ -135,7 +138,8 @@ class SingleStageRunner:
             scaled = loss / divide
             if at_end is not None:
                 scaled = queue_at_end_of_backward(scaled, at_end)
-            scaled.backward()
+            with phase(BACKWARD):
+                scaled.backward()
 
         def add(lm: torch.Tensor, mtp: torch.Tensor | None) -> None:
             # After the pair: DTensor losses (tp) reduce over tp, a collective no side may interleave.

@@ -50,8 +50,10 @@ from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
+from moetrain.ranges import OPTIMIZER, STEP, phase
 from moetrain.train.anomaly import FLAGS, AnomalyGuard, gated_step
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.profile import StepProfiler
 from moetrain.train.environment import record_environment
 from moetrain.train.flops import flops_per_token
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
@@ -133,6 +135,7 @@ class Trainer:
         # train.anomaly: the device-side check, and the steps skipped or rolled back so far
         self.anomaly = AnomalyGuard(cfg.train.anomaly, self.device)
         self.anomalous_steps: list[int] = []
+        self.profiler = StepProfiler(cfg.train.profile, self.ps.rank, cfg.run_dir, self.device.type == "cuda")
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
 
         manifests = self._verify_data()
@@ -347,7 +350,14 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step over this rank's share of the next global batch. Reads the step's
-        metrics to the host once, at the end."""
+        metrics to the host once, at the end. Profiled when ``train.profile`` names the step."""
+        self.profiler.begin(self.step + 1)
+        with phase(STEP):
+            res = self._train_step()
+        self.profiler.end(res.step)
+        return res
+
+    def _train_step(self) -> StepResult:
         t0 = time.perf_counter()
         for part in self.model_parts:
             part.train()
@@ -375,7 +385,8 @@ class Trainer:
         skip = anomaly[FLAGS.index("skip")]
         if self.cfg.train.grad_clip > 0:
             clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
-        gated_step(self.optimizers, skip)
+        with phase(OPTIMIZER):
+            gated_step(self.optimizers, skip)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
