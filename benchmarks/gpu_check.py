@@ -32,12 +32,17 @@
    (:func:`_overlap_run`). Reports the step time with and without (on one rank there is no
    network to hide, so the ratio is the turn-taking's cost).
 
-8. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
+8. Memory: 4 bf16 steps with ``train.memory_history``: each phase's peak (allocated and reserved
+   on CUDA), the run's peak beside the planner's prediction for the layout, and a memory snapshot
+   written and read back (its segments and recorded allocations: what an out-of-memory error
+   leaves for https://pytorch.org/memory_viz).
+
+9. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
    defaults of :data:`MFU_MODEL` make a 2.8B-parameter MoE, 6 layers of hidden 4096 with 8 experts
    of 4096 and top-2, 4096-token sequences): bf16 and fp8 tensorwise for ``--steps`` steps, their
    step time, TFLOP/s, MFU and peak memory. No parity check (the demo's checks above do that).
 
-9. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
+10. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
    steady state (benchmarks/kernel_sweep.py): HBM copy bandwidth, the short-K constant and the
    large-GEMM efficiency, and the forward GEMMs of Megatron-LM's weak-scaling rows against the
    planner's prediction; ``--seconds`` per shape (2).
@@ -145,7 +150,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override applied to every training of the check (repeatable)")
-    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap",
+    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap,memory",
                     help="comma-separated sections of the check to run (default: all); bf16 is trained as the "
                          "baseline of the fp8 sections either way")
     ap.add_argument("--overlap-ranks", type=int, default=0,
@@ -226,6 +231,8 @@ def main() -> int:
         fp8_training(a, out, bf16, extra, peak, failures)
     if "overlap" in only:
         overlap(a, out, extra, cuda, failures)
+    if "memory" in only:
+        memory(a, out, extra, cuda, failures)
     out["wall_s"] = time.time() - t0
     out["failures"] = failures
     print(json.dumps(out, indent=1, default=str))
@@ -324,6 +331,38 @@ def fp8_training(a, out: dict, bf16: dict, extra: list[str], peak: float | None,
         except Exception as e:  # noqa: BLE001
             out["fp8_training"][recipe] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"fp8 training {recipe}: {e}")
+
+
+def memory(a, out: dict, extra: list[str], cuda: bool, failures: list[str]) -> None:
+    # 8. memory per phase, the planner's prediction beside the measured peak, a snapshot.
+    import pickle
+
+    from moetrain.train.memory import dump_memory_snapshot, predicted_memory_gib
+
+    try:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        trainer = make_trainer(a, "bf16", 4, extra=[*extra, "train.memory_history=true"])
+        phases = [trainer.train_step().extra["memory_by_phase"] for _ in range(4)][-1]
+        res = {"by_phase_last_step": phases, "peak_gib": trainer.phase_memory.peak_gib(),
+               "predicted_gib": predicted_memory_gib(trainer.cfg)}
+        want = {"allocated_gib", "reserved_gib"} if cuda else {"rss_gib"}
+        if set(phases) != {"forward", "backward", "optimizer"} or any(set(v) != want for v in phases.values()):
+            failures.append(f"memory by phase: {phases}")
+        if cuda:
+            path = dump_memory_snapshot(Path(tempfile.mkdtemp()), 0, "check")
+            snap = pickle.loads(path.read_bytes())
+            res["snapshot_segments"] = len(snap.get("segments", []))
+            res["snapshot_traces"] = sum(len(t) for t in snap.get("device_traces", []))
+            res["predicted_over_measured"] = res["predicted_gib"] / res["peak_gib"] if res["predicted_gib"] else None
+            if not res["snapshot_segments"] or not res["snapshot_traces"]:
+                failures.append(f"memory snapshot {path}: {res['snapshot_segments']} segments, "
+                                f"{res['snapshot_traces']} recorded allocations")
+        out["memory"] = res
+    except Exception as e:  # noqa: BLE001
+        out["memory"] = {"error": f"{type(e).__name__}: {e}"}
+        failures.append(f"memory: {e}")
 
 
 def _overlap_run(a, extra: list[str], on: bool, steps: int, world: int) -> dict:

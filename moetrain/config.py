@@ -500,7 +500,11 @@ class TrainConfig:
     regions free of DTensors (:mod:`moetrain.parallel.compile`); the first steps pay the
     compilation (tens of seconds per distinct block on a CPU). ``anomaly``: what a non-finite or
     spiking loss does (:class:`AnomalyConfig`). ``profile``: ``null`` or which steps and ranks to
-    profile (:class:`ProfileConfig`)."""
+    profile (:class:`ProfileConfig`). ``memory_history``: on CUDA, record the stack of every
+    allocation, so that the snapshot written on an out-of-memory error
+    (``<run.dir>/memory/oom.step<N>.rank<r>.pickle``, for https://pytorch.org/memory_viz) shows
+    which allocations filled the GPU (costs host time per allocation; the snapshot is written
+    either way)."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -523,6 +527,7 @@ class TrainConfig:
     compile: bool = False
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
     profile: ProfileConfig | None = None
+    memory_history: bool = False
 
     @property
     def resolved_decay_steps(self) -> int:

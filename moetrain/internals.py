@@ -28,7 +28,8 @@ from torch.distributed.pipelining import schedules as _schedules
 
 __all__ = ["Action", "CHECKED_TORCH", "FORWARD", "FULL_BACKWARD", "OVERLAP_F_B", "PipelineRuntime", "disable_backward",
            "flatten_mesh", "foreach_norms", "fsdp_replicate", "gate_post_backward", "interleaved_1f1b_order",
-           "keep_local_job", "local_shape_and_offset", "missing", "queue_backward_callback", "render_submission"]
+           "keep_local_job", "local_shape_and_offset", "missing", "queue_backward_callback", "record_cuda_memory_history",
+           "dump_cuda_memory_snapshot", "render_submission"]
 
 CHECKED_TORCH = ("2.11", "2.13")
 
@@ -202,6 +203,21 @@ class PipelineRuntime(_schedules._PipelineScheduleRuntime):
         stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
 
 
+# -- CUDA memory -------------------------------------------------------------------------------
+
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Keep the stack of each of the last ``max_entries`` CUDA allocations, for memory snapshots
+    (``torch.cuda.memory._record_memory_history``, what PyTorch's memory-viz guide uses)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the CUDA caching allocator's state (and the recorded history) to ``path`` as a pickle
+    for https://pytorch.org/memory_viz (``torch.cuda.memory._dump_snapshot``)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
 # -- submitit ---------------------------------------------------------------------------------
 
 
@@ -262,6 +278,8 @@ def missing() -> list[str]:
             hasattr(submitit.SlurmExecutor, n) for n in (
                 "_convert_parameters", "_make_submission_file_text", "_submitit_command_str")),
         "LocalJob._cancel_at_deletion": "_cancel_at_deletion" in LocalJob.__init__.__code__.co_names,
+        "torch.cuda.memory._record_memory_history / _dump_snapshot": all(
+            hasattr(torch.cuda.memory, n) for n in ("_record_memory_history", "_dump_snapshot")),
     }
     return [name for name, ok in found.items() if not ok]
 

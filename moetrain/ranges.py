@@ -12,12 +12,12 @@ collectives (``c10d::…``, ``gloo:…``, ``nccl:…``).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import record_function
 
-__all__ = ["STEP", "FORWARD", "BACKWARD", "OPTIMIZER", "DISPATCH", "COMBINE", "WAIT", "phase"]
+__all__ = ["STEP", "FORWARD", "BACKWARD", "OPTIMIZER", "DISPATCH", "COMBINE", "WAIT", "phase", "observe"]
 
 STEP = "moetrain.step"
 FORWARD = "moetrain.forward"  # one micro-batch's forward (loss included)
@@ -28,15 +28,34 @@ COMBINE = "moetrain.combine"  # an expert combine all-to-all (likewise)
 WAIT = ".wait"  # suffix of the range in which a transfer is waited for (exposed communication)
 
 
+# (enter, exit) callables told of every range, process-wide (the trainer's per-phase memory meter).
+_observers: list[tuple[Callable[[str], None], Callable[[str], None]]] = []
+
+
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """The enclosed code as a range called ``name`` in profiles (and NVTX on CUDA)."""
     nvtx = torch.cuda.is_initialized()
     if nvtx:
         torch.cuda.nvtx.range_push(name)
+    for enter, _ in _observers:
+        enter(name)
     try:
         with record_function(name):
             yield
     finally:
+        for _, leave in _observers:
+            leave(name)
         if nvtx:
             torch.cuda.nvtx.range_pop()
+
+
+@contextmanager
+def observe(enter: Callable[[str], None], leave: Callable[[str], None]) -> Iterator[None]:
+    """Call ``enter(name)`` / ``leave(name)`` at every range's start and end while the block
+    runs (host-side bookkeeping only: they must not synchronize a device)."""
+    _observers.append((enter, leave))
+    try:
+        yield
+    finally:
+        _observers.remove((enter, leave))

@@ -28,7 +28,6 @@ import functools
 import json
 import logging
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,9 +49,10 @@ from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
-from moetrain.ranges import OPTIMIZER, STEP, phase
+from moetrain.ranges import OPTIMIZER, STEP, observe, phase
 from moetrain.train.anomaly import FLAGS, AnomalyGuard, gated_step
 from moetrain.train.checkpoint import Checkpointer
+from moetrain.train.memory import PhaseMemory, dump_memory_snapshot, predicted_memory_gib, start_memory_history
 from moetrain.train.profile import StepProfiler
 from moetrain.train.environment import record_environment
 from moetrain.train.flops import flops_per_token
@@ -136,6 +136,9 @@ class Trainer:
         self.anomaly = AnomalyGuard(cfg.train.anomaly, self.device)
         self.anomalous_steps: list[int] = []
         self.profiler = StepProfiler(cfg.train.profile, self.ps.rank, cfg.run_dir, self.device.type == "cuda")
+        self.phase_memory = PhaseMemory(self.device)
+        if cfg.train.memory_history and self.device.type == "cuda":
+            start_memory_history()
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
 
         manifests = self._verify_data()
@@ -182,6 +185,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
         resumed = self._resume() if cfg.checkpoint.resume else False
+        self._first_step = self.step  # this attempt's first step is _first_step + 1
         # Resume wins: once the run has a checkpoint it has moved on from its initial weights.
         if cfg.checkpoint.init_from is not None and not resumed:
             self._init_from(cfg.checkpoint.init_from)
@@ -352,10 +356,38 @@ class Trainer:
         """One optimizer step over this rank's share of the next global batch. Reads the step's
         metrics to the host once, at the end. Profiled when ``train.profile`` names the step."""
         self.profiler.begin(self.step + 1)
-        with phase(STEP):
-            res = self._train_step()
+        try:
+            with observe(self.phase_memory.enter, self.phase_memory.leave), phase(STEP):
+                res = self._train_step()
+        except torch.OutOfMemoryError:
+            if self.device.type == "cuda":
+                path = dump_memory_snapshot(self.cfg.run_dir, self.ps.rank, f"oom.step{self.step + 1}")
+                log.error("rank %d: CUDA out of memory in step %d: the allocator's state is in %s (open it in "
+                          "https://pytorch.org/memory_viz)%s", self.ps.rank, self.step + 1, path,
+                          "" if self.cfg.train.memory_history else
+                          "; train.memory_history: true adds which code made each allocation")
+            raise
+        res.extra["memory_by_phase"] = self.phase_memory.take()
+        if res.step == self._first_step + 1:
+            self._compare_memory_with_plan()
         self.profiler.end(res.step)
         return res
+
+    def _compare_memory_with_plan(self) -> None:
+        """After the first step on CUDA: the measured peak beside the planner's prediction for this
+        layout, with a warning past 20 % (on the CPU the interpreter's own memory makes the
+        comparison meaningless)."""
+        if self.device.type != "cuda" or not self.ps.is_logging_rank:
+            return
+        predicted, measured = predicted_memory_gib(self.cfg), self.phase_memory.peak_gib()
+        if predicted is None:
+            return
+        ratio = measured / predicted
+        (log.warning if abs(ratio - 1) > 0.2 else log.info)(
+            "memory after the first step: peak %.2f GiB allocated on rank 0, the planner predicted %.2f GiB for this "
+            "layout (%.2f×)%s", measured, predicted, ratio,
+            "" if abs(ratio - 1) <= 0.2 else ": more than 20 % off; plans made with `python -m moetrain.plan` "
+            "are off by as much")
 
     def _train_step(self) -> StepResult:
         t0 = time.perf_counter()
@@ -541,7 +573,7 @@ class Trainer:
         rec = {"step": res.step, "loss": res.loss, "aux_loss": res.aux_loss, "z_loss": res.z_loss, "lr": res.lr,
                "grad_norm": res.grad_norm, **res.extra, "attempt": self.attempt, "time": time.time(),
                "elapsed_s": elapsed, "eta_s": eta}
-        mem = _memory_gib(self.device)
+        mem = self.phase_memory.peak_gib()
         rec["mem_gib"] = mem
         val_loss = None
         if val is not None:
@@ -732,10 +764,3 @@ def truncate_metrics(path: Path, last_step: int, fence: Fence | None) -> None:
     if fence is not None:
         fence.check()
     atomic_write(path, "".join(k + "\n" for k in keep))
-
-
-def _memory_gib(device: torch.device) -> float:
-    """Peak memory: CUDA allocator peak on GPU, process peak RSS on CPU (GiB)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
