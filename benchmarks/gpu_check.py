@@ -35,7 +35,8 @@
 8. Memory: 4 bf16 steps with ``train.memory_history``: each phase's peak (allocated and reserved
    on CUDA), the run's peak beside the planner's prediction for the layout, and a memory snapshot
    written and read back (its segments and recorded allocations: what an out-of-memory error
-   leaves for https://pytorch.org/memory_viz).
+   leaves for https://pytorch.org/memory_viz). Then 8 steps with ``train.straggler_every=4``: one
+   window's busy, phase and wait seconds from the detector's CUDA events.
 
 9. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
    defaults of :data:`MFU_MODEL` make a 2.8B-parameter MoE, 6 layers of hidden 4096 with 8 experts
@@ -334,7 +335,8 @@ def fp8_training(a, out: dict, bf16: dict, extra: list[str], peak: float | None,
 
 
 def memory(a, out: dict, extra: list[str], cuda: bool, failures: list[str]) -> None:
-    # 8. memory per phase, the planner's prediction beside the measured peak, a snapshot.
+    # 8. memory per phase, the planner's prediction beside the measured peak, a snapshot; the
+    # straggler detector's clock (CUDA events, read once per window).
     import pickle
 
     from moetrain.train.memory import dump_memory_snapshot, predicted_memory_gib
@@ -360,6 +362,15 @@ def memory(a, out: dict, extra: list[str], cuda: bool, failures: list[str]) -> N
                 failures.append(f"memory snapshot {path}: {res['snapshot_segments']} segments, "
                                 f"{res['snapshot_traces']} recorded allocations")
         out["memory"] = res
+        from moetrain.train.stragglers import FIELDS
+
+        trainer = make_trainer(a, "bf16", 8, extra=[*extra, "train.straggler_every=4"])
+        for _ in range(8):
+            trainer.train_step()
+        window = dict(zip(FIELDS, trainer.stragglers.last_table[0]))
+        out["straggler_window_s"] = window
+        if not (0 < window["busy"] <= window["step"] and window["waits"] >= 0 and window["forward"] > 0):
+            failures.append(f"straggler window sums: {window}")
     except Exception as e:  # noqa: BLE001
         out["memory"] = {"error": f"{type(e).__name__}: {e}"}
         failures.append(f"memory: {e}")

@@ -504,7 +504,10 @@ class TrainConfig:
     allocation, so that the snapshot written on an out-of-memory error
     (``<run.dir>/memory/oom.step<N>.rank<r>.pickle``, for https://pytorch.org/memory_viz) shows
     which allocations filled the GPU (costs host time per allocation; the snapshot is written
-    either way)."""
+    either way). ``straggler_every``: every that many steps the ranks compare how long each was
+    busy (its step less its waits on peers; :mod:`moetrain.train.stragglers`; 0 turns it off), and
+    a rank busier than the median rank by more than ``straggler_threshold`` (0.2: 20 %) in
+    ``straggler_windows`` windows in a row is named in the console and the event log."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -528,6 +531,9 @@ class TrainConfig:
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
     profile: ProfileConfig | None = None
     memory_history: bool = False
+    straggler_every: int = 10
+    straggler_threshold: float = 0.2
+    straggler_windows: int = 3
 
     @property
     def resolved_decay_steps(self) -> int:
@@ -609,7 +615,13 @@ class LaunchConfig:
     passed through to ``srun`` / as ``#SBATCH`` lines (long options, ``--reservation=x``), checked
     with ``sbatch --test-only`` where SLURM answers. ``allocation``: ``auto`` runs inside the SLURM
     allocation ``submit`` is started in (``salloc``, a user's sbatch script: ``srun`` steps, no new
-    job) and submits a new job elsewhere; ``new`` always submits one."""
+    job) and submits a new job elsewhere; ``new`` always submits one. ``exclude_stragglers``: a
+    rank named a straggler (``train.straggler_every``) has its node added to the nodes the next
+    requeue excludes.
+
+    On GPUs every rank runs with NCCL's flight recorder on (``TORCH_NCCL_TRACE_BUFFER_SIZE``
+    2000, dumped on a collective's time-out beside the hang watchdog's stacks in
+    ``<run.dir>/stacks/``), unless ``env`` sets those variables."""
 
     cluster: Literal["local", "slurm"] = "local"
     nodes: int = 1
@@ -623,6 +635,7 @@ class LaunchConfig:
     qos: str | None = None
     constraint: str | None = None
     exclude: str | None = None
+    exclude_stragglers: bool = False
     signal_delay_s: int = 120
     max_restarts: int = 3
     profile: str | None = None
@@ -1620,6 +1633,7 @@ def _check_train(cfg: Config, device: str | None) -> None:
                           "use e.g. 50")
     if an.max_skips < 0:
         raise field_error("train.anomaly.max_skips", an.max_skips, "must not be negative", "use e.g. 10")
+    _bounds(cfg, "train", non_negative="straggler_every", positive="straggler_threshold straggler_windows")
     if (pr := tr.profile) is not None:
         if pr.start < 1 or pr.steps < 1:
             raise field_error("train.profile.start" if pr.start < 1 else "train.profile.steps",

@@ -153,6 +153,9 @@ def run_rank(cfg: Config, renv: RankEnv, restart: int) -> str:
         BaseException: whatever ended the rank, after its failure record is written.
     """
     os.environ.update(cfg.launch.env)  # under SLURM the job script exported them already
+    for name, value in flight_recorder_env(cfg.run_dir).items():  # NCCL reads them at its first communicator
+        os.environ.setdefault(name, value)
+    (cfg.run_dir / "stacks").mkdir(parents=True, exist_ok=True)
     try:
         return _train(cfg, renv, restart)
     except BaseException as e:
@@ -160,6 +163,16 @@ def run_rank(cfg: Config, renv: RankEnv, restart: int) -> str:
             raise
         _failed(cfg, renv, restart, e)
         raise
+
+
+def flight_recorder_env(run_dir: Path) -> dict[str, str]:
+    """The variables that turn NCCL's flight recorder on (PyTorch's ``TORCH_NCCL_*``): the last
+    2000 collectives of each communicator are kept and, when a collective times out, dumped per
+    rank to ``<run_dir>/stacks/nccl_trace_rank_<r>`` beside the hang watchdog's stack dumps
+    (read them with ``python -m torch.distributed.flight_recorder.fr_trace``). gloo ignores them.
+    A value already in the environment (``launch.env``) wins."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / "stacks" / "nccl_trace_rank_")}
 
 
 def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException) -> None:

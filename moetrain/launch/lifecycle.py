@@ -30,6 +30,7 @@ from moetrain.train.records import (
     StaleAttemptError,
     append_event,
     atomic_write_json,
+    exclude_nodes,
     node_name,
     read_heartbeats,
     read_json,
@@ -179,9 +180,7 @@ class Watchdog:
         nodes = sorted({s["host"] for s in suspects})
         with os.fdopen(fd, "w") as f:
             json.dump({"detected_by": self.rank, "time": time.time(), "suspects": suspects, "nodes": nodes}, f)
-        if nodes:
-            with open(self.run_dir / "exclude_nodes.txt", "a") as f:
-                f.write("".join(n + "\n" for n in nodes))
+        exclude_nodes(self.run_dir, nodes)
         append_event(self.run_dir, self.fence, "hang", step=self.heartbeat.step, suspects=[s["rank"] for s in suspects],
                      nodes=nodes)
         self.on_hang(nodes)

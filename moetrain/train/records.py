@@ -48,6 +48,14 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def exclude_nodes(run_dir: Path, nodes: list[str]) -> None:
+    """Add ``nodes`` to ``<run_dir>/exclude_nodes.txt``, the nodes a requeue excludes
+    (:func:`moetrain.launch.lifecycle.existing_excludes` reads them)."""
+    if nodes:
+        with open(Path(run_dir) / "exclude_nodes.txt", "a") as f:
+            f.write("".join(n + "\n" for n in nodes))
+
+
 def read_json(path: Path, default: object = None) -> object:
     try:
         return json.loads(path.read_text())

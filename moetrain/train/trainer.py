@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -54,11 +55,12 @@ from moetrain.train.anomaly import FLAGS, AnomalyGuard, gated_step
 from moetrain.train.checkpoint import Checkpointer
 from moetrain.train.memory import PhaseMemory, dump_memory_snapshot, predicted_memory_gib, start_memory_history
 from moetrain.train.profile import StepProfiler
+from moetrain.train.stragglers import Straggler, StragglerDetector
 from moetrain.train.environment import record_environment
 from moetrain.train.flops import flops_per_token
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, schedule_fields, set_lr
-from moetrain.train.records import Fence, Heartbeat, append_event, node_name
+from moetrain.train.records import Fence, Heartbeat, append_event, exclude_nodes, node_name
 from moetrain.train.weights import load_initial_weights
 from moetrain.utils import atomic_write
 
@@ -137,6 +139,12 @@ class Trainer:
         self.anomalous_steps: list[int] = []
         self.profiler = StepProfiler(cfg.train.profile, self.ps.rank, cfg.run_dir, self.device.type == "cuda")
         self.phase_memory = PhaseMemory(self.device)
+        self.stragglers: StragglerDetector | None = None
+        if cfg.train.straggler_every:
+            nodes: list = [None] * self.ps.world_size
+            dist.all_gather_object(nodes, node_name())
+            self.stragglers = StragglerDetector(cfg.train.straggler_every, cfg.train.straggler_threshold,
+                                                cfg.train.straggler_windows, self.device, nodes)
         if cfg.train.memory_history and self.device.type == "cuda":
             start_memory_history()
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
@@ -357,7 +365,7 @@ class Trainer:
         metrics to the host once, at the end. Profiled when ``train.profile`` names the step."""
         self.profiler.begin(self.step + 1)
         try:
-            with observe(self.phase_memory.enter, self.phase_memory.leave), phase(STEP):
+            with observe(self.phase_memory.enter, self.phase_memory.leave), self._watch_stragglers(), phase(STEP):
                 res = self._train_step()
         except torch.OutOfMemoryError:
             if self.device.type == "cuda":
@@ -368,10 +376,38 @@ class Trainer:
                           "; train.memory_history: true adds which code made each allocation")
             raise
         res.extra["memory_by_phase"] = self.phase_memory.take()
+        if self.stragglers is not None:
+            named = self.stragglers.end_step(res.step)
+            if res.step % self.stragglers.every == 0:
+                res.extra["busy_over_median"] = self.stragglers.last_factors
+            for s in named:
+                self._report_straggler(res.step, s)
         if res.step == self._first_step + 1:
             self._compare_memory_with_plan()
         self.profiler.end(res.step)
         return res
+
+    def _watch_stragglers(self) -> AbstractContextManager:
+        if self.stragglers is None:
+            return nullcontext()
+        return observe(self.stragglers.enter, self.stragglers.leave)
+
+    def _report_straggler(self, step: int, s: Straggler) -> None:
+        """One console line and an event for a rank named slow; its node excluded at the next
+        requeue with ``launch.exclude_stragglers``."""
+        if not self.ps.is_logging_rank:
+            return
+        excluded = self.cfg.launch.exclude_stragglers
+        every = self.cfg.train.straggler_every
+        log.warning("straggler at step %d: rank %d on %s was busy %.2f× the median rank in %d windows of %d steps in "
+                    "a row, most of it in %s (%.2f×)%s", step, s.rank, s.node, s.factor, s.windows, every, s.phase,
+                    s.phase_factor, f"; {s.node} is excluded at the next requeue (launch.exclude_stragglers)"
+                    if excluded else "")
+        if self.write_files:
+            append_event(self.cfg.run_dir, self.fence, "straggler", step=step, rank=s.rank, node=s.node,
+                         factor=s.factor, phase=s.phase, phase_factor=s.phase_factor, excluded=excluded)
+            if excluded:
+                exclude_nodes(self.cfg.run_dir, [s.node])
 
     def _compare_memory_with_plan(self) -> None:
         """After the first step on CUDA: the measured peak beside the planner's prediction for this
