@@ -178,6 +178,10 @@ def main() -> int:
         sys.exit(f"no token shards in {a.data}: run `python tools/prepare_demo.py` first")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
+    from moetrain.launch.job import flight_recorder_env
+
+    for name, value in flight_recorder_env(Path(tempfile.mkdtemp())).items():  # as every rank of a job runs
+        os.environ.setdefault(name, value)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(name) if cuda else None
     out: dict = {"device": name, "torch": torch.__version__, "steps": a.steps}
