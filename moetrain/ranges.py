@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch.profiler import record_function
 
-__all__ = ["STEP", "FORWARD", "BACKWARD", "OPTIMIZER", "DISPATCH", "COMBINE", "WAIT", "phase", "observe"]
+__all__ = ["STEP", "FORWARD", "BACKWARD", "OPTIMIZER", "DISPATCH", "COMBINE", "ALL_TO_ALL", "WAIT", "phase", "observe"]
 
 STEP = "moetrain.step"
 FORWARD = "moetrain.forward"  # one micro-batch's forward (loss included)
@@ -25,6 +25,7 @@ BACKWARD = "moetrain.backward"  # one micro-batch's backward
 OPTIMIZER = "moetrain.optimizer"  # the optimizer step (gradient norm and clipping before it excluded)
 DISPATCH = "moetrain.dispatch"  # an expert dispatch all-to-all (its backward: DISPATCH + "_backward")
 COMBINE = "moetrain.combine"  # an expert combine all-to-all (likewise)
+ALL_TO_ALL = "moetrain.all_to_all"  # another token all-to-all
 WAIT = ".wait"  # suffix of the range in which a transfer is waited for (exposed communication)
 
 

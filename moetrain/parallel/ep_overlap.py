@@ -65,7 +65,7 @@ from moetrain.internals import queue_backward_callback
 from moetrain.model.wgrad import weight_grads_to
 from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.peers import waiting_on_peers
-from moetrain.ranges import WAIT, phase
+from moetrain.ranges import ALL_TO_ALL, WAIT, phase
 
 FORWARD, BACKWARD = 0, 1
 _SIDE_NAMES = ("forward", "backward")
@@ -249,7 +249,7 @@ class InTurnExchange(Exchange):
 
     def transfer(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
                  input_splits: list[int] | None, token: object, backward: bool = False,
-                 name: str = "moetrain.all_to_all") -> Callable[[], None]:
+                 name: str = ALL_TO_ALL) -> Callable[[], None]:
         with phase(name):
             work = dist.all_to_all_single(out, inp, output_splits, input_splits, group=self.group, async_op=True)
         slot = token if isinstance(token, Slot) else None

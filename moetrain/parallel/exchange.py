@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from moetrain.model import fp8
 from moetrain.parallel.peers import waiting_on_peers
-from moetrain.ranges import WAIT, phase
+from moetrain.ranges import ALL_TO_ALL, WAIT, phase
 
 __all__ = ["Exchange"]
 
@@ -88,7 +88,7 @@ class Exchange:
 
     def transfer(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int] | None,
                  input_splits: list[int] | None, token: object, backward: bool = False,
-                 name: str = "moetrain.all_to_all") -> Callable[[], None]:
+                 name: str = ALL_TO_ALL) -> Callable[[], None]:
         """Start the all-to-all of ``inp`` into ``out`` (rows; splits: host ints per rank, None for
         even); returns what waits for it. ``backward``: a transfer of the backward. ``name``: its
         range in profiles (:mod:`moetrain.ranges`; the wait is ``name + ".wait"``)."""
@@ -101,7 +101,7 @@ class Exchange:
         return wait
 
     def __call__(self, x_ND: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                 wire: torch.dtype | None = None, name: str = "moetrain.all_to_all") -> Callable[[], torch.Tensor]:
+                 wire: torch.dtype | None = None, name: str = ALL_TO_ALL) -> Callable[[], torch.Tensor]:
         """Send x_ND [N, D] (``input_splits`` rows to each rank, ``output_splits`` from each) in
         ``wire``; returns what waits for and decodes the received rows: [sum(output_splits), D]
         in x_ND's dtype, differentiable with respect to x_ND. ``name``: the transfer's range in
@@ -118,7 +118,7 @@ class Exchange:
         return arrive
 
     def ids(self, out: torch.Tensor, inp: torch.Tensor, output_splits: list[int], input_splits: list[int],
-            name: str = "moetrain.all_to_all") -> None:
+            name: str = ALL_TO_ALL) -> None:
         """All-to-all of ``inp`` into ``out`` with no autograd (the hierarchical dispatcher's
         expert ids), waited for before returning."""
         self.transfer(out, inp, output_splits, input_splits, self.token(), name=name)()

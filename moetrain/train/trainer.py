@@ -53,14 +53,14 @@ from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, in
 from moetrain.ranges import OPTIMIZER, STEP, observe, phase
 from moetrain.train.anomaly import FLAGS, AnomalyGuard, gated_step
 from moetrain.train.checkpoint import Checkpointer
-from moetrain.train.memory import PhaseMemory, dump_memory_snapshot, predicted_memory_gib, start_memory_history
-from moetrain.train.profile import StepProfiler
-from moetrain.train.stragglers import Straggler, StragglerDetector
 from moetrain.train.environment import record_environment
 from moetrain.train.flops import flops_per_token
+from moetrain.train.memory import PhaseMemory, dump_memory_snapshot, predicted_memory_gib, start_memory_history
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, schedule_fields, set_lr
+from moetrain.train.profile import StepProfiler
 from moetrain.train.records import Fence, Heartbeat, append_event, exclude_nodes, node_name
+from moetrain.train.stragglers import Straggler, StragglerDetector
 from moetrain.train.weights import load_initial_weights
 from moetrain.utils import atomic_write
 
