@@ -507,7 +507,12 @@ class TrainConfig:
     either way). ``straggler_every``: every that many steps the ranks compare how long each was
     busy (its step less its waits on peers; :mod:`moetrain.train.stragglers`; 0 turns it off), and
     a rank busier than the median rank by more than ``straggler_threshold`` (0.2: 20 %) in
-    ``straggler_windows`` windows in a row is named in the console and the event log."""
+    ``straggler_windows`` windows in a row is named in the console and the event log.
+    ``optimizer``: ``adamw``, or ``muon`` — Muon (:class:`moetrain.train.optim.Muon`) for the 2-D
+    hidden matrices and each routed expert's matrices, AdamW (``lr``, ``beta1``, ``beta2``,
+    ``weight_decay``) for the embedding, head, router, norms and the names matching
+    ``muon_adamw`` (fnmatch patterns); ``muon_momentum``: Muon's Nesterov momentum (0.95). The same
+    ``lr`` drives both: Muon's update is scaled to AdamW's RMS."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -532,6 +537,9 @@ class TrainConfig:
     profile: ProfileConfig | None = None
     memory_history: bool = False
     straggler_every: int = 10
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_momentum: float = 0.95
+    muon_adamw: tuple[str, ...] = ("tok_embeddings.*", "output.*", "*.router.*", "*shared_gate*")
     straggler_threshold: float = 0.2
     straggler_windows: int = 3
 
@@ -1634,6 +1642,9 @@ def _check_train(cfg: Config, device: str | None) -> None:
     if an.max_skips < 0:
         raise field_error("train.anomaly.max_skips", an.max_skips, "must not be negative", "use e.g. 10")
     _bounds(cfg, "train", non_negative="straggler_every", positive="straggler_threshold straggler_windows")
+    if not 0 <= tr.muon_momentum < 1:
+        raise field_error("train.muon_momentum", tr.muon_momentum, "a momentum must lie in [0, 1)",
+                          "use 0.95 (Moonlight, Kimi K2)")
     if (pr := tr.profile) is not None:
         if pr.start < 1 or pr.steps < 1:
             raise field_error("train.profile.start" if pr.start < 1 else "train.profile.steps",

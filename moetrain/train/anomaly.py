@@ -64,13 +64,15 @@ def gated_step(optimizers: list[torch.optim.Optimizer], skip: torch.Tensor) -> N
 
     Raises:
         TypeError: an optimizer that takes no device-side skip flag (a new optimizer must, so that
-            ``train.anomaly`` works with it: PyTorch's fused Adam, AdamW and SGD do).
+            ``train.anomaly`` works with it: PyTorch's fused Adam, AdamW and SGD do, and
+            :class:`moetrain.train.optim.Muon`, which says so with ``takes_found_inf``).
     """
     found_inf = skip.to(torch.float32)
     for opt in optimizers:
-        if not (getattr(opt, "_step_supports_amp_scaling", False) and opt.defaults.get("fused")):
+        fused_torch = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)) and opt.defaults.get("fused")
+        if not (getattr(opt, "takes_found_inf", False) or fused_torch):
             raise TypeError(f"{type(opt).__name__} takes no device-side skip flag (found_inf): train.anomaly needs "
-                            f"one, as torch's fused Adam / AdamW have")
+                            f"one, as torch's fused Adam / AdamW and moetrain's Muon have")
         opt.found_inf = found_inf
         try:
             opt.step()

@@ -1,11 +1,14 @@
-"""AdamW and the warm-up + cosine learning-rate schedule."""
+"""AdamW, Muon and the warm-up + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moetrain.config import TrainConfig
 
@@ -21,26 +24,136 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def uses_muon(name: str, p: nn.Parameter, adamw_patterns: tuple[str, ...]) -> bool:
+    """Whether ``train.optimizer: muon`` trains parameter ``name`` with Muon: the 2-D hidden
+    matrices and the routed experts' stacks (each expert's matrices separately), not the 1-D
+    parameters nor the names matching ``adamw_patterns`` (``train.muon_adamw``: the embedding,
+    output head, router and shared-expert gate by default; the Moonlight / Kimi K2 split)."""
+    return p.ndim >= 2 and not any(fnmatch.fnmatchcase(name, pat) for pat in adamw_patterns)
+
+
 def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) with weight decay on matrices only (norm weights and
-    other 1-D parameters are not decayed, as in GPT-3 / Megatron), on the fp32 master weights.
+    other 1-D parameters are not decayed, as in GPT-3 / Megatron), on the fp32 master weights —
+    or, with ``train.optimizer: muon``, :class:`Muon` for the hidden matrices
+    (:func:`uses_muon`) and the same AdamW for the rest, in one optimizer.
 
     ``fused=True``: one kernel per parameter group, and its step counters live on the device —
     the foreach implementation keeps them on the host and reads each one per step."""
-    from torch.distributed.tensor import DTensor
-
-    # Keyed by (decay?, DTensor?): the fused kernels refuse a group that mixes DTensor and plain
-    # parameters (tensor parallelism shards the dense layers but leaves the MoE ones plain).
-    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    muon = tc.optimizer == "muon"
+    # Keyed by (muon?, decay?, DTensor?): the fused kernels refuse a group that mixes DTensor and
+    # plain parameters (tensor parallelism shards the dense layers but leaves the MoE ones plain).
+    groups: dict[tuple[bool, bool, bool], list[nn.Parameter]] = {}
     seen = set()
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
-    param_groups = [{"params": params, "weight_decay": tc.weight_decay if decay else 0.0}
-                    for (decay, _), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+        groups.setdefault((muon and uses_muon(name, p, tc.muon_adamw), p.ndim >= 2, isinstance(p, DTensor)),
+                          []).append(p)
+    param_groups = [{"params": params, "weight_decay": tc.weight_decay if decay else 0.0, "muon": is_muon}
+                    for (is_muon, decay, _), params in sorted(groups.items(),
+                                                              key=lambda kv: (kv[0][0], not kv[0][1], kv[0][2]))]
+    if muon:
+        return Muon(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, momentum=tc.muon_momentum)
+    for g in param_groups:
+        del g["muon"]
     return torch.optim.AdamW(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, fused=True)
+
+
+# Newton–Schulz quintic iteration coefficients (Jordan et al. 2024, "Muon"; Moonlight §2.1).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The nearest semi-orthogonal matrix to each matrix of ``g`` [..., m, n] (U·Vᵀ of its SVD,
+    approximately: singular values pushed into about [0.7, 1.2]) by ``steps`` quintic
+    Newton–Schulz iterations on X = g / ‖g‖_F, in bf16 on CUDA (as published) and in ``g``'s dtype
+    elsewhere; returned in ``g``'s dtype. Cost: about steps · (2·m²·n + 2·m³ + 2·m²·n) FLOPs per
+    matrix with m ≤ n (the shorter side squared)."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(torch.bfloat16) if g.is_cuda else g
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        s = x @ x.mT
+        x = a * x + (b * s + c * s @ s) @ x
+    return (x.mT if tall else x).to(g.dtype)
+
+
+class Muon(torch.optim.AdamW):
+    """Muon (Jordan et al. 2024; Moonlight, Liu et al. 2025) for the parameter groups marked
+    ``muon``, fused AdamW for the others, as one optimizer (one state dict, one checkpoint).
+
+    A Muon matrix W [m, n] with gradient G: momentum M ← μ·M + G; Nesterov U = G + μ·M;
+    W ← W·(1 − lr·wd) − lr · 0.2·√max(m, n) · NS(U), where NS is :func:`newton_schulz` and the
+    0.2·√max(m, n) scale gives the update the RMS of AdamW's, so that AdamW's learning rate and
+    weight decay carry over (Moonlight §2.2). A stack [E, m, n] of routed experts is E matrices.
+
+    Every matrix is orthogonalized whole: a sharded one (FSDP2, tensor or expert parallelism: a
+    DTensor) is gathered (``full_tensor``), orthogonalized, and each rank keeps its shard of the
+    result — every rank computes every matrix it holds a shard of, so the Newton–Schulz work is
+    not yet spread over the ranks that share it. The step honours ``found_inf`` (``train.anomaly``):
+    with it set to 1 no parameter or state changes.
+    """
+
+    takes_found_inf = True  # moetrain.train.anomaly.gated_step
+
+    def __init__(self, param_groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
+                 momentum: float = 0.95, ns_steps: int = 5):
+        super().__init__(param_groups, lr=lr, betas=betas, eps=eps, fused=True)
+        for g in self.param_groups:
+            g.setdefault("muon", False)
+            g.setdefault("momentum", momentum)
+            g.setdefault("ns_steps", ns_steps)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        found_inf = getattr(self, "found_inf", None)
+        every = self.param_groups
+        # AdamW's step walks self.param_groups: give it the AdamW groups only.
+        self.param_groups = [g for g in every if not g["muon"]]
+        try:
+            super().step()
+        finally:
+            self.param_groups = every
+        for group in every:
+            if group["muon"]:
+                self._muon_step(group, found_inf)
+
+    def _muon_step(self, group: dict[str, Any], found_inf: torch.Tensor | None) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+                # steps taken, kept as AdamW keeps its own (its state loading expects one per parameter)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=found_inf.device if found_inf is not None
+                                            else (p.to_local() if isinstance(p, DTensor) else p).device)
+            buf = state["momentum_buffer"]
+            new_buf = buf * mu + p.grad
+            update = orthogonalized(p.grad + new_buf * mu, group["ns_steps"])
+            m, n = p.shape[-2:]
+            new_p = p * (1 - lr * wd) - update * (lr * 0.2 * math.sqrt(max(m, n)))
+            if found_inf is not None:  # a skipped step keeps both (a NaN gradient never enters)
+                keep = found_inf.to(torch.bool)
+                new_buf, new_p = torch.where(keep, buf, new_buf), torch.where(keep, p, new_p)
+            buf.copy_(new_buf)
+            p.copy_(new_p)
+            state["step"] += 1 if found_inf is None else 1 - found_inf
+
+
+def orthogonalized(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """:func:`newton_schulz` of ``u`` [..., m, n] taken whole: a DTensor is gathered, and each rank
+    keeps its shard of the result (computed from the same full matrix on every rank)."""
+    if isinstance(u, DTensor):
+        full = newton_schulz(u.full_tensor(), steps)
+        return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
+    return newton_schulz(u, steps)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
