@@ -38,12 +38,15 @@
    leaves for https://pytorch.org/memory_viz). Then 8 steps with ``train.straggler_every=4``: one
    window's busy, phase and wait seconds from the detector's CUDA events.
 
-9. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
+9. Muon (``train.optimizer: muon``, Newton–Schulz in bf16 on CUDA) for ``--steps`` bf16 steps
+   against the AdamW run of 1.: its losses (finite and falling) and its step time over AdamW's.
+
+10. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
    defaults of :data:`MFU_MODEL` make a 2.8B-parameter MoE, 6 layers of hidden 4096 with 8 experts
    of 4096 and top-2, 4096-token sequences): bf16 and fp8 tensorwise for ``--steps`` steps, their
    step time, TFLOP/s, MFU and peak memory. No parity check (the demo's checks above do that).
 
-10. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
+11. ``--gemm-sweep`` instead: what the planner's H100 profile assumes of the GPU, measured in
    steady state (benchmarks/kernel_sweep.py): HBM copy bandwidth, the short-K constant and the
    large-GEMM efficiency, and the forward GEMMs of Megatron-LM's weak-scaling rows against the
    planner's prediction; ``--seconds`` per shape (2).
@@ -151,7 +154,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override applied to every training of the check (repeatable)")
-    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap,memory",
+    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap,memory,muon",
                     help="comma-separated sections of the check to run (default: all); bf16 is trained as the "
                          "baseline of the fp8 sections either way")
     ap.add_argument("--overlap-ranks", type=int, default=0,
@@ -238,6 +241,8 @@ def main() -> int:
         overlap(a, out, extra, cuda, failures)
     if "memory" in only:
         memory(a, out, extra, cuda, failures)
+    if "muon" in only:
+        muon(a, out, bf16, extra, failures)
     out["wall_s"] = time.time() - t0
     out["failures"] = failures
     print(json.dumps(out, indent=1, default=str))
@@ -336,6 +341,23 @@ def fp8_training(a, out: dict, bf16: dict, extra: list[str], peak: float | None,
         except Exception as e:  # noqa: BLE001
             out["fp8_training"][recipe] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"fp8 training {recipe}: {e}")
+
+
+def muon(a, out: dict, bf16: dict, extra: list[str], failures: list[str]) -> None:
+    # 9. Muon (bf16 Newton–Schulz on CUDA) against the bf16 AdamW run: losses, step time.
+    import math
+
+    try:
+        r = train(a, "bf16", a.steps, extra=[*extra, "train.optimizer=muon"])
+        out["muon"] = {"step_s": r["step_s"], "over_adamw": r["step_s"] / bf16["step_s"],
+                       "loss_last": r["losses"][-1], "adamw_loss_last": bf16["losses"][-1],
+                       "last10_mean": statistics.mean(r["losses"][-10:]),
+                       "adamw_last10_mean": statistics.mean(bf16["losses"][-10:])}
+        if not all(math.isfinite(x) for x in r["losses"]) or r["losses"][-1] >= r["losses"][0]:
+            failures.append(f"muon: losses {r['losses'][0]} -> {r['losses'][-1]} (not finite, or not falling)")
+    except Exception as e:  # noqa: BLE001
+        out["muon"] = {"error": f"{type(e).__name__}: {e}"}
+        failures.append(f"muon: {e}")
 
 
 def memory(a, out: dict, extra: list[str], cuda: bool, failures: list[str]) -> None:
