@@ -496,30 +496,21 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 4
     run_dir = dirs[0]
-    if args.compare:
+    if args.compare or args.plot is not None:
         try:
-            rows = compare_runs(dirs)
+            rows = compare_runs(dirs) if args.compare else None
             if args.plot is not None:
-                plot_comparison(dirs, args.plot)
+                wrote = plot_comparison(dirs, args.plot) if args.compare else plot(run_dir, args.plot)
         except ModuleNotFoundError:
             print("monitor: --plot needs matplotlib. Fix: pip install 'moetrain[plot]'", file=sys.stderr)
             return 2
         except ValueError as e:
             print(f"monitor: {e}", file=sys.stderr)
             return 2
-        print(json.dumps(rows) if args.format == "json" else render_comparison(rows))
+        if rows is not None:
+            print(json.dumps(rows) if args.format == "json" else render_comparison(rows))
         if args.plot is not None:
-            print(f"wrote {args.plot}")
-        return 0
-    if args.plot is not None:
-        try:
-            print(f"wrote {plot(run_dir, args.plot)}")
-        except ModuleNotFoundError:
-            print("monitor: --plot needs matplotlib. Fix: pip install 'moetrain[plot]'", file=sys.stderr)
-            return 2
-        except ValueError as e:
-            print(f"monitor: {e}", file=sys.stderr)
-            return 2
+            print(f"wrote {wrote}")
         return 0
     if args.profile:
         try:

@@ -17,6 +17,7 @@ out-of-memory error leaves behind — as a pickle that PyTorch's memory viewer
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import torch
@@ -76,8 +77,6 @@ class PhaseMemory:
     def peak_gib(self) -> float:
         if self.cuda:
             return max(self._run_peak, torch.cuda.max_memory_allocated(self.device) / GIB)
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
