@@ -11,7 +11,17 @@ throughput beside the measured one (``measured_over_predicted``; the goal of iss
 (``train.global_batch_size`` × ``model.seq_len`` tokens): what one step adds when each matrix
 is orthogonalized once. Prints JSON.
 
-    python benchmarks/bench_muon.py [--config configs/demo-moe.yaml] [--repeats 5]
+With ``--ranks N`` it also builds the config's layout in N gloo processes (the config's
+``parallel`` section, ``--zero`` stages in turn) and reports, per rank, what
+:class:`moetrain.parallel.whole_matrix.WholeMatrices` gives it: the Newton–Schulz GFLOP it owns
+(against the total / N), the bytes it sends (against the analytic minimum — each matrix's blocks
+once to its owner and back — and against gathering every matrix on every rank, which each rank
+computing all of its matrices needs), the time of the exchange alone, of the whole distributed
+Newton–Schulz, and of the same work done by gathering every matrix on every rank; and the time
+its owned FLOPs predict at the matmul rate all ranks measure at the same moment (the ranks share
+this machine's cores, so a rank's rate is measured under the same contention).
+
+    python benchmarks/bench_muon.py [--config configs/demo-moe.yaml] [--repeats 5] [--ranks 4 --zero 0 1 3]
 """
 
 from __future__ import annotations
@@ -24,13 +34,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from moetrain.config import load_config  # noqa: E402
 from moetrain.model.transformer import Transformer  # noqa: E402
 from moetrain.train.flops import flops_per_token  # noqa: E402
+from moetrain.parallel.whole_matrix import newton_schulz_flops  # noqa: E402
 from moetrain.train.optim import newton_schulz, uses_muon  # noqa: E402
 
 
@@ -54,14 +66,93 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _synced(fn, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats``, every rank starting each repeat together."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _layout(rank: int, world: int, config: str, overrides: list[str], repeats: int) -> dict:
+    """One rank of ``--ranks``: the plan's share, bytes and times for this layout."""
+    from torch.distributed.tensor import DTensor
+
+    from moetrain.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(config, overrides)
+    trainer = Trainer(cfg, write_files=False)
+    opt = trainer.optimizers[0]
+    params = [p for g in opt.param_groups if g["muon"] for p in g["params"]]
+    dirs = [torch.randn_like(p.to_local() if isinstance(p, DTensor) else p) for p in params]
+    whole = opt.whole
+    exchange_s = _synced(lambda: whole.apply(dirs, lambda x: x.clone()), repeats)
+    distributed_s = _synced(lambda: whole.apply(dirs, newton_schulz), repeats)
+    shared = [DTensor.from_local(d, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+              if isinstance(p, DTensor) else d for p, d in zip(params, dirs)]
+    everywhere_s = _synced(lambda: [newton_schulz(d.full_tensor() if isinstance(d, DTensor) else d)
+                                    for d in shared], repeats)
+    # bytes the everywhere scheme receives: every rank all-gathers each matrix it holds a block of
+    everywhere_bytes = sum(4 * (p.numel() - d.numel()) for p, d in zip(params, dirs) if isinstance(p, DTensor))
+    mine = [whole.units[k] for k in whole.owned] + [u for u in whole.units if u.param in whole.local_only
+                                                       and u.owner == whole.me]
+    owned_flops = sum(newton_schulz_flops(*u.shape) for u in mine)
+    # the matmul rate on the owned shapes: X·Xᵀ of each owned matrix (m ≤ n), stacked by shape as
+    # the plan runs them, timed while the other ranks do the same
+    by_shape: dict[tuple[int, int], int] = {}
+    for u in mine:
+        by_shape[(min(u.shape), max(u.shape))] = by_shape.get((min(u.shape), max(u.shape)), 0) + 1
+    probe = [torch.randn(k, m, n) for (m, n), k in by_shape.items()] or [torch.randn(1, 256, 512)]
+    gram_s = _synced(lambda: [x @ x.mT for x in probe], repeats)
+    rate = sum(2 * x.shape[0] * x.shape[1] ** 2 * x.shape[2] for x in probe) / gram_s
+    traffic = whole.traffic(4)
+    return {"least_stage_mb": least_bytes(whole) / 1e6, "rank": rank, "owned_ns_gflop": owned_flops / 1e9, "total_ns_gflop": sum(traffic["work"]) / 1e9,
+            "sent_mb": traffic["sent"][whole.me] / 1e6, "stage_sent_mb": traffic["total"] / 1e6,
+            "everywhere_received_mb": everywhere_bytes / 1e6,
+            "exchange_seconds": exchange_s, "distributed_ns_seconds": distributed_s,
+            "everywhere_ns_seconds": everywhere_s, "matmul_gflop_s": rate / 1e9,
+            "predicted_ns_seconds": owned_flops / rate,
+            "measured_over_predicted": (distributed_s - exchange_s) / (owned_flops / rate) if owned_flops else None}
+
+
+def least_bytes(plan) -> int:
+    """The analytic minimum of one apply(): for every matrix, the blocks its owner lacks (gather)
+    and every other holder's block (scatter) — computed from the plan's blocks, not its transfers."""
+    total = 0
+    for u in plan.units:
+        size = u.shape[0] * u.shape[1]
+        own = max((b.numel for b in u.holders if b.rank == u.owner), default=0)
+        total += (size - own) + sum(b.numel for b in u.holders if b.rank != u.owner)
+    return 4 * total
+
+
+def distributed(a, overrides: list[str]) -> list[dict]:
+    from multiproc import run_distributed
+
+    rows = []
+    for zero in a.zero:
+        outs = run_distributed(_layout, a.ranks, a.config,
+                               overrides + ["train.optimizer=muon", f"parallel.zero_stage={zero}",
+                                            "checkpoint.resume=false"], a.repeats)
+        rows.append({"zero_stage": zero, "ranks": outs})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs/demo-moe.yaml"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary when the config leaves it to the data")
+    ap.add_argument("--ranks", type=int, default=0, help="also run the config's layout in this many processes")
+    ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 3], help="ZeRO stages for --ranks")
     a = ap.parse_args()
-    cfg = load_config(a.config, [f"model.vocab_size={a.vocab}"] if load_config(a.config).model.vocab_size is None
-                      else [])
+    overrides = [f"model.vocab_size={a.vocab}"] if load_config(a.config).model.vocab_size is None else []
+    cfg = load_config(a.config, overrides)
     model = Transformer.from_config(cfg)
     mats = [p.detach() for n, p in model.named_parameters() if uses_muon(n, p, cfg.train.muon_adamw)]
     flops = sum(ns_flops(tuple(p.shape)) for p in mats)
@@ -84,7 +175,8 @@ def main() -> None:
         "ns_gflop_per_step": flops / 1e9, "training_gflop_per_step": train_flops / 1e9,
         "ns_over_training_flops": flops / train_flops,
         "matmul_gflop_s": rate / 1e9, "ns_seconds": ns_s, "predicted_seconds": flops / rate,
-        "measured_over_predicted": ns_s / (flops / rate)}, indent=1))
+        "measured_over_predicted": ns_s / (flops / rate),
+        **({"layouts": distributed(a, overrides)} if a.ranks else {})}, indent=1))
 
 
 if __name__ == "__main__":

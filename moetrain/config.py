@@ -351,10 +351,35 @@ class ParallelConfig:
     ep_overlap: bool = False
     ep_overlap_split: Literal["auto", "always", "never"] = "auto"
     delay_wgrad_compute: bool = False
+    dp_shard: int | None = None
+    """Hybrid sharding (HSDP: FSDP2 on a (replicate, shard) mesh; TorchTitan's
+    ``data_parallel_shard_degree``): ZeRO 1-3 shard each parameter over groups of ``dp_shard``
+    consecutive ranks of the dp × cp order and replicate it across the groups — the all-gathers
+    and reduce-scatters stay inside a group (placed inside an NVSwitch domain by the rank map),
+    and only an all-reduce of each shard's gradient, 1/dp_shard of it, crosses between groups.
+    ``null``: the whole dp × cp group (plain FSDP). Must divide dp × cp; needs zero_stage ≥ 1.
+    The experts shard over the edp ranks inside one shard group (:attr:`expert_dp_shard`)."""
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def resolved_dp_shard(self) -> int:
+        """Ranks one dense parameter is sharded over: ``dp_shard``, or all of dp × cp."""
+        return self.dp_shard if self.dp_shard is not None else self.dp * self.cp
+
+    @property
+    def expert_dp_shard(self) -> int:
+        """Ranks of edp one expert shard is sharded over under HSDP: the edp ranks inside one
+        dense shard group — ``dp_shard / ep`` of them when ep divides ``dp_shard`` (ep is the
+        inner part of the dp × cp order, so a group of dp_shard ranks holds dp_shard / ep
+        replicas of each expert), reduced to its greatest common divisor with edp; 1 (the
+        experts replicated over edp, gradients all-reduced) when a shard group is smaller than
+        an ep group. All of edp without HSDP."""
+        if self.dp_shard is None:
+            return self.edp
+        return math.gcd(self.edp, self.dp_shard // self.ep) if self.dp_shard >= self.ep else 1
 
     @property
     def edp(self) -> int:
@@ -1316,6 +1341,15 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
                           "and must divide it", f"choose ep among {_nearest(par.ep, _divisors(ranks))} or raise dp/cp")
     if par.zero_stage not in (0, 1, 2, 3):
         raise field_error("parallel.zero_stage", par.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3")
+    if par.dp_shard is not None:
+        if par.dp_shard < 1 or ranks % par.dp_shard:
+            raise field_error("parallel.dp_shard", par.dp_shard, f"HSDP shards over groups that must divide dp × cp = "
+                              f"{par.dp} × {par.cp} = {ranks} ranks", f"choose among {_divisors(ranks)} or null "
+                              "(shard over all of them)")
+        if par.zero_stage == 0:
+            raise field_error("parallel.dp_shard", par.dp_shard, "HSDP shards parameters, optimizer states and "
+                              "gradients, but zero_stage 0 replicates them all", "set parallel.zero_stage to 1, 2 or "
+                              "3, or dp_shard: null")
     if device and par.pp > 1 and par.zero_stage == 3 and par.pp_schedule == "zero_bubble":
         # Measured: with parameters resharded after forward, the weight-gradient half of the split
         # backward leaves the FSDP-managed gradients of every stage but the first at zero.

@@ -27,7 +27,7 @@ from torch.distributed.pipelining import ScheduleInterleaved1F1B
 from torch.distributed.pipelining import schedules as _schedules
 
 __all__ = ["Action", "CHECKED_TORCH", "FORWARD", "FULL_BACKWARD", "OVERLAP_F_B", "PipelineRuntime", "disable_backward",
-           "flatten_mesh", "foreach_norms", "fsdp_replicate", "gate_post_backward", "interleaved_1f1b_order",
+           "flatten_mesh", "unflatten_mesh", "foreach_norms", "fsdp_replicate", "gate_post_backward", "interleaved_1f1b_order",
            "keep_local_job", "local_shape_and_offset", "missing", "queue_backward_callback", "record_cuda_memory_history",
            "dump_cuda_memory_snapshot", "render_submission"]
 
@@ -41,6 +41,14 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     under ``name`` on its root mesh so that ``root[name]`` finds it (``DeviceMesh._flatten``, as
     TorchTitan uses it; no public equivalent in torch 2.13)."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D ``mesh`` (a flattened axis) viewed as ``sizes`` (outer first) with axes ``names``,
+    on the same root mesh, so that FSDP2 composes it with tensor-parallel DTensors
+    (``DeviceMesh._unflatten``; HSDP's (replicate, shard) mesh; no public equivalent in torch
+    2.13). Collective: it creates a process group per new axis."""
+    return mesh._unflatten(0, sizes, names)
 
 
 def local_shape_and_offset(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Any]
@@ -253,7 +261,7 @@ def missing() -> list[str]:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     found = {
-        "DeviceMesh._flatten": hasattr(DeviceMesh, "_flatten"),
+        "DeviceMesh._flatten / _unflatten": hasattr(DeviceMesh, "_flatten") and hasattr(DeviceMesh, "_unflatten"),
         "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": _importable(
             "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
         "torch._foreach_norm": hasattr(torch, "_foreach_norm"),

@@ -104,7 +104,7 @@ def muon_run(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> 
     losses = [trainer.train_step().loss for _ in range(STEPS)]
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for part in trainer.model_parts for n, p in part.named_parameters()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "work": trainer.optimizers[0].whole.traffic(4)["work"]}
 
 
 @pytest.fixture(scope="module")
@@ -114,20 +114,26 @@ def one_process(tiny_shards, tmp_path_factory):
 
 @pytest.mark.parametrize("parallel", [
     {"dp": 2, "ep": 2, "zero_stage": 1}, {"dp": 2, "ep": 2, "zero_stage": 3},
-    {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"tp": 2, "etp": 2}],
-    ids=["dp2-ep2-zero1", "dp2-ep2-zero3", "tp2-sp", "pp2", "tp2-etp2"])
+    {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"tp": 2, "etp": 2}, {"dp": 2, "zero_stage": 0},
+    {"dp": 2, "tp": 2, "zero_stage": 3}, {"dp": 4, "ep": 2, "zero_stage": 3, "dp_shard": 2}],
+    ids=["dp2-ep2-zero1", "dp2-ep2-zero3", "tp2-sp", "pp2", "tp2-etp2", "dp2-zero0", "dp2-tp2-zero3", "hsdp"])
 def test_muon_trains_the_same_in_sharded_layouts(parallel, one_process, tiny_shards, tmp_path):
     """20 steps: losses within 1e-5 relative at every step and the parameters after them within
     1e-4 of their largest value (fp32; the layouts reduce gradients in other orders, and each
     matrix is gathered whole before Newton–Schulz)."""
-    outs = run_distributed(muon_run, 2, str(tiny_shards), str(tmp_path / "run"), parallel)
+    world = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+    outs = run_distributed(muon_run, world, str(tiny_shards), str(tmp_path / "run"), parallel)
     for step, (a, b) in enumerate(zip(outs[0]["losses"], one_process["losses"]), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs one process {b}"
-    params = {**outs[1]["params"], **outs[0]["params"]}  # under pp each rank holds its stage's
+    params = {**outs[-1]["params"], **outs[0]["params"]}  # under pp each rank holds its stage's
     for name, ref in one_process["params"].items():
         diff = (params[name] - ref).abs().max().item()
         assert diff <= 1e-4 * ref.abs().max().item() + 1e-6, f"{name}: max diff {diff}"
     assert one_process["losses"][-1] < one_process["losses"][0] - 0.5  # it trains
+    if "pp" not in parallel and "etp" not in parallel:  # (etp: each tp rank holds its own shared experts)
+        # each matrix orthogonalized once in the stage, the work spread over its ranks
+        work = outs[0]["work"]
+        assert sum(work) == sum(one_process["work"]) and max(work) < sum(work)
 
 
 def muon_resume_run(rank: int, world: int, data: str, run_dir: str, parallel: dict, until: int) -> list[float]:

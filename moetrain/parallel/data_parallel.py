@@ -91,7 +91,7 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
     def wrap(modules: nn.Module | list[nn.Module], axis: str, mp_policy: MixedPrecisionPolicy = policy,
              reshard_after: bool = reshard) -> FSDPModule:
         """One FSDP group of ``modules`` over ``axis``; returns its first module."""
-        mesh = ps.submesh(axis)
+        mesh = ps.fsdp_mesh(axis)  # under HSDP (parallel.dp_shard): (replicate, shard)
         if stage == 0:
             out = fsdp_replicate(modules, mesh, mp_policy)
         else:
@@ -106,9 +106,10 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
                 if hasattr(fsdp, "set_reduce_scatter_unused_params"):
                     fsdp.set_reduce_scatter_unused_params(True, recurse=False)
             fsdp.set_gradient_divide_factor(divide)
-            # fully_shard: sum, then divide (gloo has no pre-multiplied sum), except on a 1-rank
-            # mesh. Neither for replicate. Measured in torch 2.13: both of those divide twice.
-            fsdp.set_force_sum_reduction_for_comms(stage > 0 and mesh.size() > 1)
+            # fully_shard: sum, then divide (gloo has no pre-multiplied sum), except where the shard
+            # axis is one rank (a 1-rank mesh, or HSDP's (replicate, 1)). Neither for replicate.
+            # Measured in torch 2.13: each of those divides twice.
+            fsdp.set_force_sum_reduction_for_comms(stage > 0 and mesh.shape[-1] > 1)
         wrapped.extend(group)
         return group[0]
 

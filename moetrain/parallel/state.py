@@ -30,10 +30,24 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from moetrain.axes import CP, CP_TP, DENSE_AXES, DP, DP_CP, DP_CP_TP, EDP, EDP_TP, EP, EXPERT_AXES, PP, TP
 from moetrain.config import ParallelConfig
-from moetrain.internals import flatten_mesh
+from moetrain.internals import flatten_mesh, unflatten_mesh
 
-__all__ = ["ParallelState", "init_distributed", "PP", "DP", "CP", "TP", "EDP", "EP", "DP_CP", "CP_TP",
+__all__ = ["ParallelState", "hsdp_sizes", "init_distributed", "PP", "DP", "CP", "TP", "EDP", "EP", "DP_CP", "CP_TP",
            "DP_CP_TP", "EDP_TP"]
+
+
+def hsdp_sizes(p: ParallelConfig) -> dict[str, tuple[int, int]]:
+    """(replicate, shard) sizes of each FSDP replica axis that HSDP (``parallel.dp_shard``)
+    splits, shard innermost: ``dp_cp`` into dp·cp/dp_shard × dp_shard; ``dp_cp_tp`` likewise
+    with the tp ranks inside the shard group (tp is innermost); the experts' ``edp`` and
+    ``edp_tp`` over :attr:`~moetrain.config.ParallelConfig.expert_dp_shard` (× tp). Empty
+    without HSDP; an axis whose shard group is all of it is left out (plain FSDP)."""
+    if p.dp_shard is None:
+        return {}
+    s, se = p.dp_shard, p.expert_dp_shard
+    sizes = {DP_CP: (p.dp * p.cp, s), DP_CP_TP: (p.dp * p.cp * p.tp, s * p.tp), EDP: (p.edp, se),
+             EDP_TP: (p.edp * p.tp, se * p.tp)}
+    return {axis: (size // shard, shard) for axis, (size, shard) in sizes.items() if shard < size}
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
@@ -77,6 +91,9 @@ class ParallelState:
     rank: int
     world_size: int
     flat: dict[str, DeviceMesh]  # the flattened axes (dp_cp, cp_tp, dp_cp_tp, edp_tp), kept as returned
+    # HSDP (parallel.dp_shard): the (replicate, shard) mesh of each replica axis that is not
+    # sharded whole — see hsdp_sizes
+    hsdp: dict[str, DeviceMesh] = field(default_factory=dict)
     # NVLink domain of every global rank (from the rank map), for node-limited routing; None: one
     domains: list[int] | None = None
     _axes: dict[str, tuple] = field(default_factory=dict, repr=False)  # see _axis
@@ -117,8 +134,12 @@ class ParallelState:
         flat[EDP_TP] = flatten_mesh(expert_mesh[(EDP, TP)], EDP_TP)
         if domains is not None and len(domains) != world:
             raise ValueError(f"domains gives {len(domains)} ranks' NVLink domains, the world has {world}")
+        hsdp = {}
+        for axis, (replicate, shard) in hsdp_sizes(p).items():  # the same order on every rank
+            one_d = flat[axis] if axis in flat else expert_mesh[axis]
+            hsdp[axis] = unflatten_mesh(one_d, (replicate, shard), (f"{axis}_replicate", f"{axis}_shard"))
         return cls(parallel=p, mesh=mesh, expert_mesh=expert_mesh, device=device,
-                   rank=dist.get_rank(), world_size=world, flat=flat,
+                   rank=dist.get_rank(), world_size=world, flat=flat, hsdp=hsdp,
                    domains=list(domains) if domains is not None else None)
 
     def _axis(self, axis: str) -> tuple[DeviceMesh, dist.ProcessGroup, int, int]:
@@ -135,8 +156,13 @@ class ParallelState:
         return self._axes[axis]
 
     def submesh(self, axis: str) -> DeviceMesh:
-        """The 1-D mesh of an axis (flattened axes included), e.g. for FSDP's ``mesh=``."""
+        """The 1-D mesh of an axis (flattened axes included)."""
         return self._axis(axis)[0]
+
+    def fsdp_mesh(self, axis: str) -> DeviceMesh:
+        """The mesh FSDP2 shards a replica group ``axis`` over: its (replicate, shard) mesh under
+        HSDP (``parallel.dp_shard``), else its 1-D mesh."""
+        return self.hsdp.get(axis) or self.submesh(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self._axis(axis)[1]

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moetrain.config import TrainConfig
+from moetrain.parallel.whole_matrix import WholeMatrices, newton_schulz_flops
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -32,11 +34,13 @@ def uses_muon(name: str, p: nn.Parameter, adamw_patterns: tuple[str, ...]) -> bo
     return p.ndim >= 2 and not any(fnmatch.fnmatchcase(name, pat) for pat in adamw_patterns)
 
 
-def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, tc: TrainConfig, group: dist.ProcessGroup | None = None
+                    ) -> torch.optim.AdamW:
     """AdamW (Loshchilov & Hutter 2019) with weight decay on matrices only (norm weights and
     other 1-D parameters are not decayed, as in GPT-3 / Megatron), on the fp32 master weights —
     or, with ``train.optimizer: muon``, :class:`Muon` for the hidden matrices
-    (:func:`uses_muon`) and the same AdamW for the rest, in one optimizer.
+    (:func:`uses_muon`) and the same AdamW for the rest, in one optimizer. ``group``: the ranks
+    of this pipeline stage, over which Muon spreads its matrices (None: one process).
 
     ``fused=True``: one kernel per parameter group, and its step counters live on the device —
     the foreach implementation keeps them on the host and reads each one per step."""
@@ -55,7 +59,8 @@ def build_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
                     for (is_muon, decay, _), params in sorted(groups.items(),
                                                               key=lambda kv: (kv[0][0], not kv[0][1], kv[0][2]))]
     if muon:
-        return Muon(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, momentum=tc.muon_momentum)
+        return Muon(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, momentum=tc.muon_momentum,
+                    group=group)
     for g in param_groups:
         del g["muon"]
     return torch.optim.AdamW(param_groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.adam_eps, fused=True)
@@ -69,8 +74,8 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     """The nearest semi-orthogonal matrix to each matrix of ``g`` [..., m, n] (U·Vᵀ of its SVD,
     approximately: singular values pushed into about [0.7, 1.2]) by ``steps`` quintic
     Newton–Schulz iterations on X = g / ‖g‖_F, in bf16 on CUDA (as published) and in ``g``'s dtype
-    elsewhere; returned in ``g``'s dtype. Cost: about steps · (2·m²·n + 2·m³ + 2·m²·n) FLOPs per
-    matrix with m ≤ n (the shorter side squared)."""
+    elsewhere; returned in ``g``'s dtype. Cost per matrix:
+    :func:`moetrain.parallel.whole_matrix.newton_schulz_flops`."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16) if g.is_cuda else g
     tall = x.shape[-2] > x.shape[-1]
@@ -92,22 +97,28 @@ class Muon(torch.optim.AdamW):
     0.2·√max(m, n) scale gives the update the RMS of AdamW's, so that AdamW's learning rate and
     weight decay carry over (Moonlight §2.2). A stack [E, m, n] of routed experts is E matrices.
 
-    Every matrix is orthogonalized whole: a sharded one (FSDP2, tensor or expert parallelism: a
-    DTensor) is gathered (``full_tensor``), orthogonalized, and each rank keeps its shard of the
-    result — every rank computes every matrix it holds a shard of, so the Newton–Schulz work is
-    not yet spread over the ranks that share it. The step honours ``found_inf`` (``train.anomaly``):
-    with it set to 1 no parameter or state changes.
+    Every matrix is orthogonalized whole and once: the matrices of a sharded layout (FSDP2,
+    tensor, expert and expert-tensor parallelism: DTensors) are spread over the ranks of the
+    pipeline stage (``group``), each gathered to its owner, orthogonalized there and its blocks
+    scattered back (:class:`moetrain.parallel.whole_matrix.WholeMatrices`; a routed expert its
+    rank holds whole never moves). On CUDA the blocks travel in bf16, the dtype Newton–Schulz
+    computes in. Building the plan is collective over ``group`` (one object all-gather).
+
+    The step honours ``found_inf`` (``train.anomaly``): with it set to 1 no parameter or state
+    changes.
     """
 
     takes_found_inf = True  # moetrain.train.anomaly.gated_step
 
     def __init__(self, param_groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
-                 momentum: float = 0.95, ns_steps: int = 5):
+                 momentum: float = 0.95, ns_steps: int = 5, group: dist.ProcessGroup | None = None):
         super().__init__(param_groups, lr=lr, betas=betas, eps=eps, fused=True)
         for g in self.param_groups:
             g.setdefault("muon", False)
             g.setdefault("momentum", momentum)
-            g.setdefault("ns_steps", ns_steps)
+        self.ns_steps = ns_steps
+        self.whole = WholeMatrices([p for g in self.param_groups if g["muon"] for p in g["params"]], group,
+                                   cost=lambda m, n: newton_schulz_flops(m, n, ns_steps))
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -119,41 +130,47 @@ class Muon(torch.optim.AdamW):
             super().step()
         finally:
             self.param_groups = every
-        for group in every:
-            if group["muon"]:
-                self._muon_step(group, found_inf)
+        self._muon_step(found_inf)
 
-    def _muon_step(self, group: dict[str, Any], found_inf: torch.Tensor | None) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+    def _muon_step(self, found_inf: torch.Tensor | None) -> None:
+        # Phases: 1. momentum and the Nesterov direction of each matrix, on this rank's blocks;
+        # 2. Newton–Schulz of each whole matrix, once, on its owner; 3. the update.
+        members = [(g, p) for g in self.param_groups if g["muon"] for p in g["params"]]
+        if not members:
+            return
+        directions, buffers = [], []
+        for g, p in members:
+            grad = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
                 # steps taken, kept as AdamW keeps its own (its state loading expects one per parameter)
-                state["step"] = torch.zeros((), dtype=torch.float32, device=found_inf.device if found_inf is not None
-                                            else (p.to_local() if isinstance(p, DTensor) else p).device)
-            buf = state["momentum_buffer"]
-            new_buf = buf * mu + p.grad
-            update = orthogonalized(p.grad + new_buf * mu, group["ns_steps"])
+                state["step"] = torch.zeros((), dtype=torch.float32,
+                                            device=found_inf.device if found_inf is not None else grad.device)
+            new_buf = _local(state["momentum_buffer"]) * g["momentum"] + grad
+            buffers.append(new_buf)
+            directions.append(grad + new_buf * g["momentum"])
+        on_cuda = directions[0].is_cuda
+        updates = self.whole.apply(directions, lambda u: newton_schulz(u, self.ns_steps),
+                                   wire_dtype=torch.bfloat16 if on_cuda else None)
+        keep = found_inf.to(torch.bool) if found_inf is not None else None
+        for (g, p), new_buf, update in zip(members, buffers, updates):
+            if p.grad is None:
+                continue
+            lr, wd = g["lr"], g["weight_decay"]
             m, n = p.shape[-2:]
-            new_p = p * (1 - lr * wd) - update * (lr * 0.2 * math.sqrt(max(m, n)))
-            if found_inf is not None:  # a skipped step keeps both (a NaN gradient never enters)
-                keep = found_inf.to(torch.bool)
-                new_buf, new_p = torch.where(keep, buf, new_buf), torch.where(keep, p, new_p)
+            w, buf = _local(p), _local(self.state[p]["momentum_buffer"])
+            new_w = w * (1 - lr * wd) - update * (lr * 0.2 * math.sqrt(max(m, n)))
+            if keep is not None:  # a skipped step keeps both (a NaN gradient never enters)
+                new_buf, new_w = torch.where(keep, buf, new_buf), torch.where(keep, w, new_w)
             buf.copy_(new_buf)
-            p.copy_(new_p)
-            state["step"] += 1 if found_inf is None else 1 - found_inf
+            w.copy_(new_w)
+            self.state[p]["step"] += 1 if found_inf is None else 1 - found_inf
 
 
-def orthogonalized(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """:func:`newton_schulz` of ``u`` [..., m, n] taken whole: a DTensor is gathered, and each rank
-    keeps its shard of the result (computed from the same full matrix on every rank)."""
-    if isinstance(u, DTensor):
-        full = newton_schulz(u.full_tensor(), steps)
-        return distribute_tensor(full, u.device_mesh, u.placements, src_data_rank=None)
-    return newton_schulz(u, steps)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``t`` (the tensor itself under no_grad, so in-place ops reach it)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

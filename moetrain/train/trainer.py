@@ -49,7 +49,7 @@ from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
-from moetrain.parallel.state import CP, DP, DP_CP, EP, PP, TP, ParallelState, init_distributed
+from moetrain.parallel.state import CP, DP, DP_CP, DP_CP_TP, EP, PP, TP, ParallelState, init_distributed
 from moetrain.ranges import OPTIMIZER, STEP, observe, phase
 from moetrain.train.anomaly import FLAGS, AnomalyGuard, gated_step
 from moetrain.train.checkpoint import Checkpointer
@@ -133,7 +133,9 @@ class Trainer:
         # model_parts: this rank's pieces of the model (one, or one per virtual pipeline stage);
         # runner: runs forward + backward of a step's micro-batches over them.
         self.model_parts, self.runner = build_model_parts(cfg, self.ps)
-        self.optimizers = [build_optimizer(part, cfg.train) for part in self.model_parts]
+        # Muon spreads its matrices over this pipeline stage's ranks
+        stage = self.ps.group(DP_CP_TP) if self.ps.world_size > 1 else None
+        self.optimizers = [build_optimizer(part, cfg.train, stage) for part in self.model_parts]
         # train.anomaly: the device-side check, and the steps skipped or rolled back so far
         self.anomaly = AnomalyGuard(cfg.train.anomaly, self.device)
         self.anomalous_steps: list[int] = []
