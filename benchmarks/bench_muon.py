@@ -42,18 +42,17 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from moetrain.config import load_config  # noqa: E402
 from moetrain.model.transformer import Transformer  # noqa: E402
 from moetrain.train.flops import flops_per_token  # noqa: E402
-from moetrain.parallel.whole_matrix import newton_schulz_flops  # noqa: E402
+from moetrain.planner.model import newton_schulz_flops  # noqa: E402
 from moetrain.train.optim import newton_schulz, uses_muon  # noqa: E402
 
 
 def ns_flops(shape: tuple[int, ...], steps: int = 5) -> float:
     """FLOPs of :func:`newton_schulz` on one tensor of ``shape`` [..., m, n]."""
     *batch, m, n = shape
-    m, n = min(m, n), max(m, n)
     count = 1
     for b in batch:
         count *= b
-    return count * steps * (4 * m * m * n + 2 * m ** 3)
+    return count * newton_schulz_flops(m, n, steps)
 
 
 def timed(fn, repeats: int) -> float:

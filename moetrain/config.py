@@ -377,14 +377,18 @@ class ParallelConfig:
         replicas of each expert), reduced to its greatest common divisor with edp; 1 (the
         experts replicated over edp, gradients all-reduced) when a shard group is smaller than
         an ep group. All of edp without HSDP."""
-        if self.dp_shard is None:
-            return self.edp
-        return math.gcd(self.edp, self.dp_shard // self.ep) if self.dp_shard >= self.ep else 1
+        return self.edp if self.dp_shard is None else hsdp_expert_shard(self.edp, self.ep, self.dp_shard)
 
     @property
     def edp(self) -> int:
         """Expert-data-parallel size inside one (pp, tp) slice: replicas of each expert shard."""
         return self.dp * self.cp // self.ep
+
+
+def hsdp_expert_shard(edp: int, ep: int, dp_shard: int) -> int:
+    """Edp ranks one expert is sharded over under HSDP with shard groups of ``dp_shard`` ranks of
+    the dp × cp order (:attr:`ParallelConfig.expert_dp_shard`)."""
+    return math.gcd(edp, dp_shard // ep) if dp_shard >= ep else 1
 
 
 @dataclass(frozen=True)
@@ -537,7 +541,13 @@ class TrainConfig:
     hidden matrices and each routed expert's matrices, AdamW (``lr``, ``beta1``, ``beta2``,
     ``weight_decay``) for the embedding, head, router, norms and the names matching
     ``muon_adamw`` (fnmatch patterns); ``muon_momentum``: Muon's Nesterov momentum (0.95). The same
-    ``lr`` drives both: Muon's update is scaled to AdamW's RMS."""
+    ``lr`` drives both: Muon's update is scaled to AdamW's RMS. ``qk_clip`` (τ, e.g. 100; null:
+    off): MuonClip's QK-clip (Kimi K2, §2.1; :mod:`moetrain.train.qk_clip`) — after each
+    optimizer step, every attention head whose largest logit of the step exceeded τ has its
+    query and key projections scaled by γ = τ / max (√γ each; MLA: its per-head query and key
+    parts √γ, its RoPE query γ, the shared RoPE key untouched), so that logit would have been τ;
+    costs one more q·kᵀ per attention forward; the step's largest logit is in the metrics
+    (``max_logit``). Not with context parallelism, q/k norms or compile."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -567,6 +577,7 @@ class TrainConfig:
     muon_adamw: tuple[str, ...] = ("tok_embeddings.*", "output.*", "*.router.*", "*shared_gate*")
     straggler_threshold: float = 0.2
     straggler_windows: int = 3
+    qk_clip: float | None = None
 
     @property
     def resolved_decay_steps(self) -> int:
@@ -1679,6 +1690,21 @@ def _check_train(cfg: Config, device: str | None) -> None:
     if not 0 <= tr.muon_momentum < 1:
         raise field_error("train.muon_momentum", tr.muon_momentum, "a momentum must lie in [0, 1)",
                           "use 0.95 (Moonlight, Kimi K2)")
+    if tr.qk_clip is not None:
+        if not tr.qk_clip > 0:
+            raise field_error("train.qk_clip", tr.qk_clip, "a logit threshold must be positive",
+                              "use e.g. 100 (Kimi K2), or null to turn QK-clip off")
+        if par.cp > 1:
+            raise field_error("train.qk_clip", tr.qk_clip, "QK-clip needs each head's largest logit over all its "
+                              "keys, but under context parallelism each rank computes the logits of its key blocks "
+                              "inside ring attention and they never exist whole", "set parallel.cp=1 or qk_clip: null")
+        if cfg.model.qk_norm != "none":
+            raise field_error("train.qk_clip", tr.qk_clip, f"with model.qk_norm={cfg.model.qk_norm!r} the norm "
+                              "divides out any scale of W_q / W_k, so clipping cannot bound the logits (and the "
+                              "norm bounds them already)", "set qk_clip: null, or model.qk_norm: none")
+        if tr.compile:
+            raise field_error("train.qk_clip", tr.qk_clip, "the max-logit record inside the compiled attention "
+                              "core is not proved under train.compile", "set train.compile=false or qk_clip: null")
     if (pr := tr.profile) is not None:
         if pr.start < 1 or pr.steps < 1:
             raise field_error("train.profile.start" if pr.start < 1 else "train.profile.steps",

@@ -3,6 +3,7 @@ against the schedule formulas, communication tiers, the search, and published re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,7 +24,7 @@ from moetrain.planner.memory import (
 from moetrain.planner.model import ModelShape
 from moetrain.planner.search import Planner
 from moetrain.planner.timing import bubble_time, pipeline_time
-from moetrain.planner.traffic import AxisPlace, bus_factor, comm_time
+from moetrain.planner.traffic import AxisPlace, bus_factor, comm_time, step_collectives
 from moetrain.topology import load_profile
 
 H100 = load_profile("h100-superpod")
@@ -366,3 +367,57 @@ def test_shipped_configs_load_and_fit_their_own_layout(path):
     prof = load_profile(cfg.launch.profile)
     plan = Planner.from_config(cfg, prof, cfg.launch.nodes).evaluate(Layout.from_config(cfg))
     assert plan.fits and plan.step_s > 0, (path, plan.memory_gib)
+
+
+# ---------------------------------------------------------------------------------------------
+# HSDP and Muon
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hsdp_shards_states_over_its_group_and_keeps_the_gathers_on_nvlink():
+    cfg = load_config("configs/mixtral-8x7b.yaml", ["train.global_batch_size=256"])
+    planner = Planner.from_config(cfg, H100, 16)  # 128 GPUs, 8 per NVSwitch domain
+    flat = Layout(tp=1, pp=1, dp=128, ep=8, zero=3, mbs=1)
+    hsdp = dataclasses.replace(flat, dp_shard=8)
+    # states: dense over 8 ranks instead of 128; the experts (edp 16) over the 8 // ep = 1 replica
+    # inside a group of 8 — replicated, as the trainer does
+    m_flat, m_hsdp = memory_per_gpu(planner.shape, flat, 256), memory_per_gpu(planner.shape, hsdp, 256)
+    dense = m_flat.detail["dense_params"]
+    expert = m_flat.detail["expert_params"]
+    assert m_hsdp.optimizer == pytest.approx(12 * (dense / 8 + expert / 1))
+    assert m_flat.optimizer == pytest.approx(12 * (dense / 128 + expert / 16))
+    places, _ = planner.places(hsdp)
+    assert places["dp_cp_shard"].tier == "nvlink" and places["dp_cp_shard"].size == 8
+    assert places["dp_cp_replicate"].size == 16 and places["dp_cp_replicate"].tier != "nvlink"
+    assert planner.places(flat)[0]["dp_cp"].tier != "nvlink"
+    # ZeRO-3's per-micro-batch all-gathers and reduce-scatters of the dense weights stay on
+    # NVLink; only an all-reduce of each 1/8 shard's gradient crosses the network
+    got = {(c.axis, c.op): c for c in step_collectives(planner.shape, hsdp, 256, places, H100)}
+    assert set(got[("dp_cp_shard", "all_gather")].tier_bytes) == {"nvlink"}
+    assert set(got[("dp_cp_shard", "reduce_scatter")].tier_bytes) == {"nvlink"}
+    ar = got[("dp_cp_replicate", "all_reduce")]
+    assert ar.bytes_per_call == pytest.approx(got[("dp_cp_shard", "reduce_scatter")].bytes_per_call / 8)
+    assert set(ar.tier_bytes) - {"nvlink"}
+    flat_ag = next(c for c in step_collectives(planner.shape, flat, 256, planner.places(flat)[0], H100)
+                   if (c.axis, c.op) == ("dp_cp", "all_gather"))
+    assert set(flat_ag.tier_bytes) - {"nvlink"}  # without HSDP they cross the network
+    assert "hsdp8" in hsdp.short() and "parallel.dp_shard=8" in hsdp.overrides()
+    assert planner.check(dataclasses.replace(hsdp, zero=0)) == "HSDP (dp_shard) needs ZeRO 1-3"
+    assert "must divide" in planner.check(dataclasses.replace(hsdp, dp_shard=48))
+
+
+def test_muon_costs_its_newton_schulz_flops_spread_over_the_stage():
+    cfg = load_config("configs/demo-moe.yaml", ["model.vocab_size=8192"])
+    shape = ModelShape.from_config(cfg)
+    # the demo's 124 matrices: 59.2 GFLOP per step (benchmarks/bench_muon.py counts the model's
+    # own parameters and finds the same)
+    assert shape.layers * shape.muon_ns_flops(True) == pytest.approx(59.22357248e9)
+    adamw = Planner.from_config(cfg, H100, 1)
+    muon = Planner.from_config(load_config("configs/demo-moe.yaml", ["model.vocab_size=8192",
+                                                                      "train.optimizer=muon"]), H100, 1)
+    lay = Layout(tp=1, pp=1, dp=8, ep=2, zero=1, mbs=2)
+    t_a, t_m = adamw.evaluate(lay).time, muon.evaluate(lay).time
+    rate = H100.peak_tflops * 1e12 * H100.gemm_efficiency
+    assert t_a.breakdown["muon"] == 0.0
+    assert t_m.breakdown["muon"] >= 59.22357248e9 / 8 / rate  # 1/8 of the work per rank, plus its exchange
+    assert t_m.breakdown["muon"] < 59.22357248e9 / rate  # not all of it on every rank

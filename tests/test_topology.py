@@ -260,6 +260,23 @@ def test_nvl72_rack_cut_in_pieces():
     assert "1 of 9" in detail and "17/1" in detail
 
 
+def test_hsdp_shard_groups_stay_inside_a_domain():
+    rm = map_ranks({"pp": 2, "dp": 8, "cp": 1, "tp": 2, "ep": 1, "dp_shard": 4}, synthetic_allocation(4, H100), H100, 8)
+    _check_invariants(rm)
+    rule = next(r for r in rm.rules if r.name == "dp_shard_in_domain")
+    assert rule.status == "ok" and "all 4 shard groups" in rule.detail
+    for group in rm.mesh_ranks.reshape(-1, 4 * 2):  # dp_shard consecutive dp ranks with their tp ranks
+        assert len({int(r) // 8 for r in group}) == 1
+    # groups of 6 ranks on nodes of 8: some straddle, and the rule says so
+    broken = map_ranks({"pp": 1, "dp": 24, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 6}, synthetic_allocation(3, H100),
+                       H100, 8)
+    assert next(r for r in broken.rules if r.name == "dp_shard_in_domain").status == "broken"
+    too_big = map_ranks({"pp": 1, "dp": 32, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 16}, synthetic_allocation(4, H100),
+                        H100, 8)
+    rule = next(r for r in too_big.rules if r.name == "dp_shard_in_domain")
+    assert rule.status == "n/a" and "cross the network" in rule.detail
+
+
 def test_pipeline_longer_than_a_rail_group():
     rm = build_rank_map(_cfg(pp=64, dp=1, tp=8, nodes=64), profile=H100)
     detail = next(r.detail for r in rm.broken_rules if r.name == "pp_in_rail_group")

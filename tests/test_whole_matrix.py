@@ -11,7 +11,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from moetrain.parallel.whole_matrix import WholeMatrices, newton_schulz_flops
+from moetrain.parallel.whole_matrix import WholeMatrices
+from moetrain.planner.model import newton_schulz_flops
 
 from multiproc import run_distributed
 
@@ -44,7 +45,7 @@ def whole_matrix_run(rank: int, world: int, case: str) -> dict:
         seen.append(x.shape[0])
         return matrix_fn(x)
 
-    plan = WholeMatrices(params, torch.distributed.group.WORLD)
+    plan = WholeMatrices(params, torch.distributed.group.WORLD, cost=newton_schulz_flops)
     out = plan.apply([p.to_local() for p in params], counted)
     errors = []
     for f, p, o in zip(full, params, out):

@@ -101,6 +101,23 @@ def causal_mask(S: int, device: torch.device, window: int | None = None) -> torc
     return mask[None, None]
 
 
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, doc: DocumentMask | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """The largest attention logit scale·q·k of each query head over the pairs the attention
+    sees (causal, inside the document and the window): q [B, H, S, Dk], k [B, G, S, Dk] (G key
+    heads, each shared by H / G query heads) → [H] float32. One key head's query heads at a
+    time, so the scores held at once are [B, H/G, S, S]. What MuonClip watches (Kimi K2, §2.1)."""
+    B, H, S, _ = q.shape
+    G = k.shape[1]
+    mask = doc.local_mask(window) if doc is not None else causal_mask(S, q.device, window)  # [B or 1, 1, S, S]
+    out = []
+    for g, q_g in enumerate(q.view(B, G, H // G, S, -1).unbind(1)):
+        scores = (q_g.float() @ k[:, g, None].float().mT) * scale  # [B, H/G, S, S]
+        out.append(scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3)))
+    return torch.cat(out)
+
+
 def positions_in_document(doc_ids: torch.Tensor) -> torch.Tensor:
     """Each token's position inside its document: doc_ids [B, S] → [B, S] int64 (0 at every
     document start and at the start of the sample), computed on the device."""

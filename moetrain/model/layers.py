@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.attention import DocumentMask, sdpa_attention
+from moetrain.model.attention import DocumentMask, head_max_logits, sdpa_attention
 from moetrain.model import wgrad
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_linear
 
@@ -282,6 +282,15 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.window = window
         self.kernel: AttentionKernel = sdpa_attention
+        # [heads on this rank] float32: each head's largest logit since the last reset (track_max_logits)
+        self.register_buffer("max_logit", None, persistent=False)
+
+    def track_max_logits(self, heads: int) -> None:
+        """From now on keep, in ``max_logit`` [heads] float32, the largest attention logit each
+        head this rank computes (``heads``: n_heads / tp) has seen
+        (:func:`moetrain.model.attention.head_max_logits`: one more q·kᵀ per forward); the caller
+        reads and resets it (``train.qk_clip``)."""
+        self.max_logit = torch.full((heads,), float("-inf"), device=self.wq.weight.device)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc: DocumentMask | None = None) -> torch.Tensor:
@@ -301,6 +310,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.max_logit is not None:
+            torch.maximum(self.max_logit, head_max_logits(q.transpose(1, 2), k.transpose(1, 2), self.head_dim ** -0.5,
+                                                          doc, self.window), out=self.max_logit)
         sinks = local_cast(self.sinks, None) if self.sinks is not None else None
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc, window=self.window,
                           sinks=sinks)  # [B, H, S, Dh]

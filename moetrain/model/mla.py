@@ -31,7 +31,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moetrain.model.attention import DocumentMask, sdpa_attention
+from moetrain.model.attention import DocumentMask, head_max_logits, sdpa_attention
 from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local_cast
 from moetrain.model.recompute import recompute_context
 
@@ -64,6 +64,12 @@ class MLAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(heads)) if sinks else None
         self.kernel: AttentionKernel = sdpa_attention
         self.recompute_up = False
+        # [heads on this rank] float32: each head's largest logit since the last reset (track_max_logits)
+        self.register_buffer("max_logit", None, persistent=False)
+
+    def track_max_logits(self, heads: int) -> None:
+        """As :meth:`moetrain.model.layers.Attention.track_max_logits`."""
+        self.max_logit = torch.full((heads,), float("-inf"), device=self.wkv_b.weight.device)
 
     def up(self, c_q: torch.Tensor, c_kv: torch.Tensor, k_r: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,6 +98,8 @@ class MLAttention(nn.Module):
         else:
             q, k, v = self.up(c_q, c_kv, k_r, cos, sin)
         # 3. attend
+        if self.max_logit is not None:
+            torch.maximum(self.max_logit, head_max_logits(q, k, self.scale, doc, self.window), out=self.max_logit)
         sinks = local_cast(self.sinks, None) if self.sinks is not None else None
         out = self.kernel(q, k, v, doc, scale=self.scale, window=self.window, sinks=sinks)  # [B, H, S, Dv]
         # 4. project out

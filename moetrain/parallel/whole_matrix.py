@@ -38,15 +38,11 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.internals import local_shape_and_offset
 
-__all__ = ["WholeMatrices", "newton_schulz_flops"]
+__all__ = ["WholeMatrices"]
 
 
-def newton_schulz_flops(m: int, n: int, steps: int = 5) -> int:
-    """FLOPs of ``steps`` quintic Newton–Schulz iterations on one [m, n] matrix: per step
-    X·Xᵀ (2·a²·b), S·S (2·a³) and (b·S + c·S²)·X (2·a²·b), with a = min(m, n), b = max(m, n)
-    (Jordan et al. 2024)."""
-    a, b = min(m, n), max(m, n)
-    return steps * (4 * a * a * b + 2 * a ** 3)
+def _elements(m: int, n: int) -> int:
+    return m * n
 
 
 @dataclass(frozen=True)
@@ -100,7 +96,8 @@ class WholeMatrices:
             the same order on every rank of ``group`` (the same model part of one pipeline stage).
         group: the ranks of the pipeline stage (every mesh a parameter lives on is inside it), or
             None for one process. Building the plan is collective over it (one object all-gather).
-        cost: work of one [m, n] matrix, for balancing (default :func:`newton_schulz_flops`).
+        cost: work of one [m, n] matrix, for balancing (Muon passes Newton–Schulz's FLOPs,
+            :func:`moetrain.planner.model.newton_schulz_flops`; default: its elements).
 
     Raises:
         ValueError: a parameter is not 2-D or 3-D, has a Partial placement, the ranks disagree on
@@ -108,7 +105,7 @@ class WholeMatrices:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None,
-                 cost: Callable[[int, int], int] = newton_schulz_flops):
+                 cost: Callable[[int, int], int] = _elements):
         for t in params:
             if t.ndim not in (2, 3):
                 raise ValueError(f"a parameter of shape {tuple(t.shape)} is not a matrix [m, n] nor a stack "
@@ -303,7 +300,7 @@ class WholeMatrices:
 
     def traffic(self, bytes_per_element: int) -> dict[str, list[int] | int]:
         """Bytes one :meth:`apply` sends, per rank of the group (``sent``: gather and scatter
-        together) and in all (``total``), and the work each rank owns (``work``: FLOPs of
-        Newton–Schulz by default)."""
+        together) and in all (``total``), and the work each rank owns (``work``, in the plan's
+        cost units)."""
         sent = [n * bytes_per_element for n in self.sent_numel]
         return {"sent": sent, "total": sum(sent), "work": list(self.load)}

@@ -6,10 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from moetrain.config import hsdp_expert_shard
+
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
 
-__all__ = ["Layout", "LayoutError", "parse_layout_spec", "LAYOUT_KEYS", "RECOMPUTE_MODULES"]
+__all__ = ["Layout", "LayoutError", "hsdp_axes", "parse_layout_spec", "LAYOUT_KEYS", "RECOMPUTE_MODULES"]
 
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "mla_up_proj")
 """Modules selective recomputation can re-run in the backward pass (Megatron-Core's
@@ -35,6 +37,8 @@ class Layout:
     ``ep_fold``: the ep groups span tp × dp × cp (Megatron-Core's MoE parallel folding with
     etp = 1: the tp ranks of an attention block are ep ranks of its MoE block; Liu et al. 2025,
     arXiv 2504.14960) instead of dp × cp with whole-expert copies on the tp ranks; planner-only.
+    ``dp_shard``: HSDP's shard group (``parallel.dp_shard``; None: ZeRO shards over all of
+    dp × cp).
     ``recompute_modules``: what ``ac = "selective"`` recomputes (:data:`RECOMPUTE_MODULES`);
     moetrain's trainer recomputes ``core_attn`` only, the others describe published runs
     (``python -m moetrain.plan --layout recompute_modules=layernorm+moe_act``)."""
@@ -53,6 +57,7 @@ class Layout:
     etp: int = 1
     recompute_modules: tuple[str, ...] = ("core_attn",)
     ep_fold: bool = False
+    dp_shard: int | None = None
 
     @property
     def runs_in_moetrain(self) -> bool:
@@ -69,11 +74,22 @@ class Layout:
         return self.dp * self.cp * (self.tp if self.ep_fold else 1) // self.ep
 
     @property
+    def dense_shard(self) -> int:
+        """Ranks ZeRO shards a dense parameter over: dp × cp, or HSDP's ``dp_shard``."""
+        return self.dp_shard if self.dp_shard is not None else self.dp * self.cp
+
+    @property
     def expert_shard(self) -> int:
-        """Ranks holding replicas of the same expert shard (ZeRO shards them): edp × tp with
-        whole experts (the tp ranks hold copies), edp when tp splits the experts (etp = tp) or
-        the ep groups fold the tp ranks in (``ep_fold``)."""
-        return self.edp if self.ep_fold else self.edp * (self.tp // self.etp)
+        """Ranks ZeRO shards one expert shard over: its replicas, edp × tp with whole experts (the
+        tp ranks hold copies), edp when tp splits the experts (etp = tp) or the ep groups fold the
+        tp ranks in (``ep_fold``); under HSDP the replicas inside one shard group."""
+        edp = self.edp if self.dp_shard is None else hsdp_expert_shard(self.edp, self.ep, self.dp_shard)
+        return edp if self.ep_fold else edp * (self.tp // self.etp)
+
+    def hsdp_axes(self) -> dict[str, int]:
+        """Under HSDP, the shard-group size of each replica axis it splits (``dp_cp``, ``edp_tp``,
+        ``edp``); empty otherwise."""
+        return hsdp_axes(self.dp_shard, self.dp * self.cp, self.ep, self.tp)
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per pipeline per step (gradient accumulation steps)."""
@@ -90,7 +106,8 @@ class Layout:
             s += f" ep{self.ep}" + ("(tp×dp)" if self.ep_fold else "")
         if self.etp > 1:
             s += f" etp{self.etp}"
-        s += f" z{self.zero} mbs{self.mbs} ac={self.ac}"
+        s += f" z{self.zero}" + (f" hsdp{self.dp_shard}" if self.dp_shard is not None else "")
+        s += f" mbs{self.mbs} ac={self.ac}"
         if self.ac == "selective" and self.recompute_modules != ("core_attn",):
             s += f"({'+'.join(self.recompute_modules)})"
         if self.pp > 1:
@@ -113,7 +130,7 @@ class Layout:
         p = cfg.parallel
         return cls(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, vpp=p.virtual_stages, zero=p.zero_stage,
                    mbs=cfg.train.micro_batch_size, ac=p.activation_checkpointing, schedule=p.pp_schedule,
-                   sp=p.sequence_parallel, etp=p.etp)
+                   sp=p.sequence_parallel, etp=p.etp, dp_shard=p.dp_shard)
 
     def overrides(self) -> list[str]:
         """``--set`` strings that put this layout into a config.
@@ -132,7 +149,22 @@ class Layout:
                 f"parallel.ep={self.ep}", f"parallel.virtual_stages={self.vpp}", f"parallel.zero_stage={self.zero}",
                 f"parallel.pp_schedule={self.schedule}", f"parallel.activation_checkpointing={self.ac}",
                 f"parallel.sequence_parallel={'true' if self.sp else 'false'}", f"train.micro_batch_size={self.mbs}"] + \
-            ([f"parallel.etp={self.etp}"] if self.etp > 1 else [])
+            ([f"parallel.etp={self.etp}"] if self.etp > 1 else []) + \
+            ([f"parallel.dp_shard={self.dp_shard}"] if self.dp_shard is not None else [])
+
+
+def hsdp_axes(dp_shard: int | None, dp_cp: int, ep: int, tp: int) -> dict[str, int]:
+    """Shard-group size of each replica axis HSDP splits (``dp_cp``; the experts' ``edp_tp`` with
+    whole experts, ``edp`` under expert-tensor parallelism: both given), as
+    :func:`moetrain.parallel.state.hsdp_sizes` splits them; empty without HSDP."""
+    if dp_shard is None or dp_shard >= dp_cp:
+        return {}
+    edp = dp_cp // ep
+    se = hsdp_expert_shard(edp, ep, dp_shard)
+    out = {"dp_cp": dp_shard}
+    if se < edp:
+        out.update({"edp_tp": se * tp, "edp": se})
+    return out
 
 
 _ALIASES = {
@@ -146,6 +178,7 @@ _ALIASES = {
     "etp": "etp", "expert_tensor_parallel": "etp",
     "recompute_modules": "recompute_modules", "modules": "recompute_modules",
     "ep_fold": "ep_fold",
+    "dp_shard": "dp_shard", "hsdp": "dp_shard",
 }
 LAYOUT_KEYS = tuple(sorted(set(_ALIASES)))
 _CHOICES = {"ac": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")}

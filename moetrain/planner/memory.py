@@ -316,14 +316,15 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
     """Peak memory per GPU (the fullest pipeline rank) of ``layout`` training ``shape``.
 
     Expert parameters are split over ep × etp and their states sharded over
-    ``layout.expert_shard``. ``moe_imbalance``: routed copies of the busiest expert rank over
+    ``layout.expert_shard``; dense ones sharded over ``layout.dense_shard`` (dp × cp, or HSDP's
+    shard group). ``moe_imbalance``: routed copies of the busiest expert rank over
     the mean (the activations it keeps).
 
     Returns a :class:`MemoryBreakdown` in bytes; ``.gib()`` converts.
     """
     A = assumptions
     tp, pp, cp = layout.tp, layout.pp, layout.cp
-    dense_shard = layout.dp * cp
+    dense_shard = layout.dense_shard
     expert_shard = layout.expert_shard
     m = max(1, layout.microbatches(global_batch))
     tokens = layout.mbs * shape.seq_len / cp

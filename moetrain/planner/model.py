@@ -28,10 +28,18 @@ from moetrain.model.fp8 import E4M3, dispatch_wire, row_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
 
-__all__ = ["ModelShape", "DEFAULT_VOCAB"]
+__all__ = ["ModelShape", "DEFAULT_VOCAB", "newton_schulz_flops"]
 
 DEFAULT_VOCAB = 32000
 """Vocabulary assumed when the config leaves ``model.vocab_size`` to the tokenizer."""
+
+
+def newton_schulz_flops(m: int, n: int, steps: int = 5) -> int:
+    """FLOPs of ``steps`` quintic Newton–Schulz iterations on one [m, n] matrix (Muon; Jordan et
+    al. 2024): per step X·Xᵀ (2·a²·b), S·S (2·a³) and (b·S + c·S²)·X (2·a²·b), with
+    a = min(m, n), b = max(m, n)."""
+    a, b = min(m, n), max(m, n)
+    return steps * (4 * a * a * b + 2 * a ** 3)
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,31 @@ class ModelShape:
     def embedding_params(self) -> int:
         """Input embedding plus output head (one matrix when tied)."""
         return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+
+    def muon_matrices(self, moe: bool) -> list[tuple[int, int, int]]:
+        """(rows, columns, count) of the matrices ``train.optimizer: muon`` orthogonalizes in one
+        layer (:func:`moetrain.train.optim.uses_muon`): the attention projections (MLA's low-rank
+        pairs as two), the dense MLP's or the shared experts' (one [S·f, h] per matrix) and each
+        routed expert's three. A published run's attention of stated parameters only is taken
+        as four square h × h matrices' worth (its split is not known)."""
+        h = self.hidden
+        if self.attn_params_override is not None:
+            out = [(h, h, max(1, round(self.attn_params_override / (h * h))))]
+        elif self.is_mla:
+            q = [(self.q_lora_rank, h, 1), (self.h_q, self.q_lora_rank, 1)] if self.q_lora_rank else [(self.h_q, h, 1)]
+            out = q + [(self.kv_lora_rank + self.qk_rope_dim, h, 1),
+                       (self.up_kv_params // self.kv_lora_rank, self.kv_lora_rank, 1), (h, self.h_v, 1)]
+        else:
+            out = [(self.h_q, h, 1), (self.h_kv, h, 1), (self.h_kv_v, h, 1), (h, self.h_v, 1)]
+        if not moe:
+            return out + [(self.ffn, h, self.mlp_matrices)]
+        if self.shared_experts:
+            out.append((self.shared_experts * self.expert_ffn, h, 3))
+        return out + [(self.expert_ffn, h, 3 * self.num_experts)]
+
+    def muon_ns_flops(self, moe: bool, steps: int = 5) -> float:
+        """Newton–Schulz FLOPs of one layer's :meth:`muon_matrices`, each orthogonalized once."""
+        return float(sum(c * newton_schulz_flops(m, n, steps) for m, n, c in self.muon_matrices(moe)))
 
     def layer_params(self, moe: bool) -> tuple[int, int]:
         """(dense, expert) parameters of one layer; dense includes norms, router, shared experts."""

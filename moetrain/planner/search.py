@@ -154,18 +154,21 @@ class Planner:
                    mem=MemoryAssumptions.for_train(cfg.train),
                    timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
                                             delay_wgrad=cfg.parallel.delay_wgrad_compute,
-                                            ep_overlap_split=cfg.parallel.ep_overlap_split))
+                                            ep_overlap_split=cfg.parallel.ep_overlap_split,
+                                            optimizer=cfg.train.optimizer))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
         """Axis placements and broken rules of the rank map for this layout (cached)."""
-        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.ep_fold)
+        key = (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.ep_fold, lay.dp_shard)
         if key not in self._places:
             # a folded ep group is one tp group times ep/tp ranks of dp × cp: mapped as the latter,
             # then widened by the tp group it takes in (which the map keeps inside a domain)
             ep = lay.ep // lay.tp if lay.ep_fold else lay.ep
-            rm = map_ranks({"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": ep},
-                           self.allocation, self.profile, self.gpn)
+            sizes = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": ep}
+            if lay.dp_shard is not None:
+                sizes["dp_shard"] = lay.dp_shard
+            rm = map_ranks(sizes, self.allocation, self.profile, self.gpn)
             places = places_from_rank_map(rm)
             if lay.ep_fold:
                 part, tp = places["ep"], places["tp"]
@@ -205,6 +208,9 @@ class Planner:
             return f"seq_len = {s.seq_len} does not split over 2·cp{'·tp' if tp_splits else ''} = {div}"
         if self.global_batch % (lay.mbs * lay.dp):
             return f"global batch {self.global_batch} is not a multiple of mbs·dp = {lay.mbs * lay.dp}"
+        if lay.dp_shard is not None and ((lay.dp * lay.cp) % lay.dp_shard or lay.zero == 0):
+            return (f"dp_shard = {lay.dp_shard} must divide dp·cp = {lay.dp * lay.cp}" if lay.zero
+                    else "HSDP (dp_shard) needs ZeRO 1-3")
         m = lay.microbatches(self.global_batch)
         if lay.pp > 1 and m < lay.pp and lay.schedule != "gpipe":
             return f"{m} micro-batches cannot fill {lay.pp} pipeline stages"
@@ -283,7 +289,7 @@ class Planner:
                                     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
                                                  mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp, etp=etp,
                                                  recompute_modules=fixed.get("recompute_modules", ("core_attn",)),
-                                                 ep_fold=fold)
+                                                 ep_fold=fold, dp_shard=fixed.get("dp_shard"))
                                     if self.check(lay) is None:
                                         yield lay
 

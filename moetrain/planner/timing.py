@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["TimingAssumptions", "StepTime", "step_time", "bubble_time", "pipeline_time", "k_efficiency",
            "gemm_pass_time", "ep_exposed", "merged_pair_hidden", "merged_pair_share", "EP_OVERLAP",
-           "K_REF"]
+           "K_REF", "muon_time"]
 
 EP_OVERLAP = ("none", "shared_expert", "combined_1f1b", "merged_pairs")
 K_REF = 4096
@@ -109,6 +109,9 @@ class TimingAssumptions:
     (``--check-for-nan-in-loss-and-grad``, on unless ``--no-…`` is passed) takes each bucket's
     norm (4) and ``start_grad_sync`` scales it by 1/dp before the reduce-scatter (read + write 8)
     (``megatron/core/distributed/param_and_grad_buffer.py``, ``Bucket.start_grad_sync``).
+    ``optimizer``: ``adamw``, or ``muon`` (``train.optimizer``): Newton–Schulz of each matrix
+    once, the stage's work spread over its ranks, at the profile's GEMM rate, plus the
+    gather / scatter of the sharded matrices' blocks in bf16 (:func:`muon_time`).
     ``fp8_cast_bytes``: HBM bytes per element to quantize a GEMM operand to fp8 with a current
     scale: read it for the amax (2), read it again and write the float8 copy (2 + 1), as
     unfused kernels do (torchao fuses some under torch.compile: an upper bound).
@@ -133,8 +136,11 @@ class TimingAssumptions:
     grad_buffer_bytes: float = 0.0
     tp_comm_overlap: bool = False
     cross_entropy: str = "fused"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer {self.optimizer!r}: use adamw or muon")
         if self.cross_entropy not in ("fused", "unfused"):
             raise ValueError(f"cross_entropy {self.cross_entropy!r}: use fused or unfused")
         if self.ep_overlap not in EP_OVERLAP:
@@ -597,14 +603,20 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     z = lay.zero
     dp_exposed = 0.0
     rs = ag = 0.0
+    hsdp = lay.hsdp_axes()
     for axis, p in (("dp_cp", dense_p), (expert_grad_axis(lay), expert_p)):
         if p <= 0:
             continue
         if z == 0:
             rs += comm_time("all_reduce", p * mem.grad_bytes, places[axis], prof)[0]
-        else:
-            rs += comm_time("reduce_scatter", p * mem.grad_bytes, places[axis], prof)[0]
-            ag += comm_time("all_gather", p * mem.param_bytes, places[axis], prof)[0]
+            continue
+        # HSDP: reduce-scatter and all-gather inside the shard group, then each shard's gradient
+        # all-reduced across the groups (1/dp_shard of it)
+        shard = places[f"{axis}_shard"] if axis in hsdp else places[axis]
+        rs += comm_time("reduce_scatter", p * mem.grad_bytes, shard, prof)[0]
+        if axis in hsdp:
+            rs += comm_time("all_reduce", p * mem.grad_bytes / hsdp[axis], places[f"{axis}_replicate"], prof)[0]
+        ag += comm_time("all_gather", p * mem.param_bytes, shard, prof)[0]
     window_b = t_b if ta.overlap_grad_reduce else 0.0
     window_f = t_f if ta.overlap_grad_reduce else 0.0
     if z <= 1:
@@ -622,13 +634,15 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden + ep_hidden_step + tp_hidden_step)
 
     # 5. optimizer
-    shard_d = lay.dp * lay.cp if z >= 1 else 1
+    shard_d = lay.dense_shard if z >= 1 else 1
     shard_e = lay.expert_shard if z >= 1 else 1
     t_opt = ta.adam_bytes * (dense_p / shard_d + expert_p / shard_e) / prof.hbm_bandwidth()
     # passes over the whole (unsharded) gradient buffer, on the compute stream, once a step
     t_grad = ta.grad_buffer_bytes * (dense_p + expert_p) / prof.hbm_bandwidth()
 
-    step = t_pipe + dp_exposed + overlap_cost + t_opt + t_grad
+    t_muon = muon_time(shape, lay, prof, places, c.rate, dense_p, expert_p) if ta.optimizer == "muon" else 0.0
+
+    step = t_pipe + dp_exposed + overlap_cost + t_opt + t_grad + t_muon
     useful = m * (t_f + t_b)
     scale = useful / (t_f + t_b) if t_f + t_b else 0.0  # = m
     bd = {
@@ -645,12 +659,35 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         "overlap_slowdown": overlap_cost,
         "optimizer": t_opt,
         "grad_buffer": t_grad,
+        "muon": t_muon,
     }
     tokens = global_batch * shape.seq_len
     model_flops = tokens * shape.model_flops_per_token()
     executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules)
     tiers = {a: places[a].tier for a in places}
     return StepTime(step, t_f, t_b, m, bd, tiers, model_flops, executed, ep_hidden_step)
+
+
+def muon_time(shape: ModelShape, lay: Layout, prof: "ClusterProfile", places: dict[str, AxisPlace], rate: float,
+              dense_p: float, expert_p: float, wire_bytes: float = 2.0) -> float:
+    """Seconds Muon adds to a step (moetrain.parallel.whole_matrix): the fullest stage's
+    Newton–Schulz FLOPs (each matrix once, :meth:`ModelShape.muon_ns_flops`) over its dp·cp·tp
+    ranks at ``rate`` (FLOP/s), plus one all-to-all of the blocks each rank sends in the gather
+    and the scatter, ``wire_bytes`` per element (bf16): under ZeRO 1-3 its blocks of the dense
+    matrices twice (an expert stack sharded along its expert dim has its matrices whole:
+    nothing moves); under ZeRO-0 the results of the matrices it owns to their other replicas.
+    ``dense_p`` / ``expert_p``: parameters on the fullest rank (counted as Muon's: the embedding
+    and head are a small share of a large model, and over-count)."""
+    stage_flops = max(n_d * shape.muon_ns_flops(False) + n_m * shape.muon_ns_flops(True)
+                      for n_d, n_m in stage_counts(shape, lay.pp, lay.vpp))
+    t_ns = stage_flops / (lay.dp * lay.cp * lay.tp) / rate
+    if lay.zero >= 1:
+        sent = 2.0 * dense_p / lay.dense_shard * wire_bytes
+    else:
+        k, ke = lay.dp * lay.cp, lay.expert_shard
+        sent = (dense_p * (k - 1) / k + expert_p * (ke - 1) / ke) * wire_bytes
+    place = places.get("dp_cp_shard", places["dp_cp"])
+    return t_ns + comm_time("all_to_all", sent, place, prof)[0]
 
 
 def _rank_params(shape: ModelShape, lay: Layout) -> tuple[float, float]:

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moetrain.planner.layout import Layout
+from moetrain.planner.layout import Layout, hsdp_axes
 from moetrain.planner.model import ModelShape
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,11 +61,18 @@ class AxisPlace:
 
 
 def places_from_rank_map(rm: "RankMap") -> dict[str, AxisPlace]:
-    """Per communicating axis, its placement on the rank map (worst group)."""
+    """Per communicating axis, its placement on the rank map (worst group); under HSDP (the map's
+    ``dp_shard`` size) also ``<axis>_shard`` and ``<axis>_replicate`` of each replica axis it
+    splits (:func:`hsdp_axes`)."""
     out = {}
     for axis in COMM_AXES:
         arr = rm.group_array(axis)
         out[axis] = AxisPlace(int(arr.shape[1]), rm.worst_tier(axis), max(1, rm.members_per_domain(axis)))
+    s = rm.sizes
+    for axis, shard in hsdp_axes(s.get("dp_shard"), s["dp"] * s["cp"], s["ep"], s["tp"]).items():
+        for name, groups in zip(("shard", "replicate"), rm.hsdp_groups(axis, shard)):
+            tier, per_domain = rm.place_of(groups)
+            out[f"{axis}_{name}"] = AxisPlace(int(groups.shape[1]), tier, max(1, per_domain))
     return out
 
 
@@ -275,15 +282,20 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
         (shape.total_params - expert_total) / (layout.tp * layout.pp)
     expert_p = expert_params_rank if expert_params_rank is not None else \
         expert_total / (layout.pp * layout.ep * layout.etp)
+    hsdp = layout.hsdp_axes()
     for axis, p, label in (("dp_cp", dense_p, "dense"), (expert_grad_axis(layout), expert_p, "expert")):
         if p <= 0:
             continue
         z = layout.zero
         if z == 0:
             add(axis, "all_reduce", f"{label} gradient all-reduce", p * grad_bytes, 1, "last backward")
-        else:
-            add(axis, "reduce_scatter", f"{label} gradient reduce-scatter", p * grad_bytes, m if z >= 2 else 1,
-                "backward")
-            add(axis, "all_gather", f"{label} parameter all-gather", p * param_bytes, 2 * m if z == 3 else 1,
-                "forward")
+            continue
+        shard = f"{axis}_shard" if axis in hsdp else axis
+        add(shard, "reduce_scatter", f"{label} gradient reduce-scatter", p * grad_bytes, m if z >= 2 else 1,
+            "backward")
+        if axis in hsdp:  # HSDP: each shard's gradient all-reduced across the shard groups
+            add(f"{axis}_replicate", "all_reduce", f"{label} gradient shard all-reduce across HSDP groups",
+                p * grad_bytes / hsdp[axis], m if z >= 2 else 1, "backward")
+        add(shard, "all_gather", f"{label} parameter all-gather", p * param_bytes, 2 * m if z == 3 else 1,
+            "forward")
     return out

@@ -96,6 +96,7 @@ class Rule:
 RULE_TEXT = {
     "tp_in_domain": "TP groups inside one NVSwitch domain",
     "cp_in_domain": "CP groups (with their TP ranks) inside one NVSwitch domain, where tp·cp fits",
+    "dp_shard_in_domain": "HSDP shard groups (dp_shard × tp ranks) inside one NVSwitch domain, where they fit",
     "pp_cross_node": "neighbouring pipeline stages on different nodes",
     "pp_same_rail": "neighbouring stages in different NVSwitch domains on the same rail (local GPU index)",
     "pp_in_rail_group": "neighbouring stages in the same rail group, where possible",
@@ -231,6 +232,28 @@ class RankMap:
     def members_per_domain(self, axis: str) -> int:
         """Fewest members any ``axis`` group has in one NVSwitch domain (1 = fully spread)."""
         return self._geo.min_members_per_domain(self.group_array(axis))
+
+    def hsdp_groups(self, axis: str, shard: int) -> tuple[np.ndarray, np.ndarray]:
+        """HSDP's split of every ``axis`` group: its runs of ``shard`` consecutive members (the
+        shard groups, [n, shard]) and the members at the same place of each run (the replicate
+        groups, [m, size / shard]).
+
+        Raises:
+            ValueError: ``shard`` does not divide the group size.
+        """
+        arr = self.group_array(axis)
+        n, size = arr.shape
+        if size % shard:
+            raise ValueError(f"a shard group of {shard} does not divide the {axis} groups of {size}")
+        return arr.reshape(-1, shard), arr.reshape(n, size // shard, shard).transpose(0, 2, 1).reshape(-1, size // shard)
+
+    def place_of(self, groups: np.ndarray) -> tuple[str, int]:
+        """(slowest tier any of ``groups`` [n, size] crosses, fewest members one has inside an
+        NVSwitch domain) — what :meth:`worst_tier` and :meth:`members_per_domain` give for an
+        axis, for any groups."""
+        if groups.size == 0:
+            return "none", 1
+        return TIERS[int(self._geo.tiers(groups).max())], self._geo.min_members_per_domain(groups)
 
     def placement_summary(self) -> dict[str, dict[str, Any]]:
         """Per axis: group count and size, tiers crossed, fewest members per NVSwitch domain."""
@@ -481,9 +504,11 @@ class _Stats:
     group_bad: int
     ep_in_domain: int
     ep_local: int
+    shard_bad: int = 0
+    shard_total: int = 0
 
 
-def _stats(mesh: np.ndarray, geo: _Geometry, ep: int) -> _Stats:
+def _stats(mesh: np.ndarray, geo: _Geometry, ep: int, dp_shard: int | None = None) -> _Stats:
     pp, dp, cp, tp = mesh.shape
     # TP and TP×CP blocks inside one domain
     tpg = mesh.reshape(-1, tp)
@@ -512,8 +537,15 @@ def _stats(mesh: np.ndarray, geo: _Geometry, ep: int) -> _Stats:
         ep_local = int((dom[:, 1:] == dom[:, :-1]).sum())
     else:
         ep_in = ep_local = 0
+    # HSDP's shard groups: dp_shard consecutive members of a stage's dp × cp order, with their tp
+    # ranks (the dp_cp_tp order is dp, cp, tp, tp fastest: the mesh's own)
+    shard_bad = shard_total = 0
+    if dp_shard is not None and dp_shard < dp * cp:
+        sg = mesh.reshape(-1, dp_shard * tp)
+        _, dom, _, _ = geo.parts(sg)
+        shard_bad, shard_total = int((~(dom == dom[:, :1]).all(axis=1)).sum()), sg.shape[0]
     return _Stats(tp_bad, tpg.shape[0], cp_bad, tcg.shape[0], pairs, same_node, cross, rail_bad, group_bad, ep_in,
-                  ep_local)
+                  ep_local, shard_bad, shard_total)
 
 
 def _check_rules(rm: RankMap, st: _Stats) -> list[Rule]:
@@ -565,6 +597,22 @@ def _check_rules(rm: RankMap, st: _Stats) -> list[Rule]:
             why = f"the allocation's NVSwitch domains hold {domain_sizes()} nodes"
         rules.append(Rule(name, RULE_TEXT[name], "broken",
                           f"{st.cp_bad} of {st.cp_total} TP×CP blocks straddle NVSwitch domains: {why}"))
+    # HSDP shard groups
+    name = "dp_shard_in_domain"
+    shard = s.get("dp_shard", s["dp"] * s["cp"])
+    if shard >= s["dp"] * s["cp"]:
+        rules.append(Rule(name, RULE_TEXT[name], "n/a", "no HSDP (parallel.dp_shard unset): ZeRO shards over all of dp × cp"))
+    elif shard * s["tp"] > dom_gpus:
+        rules.append(Rule(name, RULE_TEXT[name], "n/a",
+                          f"dp_shard·tp = {shard * s['tp']} > {dom_gpus} GPUs per NVSwitch domain: the shard groups' "
+                          f"all-gathers cross the network"))
+    elif st.shard_bad == 0:
+        rules.append(Rule(name, RULE_TEXT[name], "ok", f"all {st.shard_total} shard groups on NVLink"))
+    else:
+        rules.append(Rule(name, RULE_TEXT[name], "broken",
+                          f"{st.shard_bad} of {st.shard_total} shard groups straddle NVSwitch domains: "
+                          f"dp_shard·tp = {shard * s['tp']} does not line up with the {gpn} GPUs per node or the "
+                          f"allocation's domains hold {domain_sizes()} nodes"))
     # 3-5. PP
     block = s["dp"] * s["cp"] * s["tp"]  # ranks per stage
     pipe_nodes = s["pp"] * s["tp"] * s["cp"] * rm.dp_block / gpn  # nodes of one pipeline replica
@@ -646,7 +694,8 @@ def _crosses_groups(rm: RankMap, axis: str) -> bool:
 
 def map_ranks(sizes: dict[str, int], allocation: Allocation, profile: ClusterProfile,
               tasks_per_node: int, notes: list[str] | None = None) -> RankMap:
-    """Place ``sizes`` (pp, dp, cp, tp, ep) on ``allocation``; the core of :func:`build_rank_map`.
+    """Place ``sizes`` (pp, dp, cp, tp, ep; ``dp_shard`` under HSDP) on ``allocation``; the core
+    of :func:`build_rank_map`.
 
     Raises:
         ValueError: the sizes do not fill ``len(allocation) × tasks_per_node`` ranks, or ep
@@ -660,19 +709,23 @@ def map_ranks(sizes: dict[str, int], allocation: Allocation, profile: ClusterPro
     if (dp * cp) % ep:
         raise ValueError(f"ep = {ep} does not divide dp·cp = {dp * cp}")
     full = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep, "edp": dp * cp // ep}
+    dp_shard = sizes.get("dp_shard")
+    if dp_shard is not None:
+        full["dp_shard"] = int(dp_shard)
     gpn = tasks_per_node
     domain_gpus = profile.domain_nodes * gpn
     geo = _Geometry(allocation, profile, tasks_per_node)
 
-    # 2-3. candidates, scored by broken rules in the order of the rules (TP, CP, PP neighbours
-    # off-node, on one rail, in one rail group), then EP on NVLink, then the DP block size
+    # 2-3. candidates, scored by broken rules in the order of the rules (TP, CP, HSDP shard groups,
+    # PP neighbours off-node, on one rail, in one rail group), then EP on NVLink, then the DP
+    # block size
     best: tuple[tuple, _Candidate, _Stats] | None = None
     for dp_in in _divisors(dp):
         if dp_in > 1 and tp * cp * dp_in > max(domain_gpus, gpn):
             continue
         cand = _place(full, gpn, allocation, domain_gpus, dp_in)
-        st = _stats(cand.mesh, geo, ep)
-        score = (st.tp_bad, st.cp_bad, st.same_node, st.rail_bad, st.group_bad, -st.ep_in_domain, -st.ep_local,
+        st = _stats(cand.mesh, geo, ep, full.get("dp_shard"))
+        score = (st.tp_bad, st.cp_bad, st.shard_bad, st.same_node, st.rail_bad, st.group_bad, -st.ep_in_domain, -st.ep_local,
                  -dp_in)
         if best is None or score < best[0]:
             best = (score, cand, st)
@@ -796,6 +849,8 @@ def build_rank_map(cfg: "Config", nodes: "list[str] | int | None" = None,
         notes.append(f"{tpn} tasks per node, more than the profile's {prof.gpus_per_node} GPUs per node")
     alloc = resolve_allocation(nodes if nodes is not None else None, cfg, prof, topology)
     sizes = {"pp": par.pp, "dp": par.dp, "cp": par.cp, "tp": par.tp, "ep": par.ep}
+    if par.dp_shard is not None:
+        sizes["dp_shard"] = par.dp_shard
     return map_ranks(sizes, alloc, prof, tpn, notes)
 
 

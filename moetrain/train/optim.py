@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import TrainConfig
-from moetrain.parallel.whole_matrix import WholeMatrices, newton_schulz_flops
+from moetrain.parallel.whole_matrix import WholeMatrices
+from moetrain.planner.model import newton_schulz_flops
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -75,7 +76,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     approximately: singular values pushed into about [0.7, 1.2]) by ``steps`` quintic
     Newton–Schulz iterations on X = g / ‖g‖_F, in bf16 on CUDA (as published) and in ``g``'s dtype
     elsewhere; returned in ``g``'s dtype. Cost per matrix:
-    :func:`moetrain.parallel.whole_matrix.newton_schulz_flops`."""
+    :func:`moetrain.planner.model.newton_schulz_flops`."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16) if g.is_cuda else g
     tall = x.shape[-2] > x.shape[-1]

@@ -58,6 +58,7 @@ from moetrain.train.flops import flops_per_token
 from moetrain.train.memory import PhaseMemory, dump_memory_snapshot, predicted_memory_gib, start_memory_history
 from moetrain.train.metrics import EtaClock, MetricSinks, format_duration
 from moetrain.train.optim import build_optimizer, lr_at, schedule_fields, set_lr
+from moetrain.train.qk_clip import QKClip
 from moetrain.train.profile import StepProfiler
 from moetrain.train.records import Fence, Heartbeat, append_event, exclude_nodes, node_name
 from moetrain.train.stragglers import Straggler, StragglerDetector
@@ -136,6 +137,8 @@ class Trainer:
         # Muon spreads its matrices over this pipeline stage's ranks
         stage = self.ps.group(DP_CP_TP) if self.ps.world_size > 1 else None
         self.optimizers = [build_optimizer(part, cfg.train, stage) for part in self.model_parts]
+        # train.qk_clip (MuonClip): the attention modules record their largest logits
+        self.qk_clip = QKClip(self.model_parts, cfg.train.qk_clip, self.ps) if cfg.train.qk_clip else None
         # train.anomaly: the device-side check, and the steps skipped or rolled back so far
         self.anomaly = AnomalyGuard(cfg.train.anomaly, self.device)
         self.anomalous_steps: list[int] = []
@@ -441,6 +444,8 @@ class Trainer:
         forwards = self.runner.forwards_per_step(accum)  # 2 per micro-batch when ep_overlap splits them
         for moe in self.moe_layers.values():
             moe.begin_step(forwards)
+        if self.qk_clip is not None:  # the logits of this step's forwards only (not validation's)
+            self.qk_clip.reset()
 
         # Forward + backward of every micro-batch (FSDP2 reduces the gradients during the last
         # one's backward); each MoE layer sums its statistics.
@@ -457,6 +462,7 @@ class Trainer:
             clip_gradients(self.model_parts, self.cfg.train.grad_clip, grad_norm)
         with phase(OPTIMIZER):
             gated_step(self.optimizers, skip)
+            max_logit = self.qk_clip.apply() if self.qk_clip is not None else None
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         self.step += 1
@@ -469,6 +475,8 @@ class Trainer:
         readings = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double(), "anomaly": anomaly}
         if self.cfg.data.loss_mask:
             readings["trained_tokens"] = self._trained_tokens
+        if max_logit is not None:
+            readings["max_logit"] = max_logit
         a2a = self._a2a_bytes([rows for _, rows in moe_stats.values()])
         if a2a is not None:
             readings.update(intra_node=a2a[0], inter_node=a2a[1])
@@ -495,6 +503,8 @@ class Trainer:
                 log.warning("step %d: the loss mask excludes every target of the global batch: its LM loss is 0, and "
                             "only the MoE balancing losses, weight decay and the optimizer's momentum moved the "
                             "weights", self.step)
+        if max_logit is not None:
+            extra["max_logit"] = host["max_logit"][0]
         if a2a is not None:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
         flags = dict(zip(FLAGS, host["anomaly"]))
