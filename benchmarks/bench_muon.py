@@ -22,6 +22,7 @@ its owned FLOPs predict at the matmul rate all ranks measure at the same moment 
 this machine's cores, so a rank's rate is measured under the same contention).
 
     python benchmarks/bench_muon.py [--config configs/demo-moe.yaml] [--repeats 5] [--ranks 4 --zero 0 1 3]
+        [--set parallel.dp=2 ...]
 """
 
 from __future__ import annotations
@@ -149,9 +150,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary when the config leaves it to the data")
     ap.add_argument("--ranks", type=int, default=0, help="also run the config's layout in this many processes")
     ap.add_argument("--zero", type=int, nargs="+", default=[0, 1, 3], help="ZeRO stages for --ranks")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for --ranks, e.g. parallel.dp=2 (repeatable)")
     a = ap.parse_args()
     overrides = [f"model.vocab_size={a.vocab}"] if load_config(a.config).model.vocab_size is None else []
     cfg = load_config(a.config, overrides)
+    overrides += a.set
     model = Transformer.from_config(cfg)
     mats = [p.detach() for n, p in model.named_parameters() if uses_muon(n, p, cfg.train.muon_adamw)]
     flops = sum(ns_flops(tuple(p.shape)) for p in mats)

@@ -126,17 +126,17 @@ class WholeMatrices:
             bad = next(r for r, s in enumerate(shapes) if s != shapes[0])
             raise ValueError(f"ranks 0 and {bad} of the stage hold different parameter lists "
                              f"({len(shapes[0])} vs {len(shapes[bad])} parameters): the plan needs one list")
+        self.load = [0] * self.world  # work owned per rank, in cost units
         self.units = self._plan(every, cost)
-        self.load = [0] * self.world  # work owned per rank, in cost units (FLOPs)
-        for u in self.units:
-            self.load[u.owner] += cost(*u.shape)
         self._steps(len(params))
 
     # -- the plan, the same on every rank --------------------------------------------------------
 
     def _plan(self, every: list, cost: Callable[[int, int], int]) -> list[_Unit]:
+        """Every matrix's holders, owner and source blocks, from every rank's description of
+        every parameter; each owner is the least-loaded holder (one holding it whole first)."""
         units: list[_Unit] = []
-        load = [0] * self.world
+        load = self.load
         for i, (shape, _, _, _) in enumerate(every[0]):
             m, n = shape[-2:]
             count = shape[0] if len(shape) == 3 else 1

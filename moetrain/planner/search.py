@@ -399,7 +399,8 @@ def explain(plan: Plan, rank: int, nxt: Plan | None = None) -> list[str]:
     mg = plan.memory.gib()
     zero_txt = {0: "no ZeRO", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[lay.zero]
     lines.append(f"   memory: weights {mg['params']:.1f}, grads {mg['grads']:.1f}, optimizer {mg['optimizer']:.1f} "
-                 f"({zero_txt} over {lay.dp * lay.cp} ranks), activations {mg['activations']:.1f} "
+                 f"({zero_txt} over {lay.dense_shard} ranks{' (HSDP)' if lay.dp_shard is not None else ''}), "
+                 f"activations {mg['activations']:.1f} "
                  f"(ac={lay.ac}, mbs={lay.mbs}), buffers {mg['buffers']:.1f} GiB")
     if nxt is not None and nxt.time is not None:
         diff = {k: nxt.time.breakdown.get(k, 0.0) - bd.get(k, 0.0) for k in set(bd) | set(nxt.time.breakdown)}
