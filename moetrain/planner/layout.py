@@ -154,9 +154,11 @@ class Layout:
 
 
 def hsdp_axes(dp_shard: int | None, dp_cp: int, ep: int, tp: int) -> dict[str, int]:
-    """Shard-group size of each replica axis HSDP splits (``dp_cp``; the experts' ``edp_tp`` with
-    whole experts, ``edp`` under expert-tensor parallelism: both given), as
-    :func:`moetrain.parallel.state.hsdp_sizes` splits them; empty without HSDP."""
+    """Shard-group size of each replica axis HSDP splits, as
+    :func:`moetrain.parallel.state.hsdp_sizes` splits them: ``dp_cp``, and, when the experts
+    are sharded over fewer than all their replicas, both expert axes — ``edp_tp`` (whole experts,
+    the tp ranks inside) and ``edp`` (expert-tensor parallelism); the caller reads the one its
+    layout reduces expert gradients over. Empty without HSDP."""
     if dp_shard is None or dp_shard >= dp_cp:
         return {}
     edp = dp_cp // ep

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from moetrain.internals import local_shape_and_offset
 from moetrain.model.layers import Attention
 from moetrain.model.mla import MLAttention
-from moetrain.parallel.state import DP_CP_TP, TP, ParallelState
+from moetrain.parallel.state import DP_CP_TP, PP, TP, ParallelState
 
 __all__ = ["QKClip"]
 
@@ -36,8 +36,10 @@ class QKClip:
 
     def __init__(self, parts: list[nn.Module], tau: float, ps: ParallelState):
         self.tau = tau
+        self.device = ps.device
         self.tp, self.tp_rank = ps.size(TP), ps.coord(TP)
         self.group = ps.group(DP_CP_TP) if ps.world_size > 1 else None
+        self.pp_group = ps.group(PP) if ps.size(PP) > 1 else None
         self.modules = [m for part in parts for m in part.modules() if isinstance(m, (Attention, MLAttention))]
         self.heads = max((_heads(m) for m in self.modules), default=0)
         for m in self.modules:
@@ -51,13 +53,10 @@ class QKClip:
     @torch.no_grad()
     def apply(self) -> torch.Tensor:
         """Clip after the optimizer step (module docstring); returns the step's largest logit
-        over every head of the stage, before clipping: a float32 scalar on the device (-inf for a
-        stage without attention). No host read."""
-        if not self.modules:
-            return torch.tensor(float("-inf"))
-        device = self.modules[0].max_logit.device
+        over every head of the model (every pipeline stage), before clipping: a float32 scalar on
+        the device. No host read."""
         # 1. agree: every head's largest logit, the same table on every rank of the stage
-        table = torch.full((len(self.modules), self.heads), float("-inf"), device=device)
+        table = torch.full((len(self.modules), self.heads), float("-inf"), device=self.device)
         for i, m in enumerate(self.modules):
             local = m.max_logit
             table[i, self.tp_rank * local.numel():(self.tp_rank + 1) * local.numel()] = local
@@ -73,7 +72,10 @@ class QKClip:
             else:
                 _clip_gqa(m, g)
         self.reset()
-        return table.amax()
+        largest = table.amax() if self.modules else torch.tensor(float("-inf"), device=self.device)
+        if self.pp_group is not None:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return largest
 
 
 def _heads(m: nn.Module) -> int:

@@ -108,6 +108,11 @@ class Trainer:
         if mesh_ranks is None:
             mesh_ranks, rank_domains = topology_mesh_ranks(cfg, hosts_from_ranks)
         self.ps = ParallelState.build(cfg.parallel, self.device, mesh_ranks, rank_domains)
+        if self.ps.hsdp and self.ps.is_logging_rank:
+            par = cfg.parallel
+            log.info("HSDP: dense parameters sharded over groups of %d of the %d dp × cp ranks, replicated across %d "
+                     "groups; experts sharded over %d of their %d edp replicas (those inside one group: dp_shard / ep)",
+                     par.dp_shard, par.dp * par.cp, par.dp * par.cp // par.dp_shard, par.expert_dp_shard, par.edp)
         torch.manual_seed(cfg.run.seed)
 
         # A new attempt takes the run directory's fence first: writes of older attempts stop.
