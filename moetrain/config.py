@@ -365,11 +365,6 @@ class ParallelConfig:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
-    def resolved_dp_shard(self) -> int:
-        """Ranks one dense parameter is sharded over: ``dp_shard``, or all of dp × cp."""
-        return self.dp_shard if self.dp_shard is not None else self.dp * self.cp
-
-    @property
     def expert_dp_shard(self) -> int:
         """Ranks of edp one expert shard is sharded over under HSDP: the edp ranks inside one
         dense shard group — ``dp_shard / ep`` of them when ep divides ``dp_shard`` (ep is the

@@ -7,7 +7,9 @@ DeviceMesh from :attr:`RankMap.mesh_ranks`, so the map shown by ``python -m moet
 the map used.
 
 Placement, in order of priority (DESIGN.md, "Placement goal"):
-1. TP groups inside one NVSwitch domain; then CP (tp × cp ranks) where it fits.
+1. TP groups inside one NVSwitch domain; then CP (tp × cp ranks) where it fits; then, under
+   HSDP (``parallel.dp_shard``), each shard group (dp_shard consecutive members of the dp × cp
+   order, with their tp ranks) where it fits.
 2. The rest of the domain is filled with data-parallel ranks, so that EP groups (``ep``
    consecutive members of the dp × cp order) stay on NVLink where they fit.
 3. Neighbouring pipeline stages on different nodes, on the same rail (same local GPU index)
