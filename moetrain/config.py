@@ -358,7 +358,10 @@ class ParallelConfig:
     and reduce-scatters stay inside a group (placed inside an NVSwitch domain by the rank map),
     and only an all-reduce of each shard's gradient, 1/dp_shard of it, crosses between groups.
     ``null``: the whole dp × cp group (plain FSDP). Must divide dp × cp; needs zero_stage ≥ 1.
-    The experts shard over the edp ranks inside one shard group (:attr:`expert_dp_shard`)."""
+    The experts shard over the edp ranks inside one shard group (:attr:`expert_dp_shard`):
+    dp_shard / ep of them, so with dp_shard ≤ ep they are replicated and their whole gradient is
+    all-reduced across the groups — give dp_shard a multiple of ep of at least 2·ep
+    (``python -m moetrain.ranks`` shows the bytes)."""
 
     @property
     def world_size(self) -> int:
