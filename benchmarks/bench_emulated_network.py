@@ -93,6 +93,11 @@ LAYOUTS = {  # name: (nodes, moe overrides, parallel overrides)
     "hierarchical": (2, HIER, {}),
     "hierarchical+overlap": (2, HIER, OVERLAP),
     "hierarchical+overlap+delay_wgrad": (2, HIER, DELAY_WGRAD),
+    # ZeRO-3's per-micro-batch all-gathers and reduce-scatters across the nodes, or (HSDP, shard
+    # groups of 2 = one node's ranks) inside each node with one all-reduce of the shards across
+    "one-node+zero3": (1, {}, {"zero_stage": 3}),
+    "flat+zero3": (2, {}, {"zero_stage": 3}),
+    "flat+zero3+hsdp2": (2, {}, {"zero_stage": 3, "dp_shard": 2}),
 }
 
 
