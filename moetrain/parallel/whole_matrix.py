@@ -211,6 +211,14 @@ class WholeMatrices:
                 self.owned.append(k)
         self.n_params = n_params
         self.communicates = any(self.sent_numel)
+        # what apply() would otherwise work out every step: the sizes each all-to-all receives,
+        # and the owned matrices by shape (one fn call per shape)
+        self.gather_numels = [[blk.numel for _, blk in recvs] for recvs in self.gather_recv]
+        self.scatter_numels = [[blk.numel for _, blk in recvs] for recvs in self.scatter_recv]
+        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for k in self.owned:
+            by_shape[self.units[k].shape].append(k)
+        self.owned_by_shape = list(by_shape.values())
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -237,8 +245,7 @@ class WholeMatrices:
 
         # 1. gather: my blocks of the matrices others own, to their owners
         received = self._exchange([[_block_of(tensors, i, blk).to(wire).reshape(-1) for i, blk in sends]
-                                   for sends in self.gather_send],
-                                  [[blk.numel for _, blk in recvs] for recvs in self.gather_recv], wire, device)
+                                   for sends in self.gather_send], self.gather_numels, wire, device)
         # 2. apply: assemble each owned matrix from its blocks, run fn once per shape
         full: dict[int, torch.Tensor] = {}
         for k in self.owned:
@@ -255,16 +262,13 @@ class WholeMatrices:
                 (r0, r1), (c0, c1) = blk.rows, blk.cols
                 full[k][r0:r1, c0:c1] = flat.view(r1 - r0, c1 - c0)
         result: dict[int, torch.Tensor] = {}
-        by_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for k in self.owned:
-            by_shape[self.units[k].shape].append(k)
-        for ks in by_shape.values():
+        for ks in self.owned_by_shape:
             for k, r in zip(ks, fn(torch.stack([full[k] for k in ks])).to(wire).unbind(0)):
                 result[k] = r
         # 3. scatter: each holder's block of the results
         sends = [[result[k][blk.rows[0]:blk.rows[1], blk.cols[0]:blk.cols[1]].reshape(-1) for k, blk in s]
                  for s in self.scatter_send]
-        back = self._exchange(sends, [[blk.numel for _, blk in r] for r in self.scatter_recv], wire, device)
+        back = self._exchange(sends, self.scatter_numels, wire, device)
         for i, t in enumerate(tensors):
             if out[i] is None:
                 out[i] = torch.empty_like(t)
