@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointConfig",
     "LaunchConfig",
     "ContainerConfig",
+    "ElasticConfig",
     "MetricsConfig",
     "WandbConfig",
     "Config",
@@ -636,6 +637,31 @@ class ContainerConfig:
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic training on SLURM (``launch.elastic``): the job asks for ``min_nodes`` to
+    ``launch.nodes`` nodes (``sbatch --nodes=min-max``), and an attempt that starts on fewer nodes
+    than ``launch.nodes`` — a node failed and was excluded, the allocation shrank, SLURM had only
+    that many free — re-plans its layout for the ranks it has before it builds the mesh
+    (:func:`moetrain.planner.elastic.replan`): the model, optimizer, global batch and data order
+    stay; dp and the gradient accumulation change (tp, pp, ep kept when a layout keeping them fits
+    in memory), and the latest complete checkpoint loads into the new layout.
+
+    ``min_nodes``: the fewest nodes to train on (1 ≤ min_nodes ≤ launch.nodes); ``submit``
+    refuses a value on which the planner finds no layout that fits. ``grow``: while shrunk, ask
+    SLURM every ``grow_check_s`` seconds (``sbatch --test-only``) whether the missing nodes could
+    start now, and when they could, stop at the next step (checkpoint saved) and requeue the job,
+    lifting the exclusion of the nodes that had failed: the next attempt runs on every node
+    again. ``too_few``: an attempt on fewer ranks than any fitting layout needs (a cluster that
+    differs from the planner's profile) ``stop``s with the reason, or ``wait``s: the job is
+    requeued asking for the node count that fits."""
+
+    min_nodes: int = 1
+    grow: bool = True
+    grow_check_s: float = 60.0
+    too_few: Literal["stop", "wait"] = "stop"
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Where and how the processes run. ``cluster``: ``local`` (submitit's local executor, one
     process per rank on this machine) or ``slurm``. ``tasks_per_node``: ``null`` follows from
@@ -659,7 +685,10 @@ class LaunchConfig:
     allocation ``submit`` is started in (``salloc``, a user's sbatch script: ``srun`` steps, no new
     job) and submits a new job elsewhere; ``new`` always submits one. ``exclude_stragglers``: a
     rank named a straggler (``train.straggler_every``) has its node added to the nodes the next
-    requeue excludes.
+    requeue excludes. ``restart_in_job``: in a SLURM batch job, each task runs its rank as a child
+    process and, after a rank died on a node that is still there, every task restarts its rank
+    inside the job instead of requeueing it (:mod:`moetrain.launch.supervisor`); ``false``:
+    every such failure requeues the job. ``elastic``: see :class:`ElasticConfig`.
 
     On GPUs every rank runs with NCCL's flight recorder on (``TORCH_NCCL_TRACE_BUFFER_SIZE``
     2000, dumped on a collective's time-out beside the hang watchdog's stacks in
@@ -689,6 +718,8 @@ class LaunchConfig:
     srun_args: tuple[str, ...] = ()
     sbatch_args: tuple[str, ...] = ()
     allocation: Literal["auto", "new"] = "auto"
+    elastic: ElasticConfig | None = None
+    restart_in_job: bool = True
 
     def resolved_tasks_per_node(self, world_size: int) -> int:
         return self.tasks_per_node if self.tasks_per_node is not None else world_size // self.nodes
@@ -1201,7 +1232,7 @@ def render_config(cfg: Config, layers: Layers | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "train.anomaly", "train.profile"}
+_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "launch.elastic", "train.anomaly", "train.profile"}
 
 
 def explain(layers: Layers, cfg: Config, key: str) -> str:
@@ -1786,6 +1817,29 @@ def _check_launch(cfg: Config, device: str | None) -> None:
         raise field_error("launch.heartbeat_timeout_factor", ln.heartbeat_timeout_factor,
                           "a hang is a pause longer than this many median steps; it must exceed 1", "use e.g. 10")
     _check_site(cfg)
+    _check_elastic(cfg)
+
+
+def _check_elastic(cfg: Config) -> None:
+    """``launch.elastic``: a SLURM run with checkpoints to resume from, and a node range."""
+    el, ln = cfg.launch.elastic, cfg.launch
+    if el is None:
+        return
+    if ln.cluster != "slurm":
+        raise field_error("launch.elastic", to_dict(cfg)["launch"]["elastic"], "elastic training re-plans when SLURM "
+                          "starts the job on fewer nodes; the local executor always has its one machine",
+                          "set launch.cluster: slurm, or --set launch.elastic=null")
+    if not 1 <= el.min_nodes <= ln.nodes:
+        raise field_error("launch.elastic.min_nodes", el.min_nodes, f"must be between 1 and launch.nodes = {ln.nodes}",
+                          f"use e.g. min_nodes: {max(1, ln.nodes // 2)}")
+    if not cfg.checkpoint.every or not cfg.checkpoint.resume:
+        raise field_error("checkpoint.every" if not cfg.checkpoint.every else "checkpoint.resume",
+                          cfg.checkpoint.every if not cfg.checkpoint.every else cfg.checkpoint.resume,
+                          "an elastic run goes on from its latest checkpoint after a node is lost",
+                          "set checkpoint.every (e.g. 100) and checkpoint.resume: true")
+    if el.grow_check_s <= 0:
+        raise field_error("launch.elastic.grow_check_s", el.grow_check_s, "must be positive",
+                          "use the seconds between two checks, e.g. 60")
 
 
 _SHELL_NAME = r"[A-Za-z_][A-Za-z0-9_]*"

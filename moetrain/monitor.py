@@ -115,7 +115,7 @@ class Status:
 
 
 # The events.jsonl kinds shown as "restarts and causes".
-LIFECYCLE_EVENTS = ("stopped", "requeue", "restart", "hang", "checkpoint_skipped", "resumed", "gave_up")
+LIFECYCLE_EVENTS = ("stopped", "requeue", "restart", "hang", "checkpoint_skipped", "replanned", "resumed", "gave_up")
 
 
 def collect(run_dir: Path, now: float | None = None) -> Status:
@@ -370,7 +370,7 @@ def render(st: Status, now: float | None = None) -> str:
     if st.restarts:
         lines.append("restarts and causes:")
         for e in st.restarts[-10:]:
-            detail = ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
+            detail = e.get("message") or ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']}: {detail}")
     if st.environment:
         lines.append(f"environment (attempt {st.environment_attempt}):")

@@ -197,6 +197,11 @@ def format_event(e: dict) -> str | None:
                 f"{e.get('max_restarts')}): {e.get('cause')}")
     if kind == "requeue":
         return f"requeued{'' if e.get('ok', True) else ' (FAILED)'}: {e.get('cause')}"
+    if kind == "replanned":
+        return e.get("message")
+    if kind == "recovered":
+        return (f"first step after the restart (step {e.get('step')}, {e.get('world_size')} ranks) "
+                f"{e.get('seconds')} s after the {e.get('since')}")
     if kind == "hang":
         return f"hang detected at step {e.get('step')}: suspected rank(s) {e.get('suspects')} on {e.get('nodes')}"
     if kind == "stopped":
@@ -291,6 +296,10 @@ def follow(job: Any, cfg: Config, since: float, out=sys.stdout, events: EventPri
         time.sleep(1.0)
     drain()
     events.drain()
+    if cfg.launch.elastic is not None:
+        # An elastic run's last attempt may have had fewer tasks than the job was submitted with:
+        # the missing tasks left no result. Rank 0's result is the run's.
+        return str(job.task(0).result())
     results = job.results()  # raises on failure, with the remote traceback
     return str(results[0])
 

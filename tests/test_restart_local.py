@@ -77,7 +77,7 @@ def test_sigkill_mid_step_restarts_with_the_same_losses_and_corrupt_checkpoint_i
     assert "event: restarting from the latest complete checkpoint (restart 1 of 2)" in out, out
     assert "event: resumed from" in out and "step_00000004 at step 4" in out, out
     ev = read_events(run_dir)
-    assert [e["event"] for e in ev] == ["started", "restart", "resumed", "started", "finished"], ev
+    assert [e["event"] for e in ev] == ["started", "restart", "resumed", "started", "recovered", "finished"], ev
     assert ev[1]["restart"] == 1 and "rank(s) 1 died" in ev[1]["cause"] and ev[2]["step"] == 4
     status = collect(run_dir)
     assert status.state == "done" and [e["event"] for e in status.restarts] == ["restart", "resumed"]

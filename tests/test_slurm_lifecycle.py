@@ -261,7 +261,8 @@ def test_usr2_checkpoints_requeues_and_resumes(reference, tiny_shards, tmp_path,
 
     assert_same_losses(run_dir, reference["losses"])
     ev = read_events(run_dir)
-    assert [e["event"] for e in ev] == ["started", "stopped", "requeue", "resumed", "started", "finished"], ev
+    assert [e["event"] for e in ev] == ["started", "stopped", "requeue", "resumed", "started", "recovered",
+                                        "finished"], ev
     stopped, requeue, resumed = ev[1], ev[2], ev[3]
     assert stopped["reason"] == "SIGUSR2" and requeue["ok"] is True and requeue["cause"] == "SIGUSR2"
     assert resumed["step"] == stopped["step"] and resumed["attempt"] == 1, "resumed from the stop's checkpoint"
@@ -286,21 +287,25 @@ def test_preemption_by_high_partition(reference, tiny_shards, tmp_path, home, jo
         f"the high job ran in between the low job's attempts: {low} {high_run}"
 
     ev = read_events(run_dir)
-    assert [e["event"] for e in ev] == ["started", "stopped", "requeue", "resumed", "started", "finished"], ev
+    assert [e["event"] for e in ev] == ["started", "stopped", "requeue", "resumed", "started", "recovered",
+                                        "finished"], ev
     assert ev[1]["reason"] == "SIGUSR2", "preempt_send_user_signal delivers the job's --signal"
     assert_same_losses(run_dir, reference["losses"])
     assert_final_checkpoint(run_dir)
 
 
-def _task_pids(run_dir: Path, node: str, job: str) -> list[int]:
-    """Pids of this job's tasks on ``node`` (from the heartbeats), checked against /proc."""
+def _task_pids(run_dir: Path, node: str, job: str, supervisors: bool = False) -> list[int]:
+    """Pids of this job's ranks on ``node`` (from the heartbeats: each task's child process, see
+    moetrain.launch.supervisor), checked against /proc; ``supervisors``: the tasks themselves."""
     pids = []
-    for p in (run_dir / "heartbeats").glob("rank*.json"):
+    where = run_dir / "supervisors" / job if supervisors else run_dir / "heartbeats"
+    for p in where.glob("rank*.json"):
         beat = json.loads(p.read_text())
-        if beat["host"] == node and beat["attempt"] == 0:
+        if beat["host"] == node and beat.get("attempt", 0) == 0:
             cmdline = Path(f"/proc/{beat['pid']}/cmdline").read_bytes().decode(errors="replace")
             environ = Path(f"/proc/{beat['pid']}/environ").read_bytes().split(b"\0")
-            assert "submitit.core._submit" in cmdline and f"SLURM_JOB_ID={job}".encode() in environ
+            want = "submitit.core._submit" if supervisors else "moetrain.launch.supervisor"
+            assert want in cmdline and f"SLURM_JOB_ID={job}".encode() in environ, cmdline
             pids.append(beat["pid"])
     return pids
 
@@ -362,11 +367,12 @@ def test_node_failure_requeues_and_resumes(reference, tiny_shards, tmp_path, hom
     assert {h["attempt"] for h in st["heartbeats"]} == {1}, "every rank's heartbeat is the new attempt's"
 
 
-def test_sigkill_of_one_task_requeues_and_finishes_with_the_same_losses(reference, tiny_shards, tmp_path, home,
-                                                                       jobs):
-    """One task SIGKILLed mid-run (past the step-5 checkpoint): the other ranks fail on the lost
-    connection, record it, and the first of them requeues the job naming the dead rank; the job
-    resumes from the latest complete checkpoint and ends with the uninterrupted run's losses."""
+def test_sigkill_of_one_rank_restarts_inside_the_job_with_the_same_losses(reference, tiny_shards, tmp_path, home,
+                                                                          jobs):
+    """One rank SIGKILLed mid-run (past the step-5 checkpoint) on a node that stays up: the other
+    ranks fail on the lost connection and record it; every task's supervisor is alive, so the
+    ranks restart inside the job (no requeue), resume from the latest complete checkpoint and end
+    with the uninterrupted run's losses."""
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml", tiny_shards, run_dir, "lifecycle-sigkill")
     proc = submit(config, home, detach=False, MOETRAIN_TEST_SLOW="0.5:1")  # follows through the requeue
@@ -380,15 +386,16 @@ def test_sigkill_of_one_task_requeues_and_finishes_with_the_same_losses(referenc
 
     assert_same_losses(run_dir, reference["losses"])
     ev = read_events(run_dir)
-    assert [e["event"] for e in ev] == ["started", "requeue", "resumed", "started", "finished"], ev
-    requeue, resumed = ev[1], ev[2]
-    assert requeue["ok"] is True and requeue["cause"].startswith("rank(s) 3 died without an error"), requeue
+    assert [e["event"] for e in ev] == ["started", "restart", "resumed", "started", "recovered", "finished"], ev
+    restart, resumed, recovered = ev[1], ev[2], ev[4]
+    assert restart["in_job"] is True and restart["cause"].startswith("rank(s) 3 died without an error"), restart
     assert resumed["step"] in (5, 10) and resumed["attempt"] == 1, resumed
-    assert "event: requeued: rank(s) 3 died" in out, out
-    assert [i["state"] for i in instances(job)] == ["REQUEUED", "COMPLETED"]
+    assert "event: restarting from the latest complete checkpoint (restart 1 of 3): rank(s) 3 died" in out, out
+    assert [i["state"] for i in instances(job)] == ["COMPLETED"], "one instance: no requeue"
+    assert recovered["seconds"] < 20, recovered
     assert_final_checkpoint(run_dir)
     rc, st = monitor(run_dir, home)
-    assert (rc, st["state"]) == (0, "done") and [e["event"] for e in st["restarts"]] == ["requeue", "resumed"]
+    assert (rc, st["state"]) == (0, "done") and [e["event"] for e in st["restarts"]] == ["restart", "resumed"]
 
 
 def test_hung_rank_is_detected_and_its_node_excluded(tiny_shards, tmp_path, home, jobs):
@@ -440,7 +447,7 @@ def test_max_restarts_respected(tiny_shards, tmp_path, home, jobs):
     assert "RestartsExhausted" in out and "launch.max_restarts=1 reached" in out, out
 
     ev = read_events(run_dir)
-    assert [e["event"] for e in ev] == ["started", "stopped", "requeue", "resumed", "started", "stopped",
+    assert [e["event"] for e in ev] == ["started", "stopped", "requeue", "resumed", "started", "recovered", "stopped",
                                         "gave_up"], ev
     assert ev[-1]["reason"] == "launch.max_restarts=1 reached" and ev[-1]["attempt"] == 1
     runs = wait_job_end(job, 60)

@@ -17,11 +17,14 @@ Lifecycle on SLURM:
   suspected node is excluded and the job requeued;
 * a rank that dies (SIGKILL, the OOM killer) or a collective that times out makes the other
   ranks fail in a collective: each rank records why it failed (:func:`record_failure`, kind
-  ``peer``), and on SLURM the first of them requeues the job with the cause (the ranks that
-  left no record); locally the submit command relaunches it (:mod:`moetrain.submit`). A rank's
-  own error (a corrupt shard, a full disk) is recorded too and ends the run: a restart would
-  repeat it;
-* ``SLURM_RESTART_COUNT`` (locally: the relaunch number) counts restarts; past
+  ``peer``). On SLURM each task supervises its rank in a child process
+  (:mod:`moetrain.launch.supervisor`, ``launch.restart_in_job``): when every task is still
+  there the ranks restart inside the job; when a node's tasks are gone the job is requeued with
+  the cause (the ranks that left no record; :func:`requeue_after_failure`). Locally the submit
+  command relaunches it (:mod:`moetrain.submit`). A rank's own error (a corrupt shard, a full
+  disk) is recorded too and ends the run: a restart would repeat it;
+* ``SLURM_RESTART_COUNT`` plus the restarts inside the job (locally: the relaunch number) count
+  restarts; past
   ``launch.max_restarts`` the run stops and says why (``events.jsonl``, the log, and the job's
   failure).
 
@@ -35,10 +38,12 @@ someone else); without it, a failure or a stop ends the process and its launcher
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -105,7 +110,9 @@ class RankEnv:
     MASTER_ADDR and MASTER_PORT). ``job_id``: the name failure records and the attempt fence
     use. ``log_path``: where this rank's output goes (named in its failure record). ``requeue``:
     this is a SLURM batch job ``submit`` submitted, which the run may requeue itself.
-    ``launcher``: ``submitit``, ``torchrun`` or ``srun`` (for the log)."""
+    ``launcher``: ``submitit``, ``torchrun`` or ``srun`` (for the log). ``supervised``: the
+    process is the child of a supervising task (:mod:`moetrain.launch.supervisor`), which
+    decides what a peer failure leads to (a restart inside the job, or a requeue)."""
 
     rank: int
     world_size: int
@@ -115,6 +122,7 @@ class RankEnv:
     log_path: str
     requeue: bool
     launcher: str
+    supervised: bool = False
 
 
 class TrainJob(submitit.helpers.Checkpointable):
@@ -134,12 +142,22 @@ class TrainJob(submitit.helpers.Checkpointable):
         # requeues.
         own_slurm_job = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
         requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0")) if own_slurm_job else 0
+        supervised = own_slurm_job and cfg.launch.restart_in_job
+        if supervised:
+            from moetrain.launch.supervisor import inner_restarts
+
+            requeues += inner_restarts(cfg.run_dir, str(env.job_id))  # attempts restarted inside the job
         restart = getattr(self, "restart", 0) + requeues
         os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), restart))
         denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         renv = RankEnv(denv.rank, denv.world_size, denv.local_rank, denv.local_world_size, str(env.job_id),
                        str(env.paths.stdout), requeue=own_slurm_job, launcher="submitit")
-        status = run_rank(cfg, renv, restart)
+        if supervised:
+            from moetrain.launch.supervisor import supervise
+
+            status = supervise(cfg, renv, restart)
+        else:
+            status = run_rank(cfg, renv, restart)
         atexit.register(exit_now, 0)  # after submitit records the result (gloo may abort at exit)
         return status
 
@@ -156,12 +174,58 @@ def run_rank(cfg: Config, renv: RankEnv, restart: int) -> str:
     for name, value in flight_recorder_env(cfg.run_dir).items():  # NCCL reads them at its first communicator
         os.environ.setdefault(name, value)
     (cfg.run_dir / "stacks").mkdir(parents=True, exist_ok=True)
+    asked = cfg
     try:
-        return _train(cfg, renv, restart)
+        if cfg.launch.elastic is not None:
+            setup_logging(renv.rank)  # the re-plan's line goes to rank 0's log
+        cfg = _elastic_start(cfg, renv, restart)
+        if cfg.world_size != renv.world_size:
+            if renv.rank >= cfg.world_size:  # a node the re-planned layout leaves out
+                log.warning("rank %d sits this attempt out: the re-planned layout uses ranks 0-%d", renv.rank,
+                            cfg.world_size - 1)
+                return "idle"
+            renv = dataclasses.replace(renv, world_size=cfg.world_size)
+            os.environ["WORLD_SIZE"] = str(cfg.world_size)
+        return _train(cfg, renv, restart, asked)
     except BaseException as e:
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
-        _failed(cfg, renv, restart, e)
+        _failed(cfg, renv, restart, e, asked.launch.nodes)
+        raise
+
+
+def _elastic_start(cfg: Config, renv: RankEnv, restart: int) -> Config:
+    """The config this attempt trains with (:func:`moetrain.launch.elastic.start_attempt`). With
+    no layout fitting and ``launch.elastic.too_few: wait``, rank 0 requeues the job asking for the
+    fewest nodes that have one, and every rank waits to be ended with the attempt.
+
+    Raises:
+        ElasticError: no layout fits (``too_few: stop``, or the job cannot be requeued).
+    """
+    from moetrain.launch.elastic import ElasticError, start_attempt
+
+    try:
+        return start_attempt(cfg, renv.world_size, renv.local_world_size, renv.rank)[0]
+    except ElasticError as e:
+        el = cfg.launch.elastic
+        if el is None or el.too_few != "wait" or not renv.requeue or restart >= cfg.launch.max_restarts:
+            raise
+        from moetrain.launch.lifecycle import append_event, requeue_slurm_job
+        from moetrain.planner.elastic import node_counts_without_layout
+
+        tpn = cfg.launch.resolved_tasks_per_node(cfg.world_size)
+        have = renv.world_size // max(1, renv.local_world_size)
+        bad = node_counts_without_layout(cfg.replace(launch={"elastic": {"min_nodes": 1}}))
+        need = min([n for n in range(have + 1, cfg.launch.nodes + 1) if n not in bad] or [cfg.launch.nodes])
+        log.error("%s; launch.elastic.too_few: wait: requeueing the job for %d-%d nodes of %d tasks", e, need,
+                  cfg.launch.nodes, tpn)
+        if renv.rank == 0:
+            ok = requeue_slurm_job(nodes=(need, cfg.launch.nodes, tpn))
+            append_event(cfg.run_dir, None, "requeue", cause=f"too few nodes: {e}", restart=restart + 1, ok=ok,
+                         nodes=f"{need}-{cfg.launch.nodes}")
+            if not ok:
+                raise
+        end_with_attempt(1)
         raise
 
 
@@ -175,18 +239,14 @@ def flight_recorder_env(run_dir: Path) -> dict[str, str]:
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(Path(run_dir) / "stacks" / "nccl_trace_rank_")}
 
 
-def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException) -> None:
+def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException, asked_nodes: int | None = None) -> None:
     """Record why this rank failed (the full traceback goes to its log), and, when this job may
     be requeued, a peer died or a collective failed and restarts are left, requeue the job
-    (the first failing rank does; the others wait to be ended with it)."""
-    from moetrain.launch.lifecycle import append_event, requeue_slurm_job
+    (the first failing rank does; the others wait to be ended with it). An elastic job is
+    requeued for its node range up to ``asked_nodes`` (the config's, before any re-plan),
+    excluding the nodes that failed whole."""
     from moetrain.train.records import (
-        atomic_write_json,
-        diagnose,
         failure_kind,
-        failures_dir,
-        read_failures,
-        read_json,
         record_failure,
     )
 
@@ -198,36 +258,71 @@ def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException) -> None
     except OSError as e:
         log.error("could not record the failure in %s: %s", cfg.run_dir, e)
     atexit.register(exit_now, 1)  # after submitit records the result (gloo may abort at exit)
-    if kind != "peer" or not env.requeue or restart >= cfg.launch.max_restarts:
-        return
+    if kind != "peer" or not env.requeue or restart >= cfg.launch.max_restarts or env.supervised:
+        return  # supervised: the task's supervisor decides (moetrain.launch.supervisor)
+    requeue_after_failure(cfg, env, restart, asked_nodes)
+
+
+def requeue_after_failure(cfg: Config, env: RankEnv, restart: int, asked_nodes: int | None = None) -> None:
+    """Requeue the job after a peer failure of attempt ``restart``: the first caller of the
+    attempt does (an elastic job held, its whole-node failures excluded, its node range asked
+    again, then released); every caller then waits to be ended with the attempt (returns when
+    the requeue failed or another rank's did not come)."""
+    from moetrain.launch.lifecycle import append_event, requeue_slurm_job
+    from moetrain.train.records import atomic_write_json, diagnose, failures_dir, read_failures, read_json
+
     where = failures_dir(cfg.run_dir, env.job_id, restart)
     if not claim_requeue(where):  # another rank requeues the job (or the hang watchdog did)
         for _ in range(120):
             done = read_json(where / "requeue.json")
             if isinstance(done, dict):
                 if done.get("ok"):
-                    time.sleep(600)  # SLURM ends every process of this attempt
+                    end_with_attempt(1)
                 return
             time.sleep(0.5)
         return
     # Requeue first: a cluster that ends a step when one task fails (KillOnBadExit) must not
     # end this process before it has. Then let the other survivors record themselves, so
     # that the cause names the dead rank(s).
-    ok = requeue_slurm_job()
-    time.sleep(3.0)
+    failed_nodes: list[str] = []
+    if cfg.launch.elastic is not None:
+        # Held first, then the failed nodes (every rank of theirs silent) are excluded before
+        # the release: SLURM may not have marked them down yet, and would start the job there.
+        def exclusions() -> list[str]:
+            from moetrain.launch.elastic import failed_nodes as whole_node_failures
+            from moetrain.launch.elastic import record_failed_nodes
+            from moetrain.launch.lifecycle import job_exclusions
+            from moetrain.train.records import exclude_nodes
+
+            time.sleep(3.0)
+            failed_nodes.extend(whole_node_failures(
+                cfg.run_dir, diagnose(read_failures(cfg.run_dir, env.job_id, restart), env.world_size)))
+            record_failed_nodes(cfg.run_dir, failed_nodes)
+            exclude_nodes(cfg.run_dir, failed_nodes)
+            return job_exclusions(cfg.run_dir, cfg.launch.exclude)
+
+        ok = requeue_slurm_job(decide=exclusions, nodes=elastic_range(cfg, asked_nodes))
+    else:
+        ok = requeue_slurm_job()
+        time.sleep(1.5)
     why = diagnose(read_failures(cfg.run_dir, env.job_id, restart), env.world_size)
     atomic_write_json(where / "requeue.json", {"ok": ok, "cause": why.cause})
-    append_event(cfg.run_dir, None, "requeue", cause=why.cause, restart=restart + 1, ok=ok)
+    append_event(cfg.run_dir, None, "requeue", cause=why.cause, restart=restart + 1, ok=ok,
+                 **({"excluded_failed_nodes": failed_nodes} if failed_nodes else {}))
     log.error("requeue of the job (restart %d of %d) %s: %s", restart + 1, cfg.launch.max_restarts,
               "done" if ok else "FAILED", why.cause)
     if ok:
-        time.sleep(600)  # SLURM ends every process of this attempt; leaving first would fail the job
+        end_with_attempt(1)
 
-def _train(cfg: Config, env: RankEnv, restart: int) -> str:
+
+def _train(cfg: Config, env: RankEnv, restart: int, asked: Config | None = None) -> str:
+    """Train with ``cfg`` (``asked``: the config before an elastic re-plan, the size to grow
+    back to)."""
     import torch
     import torch.distributed as dist
 
-    from moetrain.launch.lifecycle import Watchdog, append_event, existing_excludes, requeue_slurm_job
+    from moetrain.launch.lifecycle import Watchdog, append_event, existing_excludes, job_exclusions, \
+        requeue_slurm_job
     from moetrain.train.records import atomic_write_json, failures_dir, record_failure
     from moetrain.train.trainer import StopFlag, Trainer
 
@@ -248,32 +343,34 @@ def _train(cfg: Config, env: RankEnv, restart: int) -> str:
         raise RestartsExhausted(msg)
 
     stop = StopFlag()
+
     # Signals only set a flag; the loop checkpoints at the next step boundary.
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            _TERMINATED.set()
+        stop.set(signal.Signals(signum).name)
     for sig in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set(signal.Signals(signum).name))
+        signal.signal(sig, on_signal)
 
     trainer = Trainer(cfg, job_id=env.job_id, restart=restart, stop_flag=stop,
                       hosts_from_ranks=env.launcher == "torchrun")
     install_fault_hook(trainer, env.rank, restart)
 
     def on_hang(nodes: list[str]) -> None:
-        excluded = sorted(set(existing_excludes(cfg.run_dir)) | set(nodes))
+        excluded = sorted(set(job_exclusions(cfg.run_dir, cfg.launch.exclude)) | set(nodes))
         record_failure(cfg.run_dir, env.job_id, restart, env.rank, "hang", "Hang",
                        f"no step completed for {trainer.watchdog.timeout_s():.0f} s at step {trainer.step + 1}; "
                        f"suspected node(s) {nodes}; stacks in {cfg.run_dir / 'stacks'}", env.log_path)
         if may_requeue and restart < cfg.launch.max_restarts:
             where = failures_dir(cfg.run_dir, env.job_id, restart)
             if not claim_requeue(where):  # a failing rank is requeueing the job already
-                time.sleep(600)
+                end_with_attempt(1)
                 exit_now(1)
-            requeued = requeue_slurm_job(exclude=excluded)
+            requeued = requeue_slurm_job(exclude=excluded, nodes=elastic_range(asked))
             atomic_write_json(where / "requeue.json", {"ok": requeued, "cause": "hang"})
             append_event(cfg.run_dir, trainer.fence, "requeue", cause="hang", excluded=excluded, ok=requeued)
             if requeued:
-                # SLURM now ends every process of this attempt (SIGTERM, SIGKILL after KillWait).
-                # Leaving first would make the other ranks fail on the closed connections and
-                # report those errors as the job's result.
-                time.sleep(600)
+                end_with_attempt(1)
         elif may_requeue:
             append_event(cfg.run_dir, trainer.fence, "gave_up", cause="hang",
                          reason=f"launch.max_restarts={cfg.launch.max_restarts} reached")
@@ -283,14 +380,29 @@ def _train(cfg: Config, env: RankEnv, restart: int) -> str:
     trainer.watchdog = Watchdog(cfg.run_dir, env.rank, trainer.fence, trainer.heartbeat,
                                 cfg.launch.heartbeat_timeout_factor, cfg.launch.heartbeat_min_timeout_s,
                                 on_hang).start()
+    grow = _grow_watcher(cfg, asked, env, stop) if may_requeue else None
+    trainer.after_step = _recovery_clock(cfg, env, restart, trainer)
     status = trainer.run()
     trainer.watchdog.stop()
+    if grow is not None:
+        grow.stop()
     if status == "stopped" and may_requeue:
         dist.barrier()
         give_up = restart >= cfg.launch.max_restarts
         if env.rank == 0:
-            if not give_up:
-                ok = requeue_slurm_job(exclude=existing_excludes(cfg.run_dir) or None)
+            if not give_up and stop.reason == "grow":
+                from moetrain.launch.elastic import forget_failed_nodes
+                from moetrain.launch.lifecycle import rewrite_excludes
+
+                back = forget_failed_nodes(cfg.run_dir)
+                rewrite_excludes(cfg.run_dir, back)
+                ok = requeue_slurm_job(exclude=job_exclusions(cfg.run_dir, cfg.launch.exclude),
+                                       nodes=elastic_range(asked))
+                append_event(cfg.run_dir, trainer.fence, "requeue", cause="grow back to "
+                             f"{asked.launch.nodes} nodes", ok=ok, readmitted=back)
+            elif not give_up:
+                excluded = job_exclusions(cfg.run_dir, cfg.launch.exclude) if existing_excludes(cfg.run_dir) else None
+                ok = requeue_slurm_job(exclude=excluded, nodes=elastic_range(asked))
                 append_event(cfg.run_dir, trainer.fence, "requeue", cause=stop.reason, ok=ok)
             else:
                 append_event(cfg.run_dir, trainer.fence, "gave_up", cause=stop.reason,
@@ -306,9 +418,91 @@ def _train(cfg: Config, env: RankEnv, restart: int) -> str:
             atexit.register(exit_now, 1)
             raise RestartsExhausted(msg)
         # Leave without a result: the requeued attempt will produce it (as submitit does).
-        exit_now(0)
+        exit_now(EXIT_REQUEUED if env.supervised else 0)
     dist.destroy_process_group()
     return status
+
+
+def elastic_range(cfg: Config | None, nodes: int | None = None) -> tuple[int, int, int] | None:
+    """An elastic job's node request for a requeue: ``(launch.elastic.min_nodes, nodes (default
+    launch.nodes), tasks per node)``; None for other jobs (:func:`requeue_slurm_job`'s ``nodes``)."""
+    if cfg is None or cfg.launch.elastic is None:
+        return None
+    return (cfg.launch.elastic.min_nodes, nodes or cfg.launch.nodes, cfg.launch.resolved_tasks_per_node(cfg.world_size))
+
+
+def _grow_watcher(cfg: Config, asked: Config | None, env: RankEnv, stop: Any) -> Any:
+    """Rank 0's :class:`moetrain.launch.elastic.GrowWatcher` when the run is shrunk and
+    ``launch.elastic.grow`` is on (None otherwise); its yes sets the stop flag (reason ``grow``)."""
+    if env.rank != 0 or asked is None or asked.launch.elastic is None or not asked.launch.elastic.grow \
+            or cfg.launch.nodes >= asked.launch.nodes:
+        return None
+    from moetrain.launch.elastic import GrowWatcher, job_nodes, read_failed_nodes
+    from moetrain.launch.lifecycle import job_exclusions
+
+    def exclude() -> list[str]:  # the failed nodes are the ones that may come back
+        failed = set(read_failed_nodes(cfg.run_dir))
+        return [n for n in job_exclusions(cfg.run_dir, cfg.launch.exclude) if n not in failed]
+
+    log.info("running on %d of %d nodes: asking SLURM every %.0f s whether the others can start", cfg.launch.nodes,
+             asked.launch.nodes, asked.launch.elastic.grow_check_s)
+    return GrowWatcher(asked, job_nodes(dict(os.environ)), exclude, lambda line: stop.set("grow")).start()
+
+
+def _recovery_clock(cfg: Config, env: RankEnv, restart: int, trainer: Any) -> Any:
+    """After a restart, rank 0's hook that records, at the first step this attempt completes, the
+    seconds since the previous attempt ended (event ``recovered``): since its first failure
+    record (the moment a surviving rank noticed the failure, within a second of a killed process
+    or node), else since its ``stopped`` event (a stop, a grow-back). None otherwise."""
+    if env.rank != 0 or restart == 0 or trainer.fence is None:
+        return None
+    from moetrain.train.records import append_event, read_events, read_json
+
+    # The previous attempt (it may have been another job: a local relaunch, a resubmission).
+    events = read_events(cfg.run_dir)
+    previous = trainer.fence.seq - 1
+    began = [e["time"] for e in events if e.get("event") == "started" and e.get("attempt") == previous]
+    if not began:
+        return None
+    records = [read_json(p) for p in (cfg.run_dir / "failures").glob("*/rank*.json")]
+    failed = [f["time"] for f in records if isinstance(f, dict) and f.get("time", 0) > began[-1]]
+    stops = [e for e in events if e.get("event") == "stopped" and e.get("attempt") == previous]
+    if failed:
+        since, cause = min(failed), "failure"
+    elif stops:
+        since, cause = float(stops[-1]["time"]), f"stop ({stops[-1].get('reason')})"
+    else:
+        return None
+    done = []
+
+    def after_step(step: int) -> None:
+        if done:
+            return
+        done.append(step)
+        seconds = time.time() - since
+        log.info("first step after the restart done %.1f s after the %s", seconds, cause)
+        append_event(cfg.run_dir, trainer.fence, "recovered", step=step, seconds=round(seconds, 2), since=cause,
+                     world_size=cfg.world_size)
+    return after_step
+
+
+_TERMINATED = threading.Event()  # SLURM's SIGTERM reached this process
+EXIT_REQUEUED = 3  # a supervised rank's exit status once its job is requeued (the supervisor leaves too)
+
+
+def end_with_attempt(code: int, after_s: float = 600.0) -> None:
+    """Wait, once this attempt's job is requeued, for SLURM to end its processes, and leave at its
+    SIGTERM (or at once when it came already) instead of at the SIGKILL that follows ``KillWait``
+    seconds later (30 s by default): the requeued job starts only once every process of the
+    attempt is gone. Never called before the requeue is done: leaving first would make the other
+    ranks fail on the closed connections and report those errors as the job's result, and a
+    SIGTERM between ``requeuehold`` and ``release`` must not end the process that releases.
+    Ends the process with ``code`` after ``after_s`` seconds at the latest."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_now(code))
+    if _TERMINATED.is_set():
+        exit_now(code)
+    time.sleep(after_s)
+    exit_now(code)
 
 
 def claim_requeue(where: Path) -> bool:

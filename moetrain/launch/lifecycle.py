@@ -60,20 +60,35 @@ def _scontrol(*args: str) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def requeue_slurm_job(exclude: list[str] | None = None) -> bool:
-    """Requeue this SLURM job, optionally excluding nodes first; returns True when requeued.
+def requeue_slurm_job(exclude: list[str] | None = None, *, decide: Callable[[], list[str]] | None = None,
+                      nodes: tuple[int, int, int] | None = None) -> bool:
+    """Requeue this SLURM job, optionally changing its request first; returns True when requeued.
 
-    With ``exclude`` the job is requeued held, its ``ExcNodeList`` extended (SLURM refuses it for a
-    running job), then released, so the scheduler cannot restart it on a suspected node in between.
+    With ``exclude`` (the job's whole ``ExcNodeList``: an empty list clears it), ``decide`` (a
+    function called once the job is held that returns that list: the failed nodes are known only
+    after the surviving ranks have recorded themselves) or ``nodes`` (``(min, max, tasks per
+    node)``: an elastic job's node range, set again as ``NumNodes=min-max NumTasks=min × tasks``
+    because SLURM fixes both to the allocation's once the job starts, and with ``NumTasks`` left
+    at it a smaller job can never start), the job is requeued held, updated (SLURM refuses these
+    for a running job), then released, so the scheduler cannot restart it on a suspected node in
+    between.
     """
     job = slurm_job_id()
     if job is None:
         return False
     try:
-        if exclude:
+        if exclude is not None or decide is not None or nodes:
             _scontrol("requeuehold", job)
-            _scontrol("update", f"JobId={job}", f"ExcNodeList={','.join(sorted(set(exclude)))}")
-            _scontrol("release", job)
+            try:
+                if decide is not None:
+                    exclude = decide()
+                if exclude is not None:
+                    _scontrol("update", f"JobId={job}", f"ExcNodeList={','.join(sorted(set(exclude)))}")
+                if nodes:
+                    low, high, tasks = nodes
+                    _scontrol("update", f"JobId={job}", f"NumNodes={low}-{high}", f"NumTasks={low * tasks}")
+            finally:
+                _scontrol("release", job)
         else:
             _scontrol("requeue", job)
         return True
@@ -210,3 +225,21 @@ def existing_excludes(run_dir: Path) -> list[str]:
     if not path.is_file():
         return []
     return sorted({line.strip() for line in path.read_text().splitlines() if line.strip()})
+
+
+def job_exclusions(run_dir: Path, configured: str | None) -> list[str]:
+    """The job's whole exclusion list for a requeue: the nodes the run excluded
+    (``exclude_nodes.txt``) and ``launch.exclude`` (``configured``, a SLURM host list), which a
+    ``scontrol update ExcNodeList`` would otherwise replace."""
+    from moetrain.topology.cluster import expand_nodelist
+
+    given = expand_nodelist(configured) if configured else []
+    return sorted(set(existing_excludes(run_dir)) | set(given))
+
+
+def rewrite_excludes(run_dir: Path, drop: list[str]) -> None:
+    """Remove ``drop`` from ``exclude_nodes.txt`` (nodes a grown-back run may use again)."""
+    keep = [n for n in existing_excludes(run_dir) if n not in set(drop)]
+    path = Path(run_dir) / "exclude_nodes.txt"
+    if path.is_file():
+        path.write_text("".join(n + "\n" for n in keep))

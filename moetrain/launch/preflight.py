@@ -82,8 +82,30 @@ def preflight(cfg: Config, *, live: bool = True) -> Config:
         from moetrain.launch.container import check_mounted
 
         check_mounted(cfg)
+    check_elastic(cfg)
     if cfg.launch.cluster == "slurm":
         from moetrain.launch.slurm import validate_slurm
 
         validate_slurm(cfg, live=live)
     return cfg
+
+
+def check_elastic(cfg: Config) -> None:
+    """``launch.elastic``: every node count the job may start with has a layout that fits
+    (:func:`moetrain.planner.elastic.node_counts_without_layout`).
+
+    Raises:
+        ConfigError: naming launch.elastic.min_nodes, the first count without one and why.
+    """
+    if cfg.launch.elastic is None:
+        return
+    from moetrain.planner.elastic import node_counts_without_layout
+
+    bad = node_counts_without_layout(cfg)
+    if not bad:
+        return
+    n, why = max(bad.items())
+    fix = (f"use min_nodes: {n + 1} (every count from there up has one), or a global batch size / a model that "
+           f"{n} node(s) can hold")
+    raise field_error("launch.elastic.min_nodes", cfg.launch.elastic.min_nodes,
+                      f"the job may start on {n} node(s), where {why}", fix)

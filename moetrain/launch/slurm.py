@@ -113,6 +113,9 @@ def slurm_executor_params(cfg: Config, *, job_name: str) -> dict[str, Any]:
     srun_args = [*task_launch(cfg).srun_args, *ln.srun_args]
     if srun_args:
         params["slurm_srun_args"] = srun_args
+    if ln.elastic is not None and ln.elastic.min_nodes < ln.nodes:
+        # SLURM starts the job on as many nodes of the range as it can give without delay.
+        params["slurm_additional_parameters"]["nodes"] = f"{ln.elastic.min_nodes}-{ln.nodes}"
     for arg in ln.sbatch_args:
         key, _, value = arg[2:].partition("=")
         params["slurm_additional_parameters"][key.replace("-", "_")] = value if "=" in arg else True

@@ -149,8 +149,9 @@ class Planner:
 
     @classmethod
     def from_config(cls, cfg: "Config", profile: ClusterProfile, n_nodes: int,
-                    allocation: Allocation | None = None) -> "Planner":
+                    allocation: Allocation | None = None, gpus_per_node: int | None = None) -> "Planner":
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
+                   gpus_per_node=gpus_per_node,
                    mem=MemoryAssumptions.for_train(cfg.train),
                    timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
                                             delay_wgrad=cfg.parallel.delay_wgrad_compute,

@@ -122,6 +122,9 @@ class Trainer:
         # Called with the number of the step about to run: the one hook for fault injection and
         # instrumentation, installed from outside (moetrain.launch.job's MOETRAIN_FAULT_HOOK).
         self.before_step: Callable[[int], None] | None = None
+        # Called with the number of each step once it is done and logged (the launch layer's
+        # recovery clock).
+        self.after_step: Callable[[int], None] | None = None
         if write_files:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
             seq = [Fence.advance(cfg.run_dir, job_id, restart) if self.ps.rank == 0 else None]
@@ -675,6 +678,8 @@ class Trainer:
             if cfg.train.val_every and (self.step % cfg.train.val_every == 0 or self.step == cfg.train.steps):
                 val = self.evaluate()
             self._log(res, val)
+            if self.after_step is not None:
+                self.after_step(self.step)
             if self._stop_agreed():
                 self._beat("checkpoint")
                 self.save_checkpoint()
