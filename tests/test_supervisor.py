@@ -59,6 +59,28 @@ def test_decision(tmp_path, alive, restart, own_error, action):
     assert inner_restarts(run_dir, "job") == (action == "inner")
 
 
+def test_decision_names_the_dead_rank_once_the_live_ranks_have_recorded(tmp_path):
+    """Rank 2's child was SIGKILLed (its supervisor saw it end and decides at once); ranks 0 and
+    1 record their lost connection half a second later. The cause waits for them, so it names
+    rank 2 alone, not every rank without a record yet."""
+    import threading
+
+    cfg = config(tmp_path, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    since = time.time()
+    for r in range(3):
+        _beat(run_dir, r, since + 0.01)
+    atomic_write_json(run_dir / "failures" / "job.0" / "ended-rank00002.json", {"rank": 2, "returncode": -9})
+    late = [threading.Timer(0.5, record_failure, (run_dir, "job", 0, r, "peer", "DistNetworkError",
+                                                  "Connection closed by peer", "log")) for r in (0, 1)]
+    for t in late:
+        t.start()
+    rec = _decide(cfg, _env(2, 3), 0, since)
+    for t in late:
+        t.join()
+    assert rec["action"] == "inner" and rec["cause"].startswith("rank(s) 2 died without an error"), rec
+
+
 def _uninterrupted(rank: int, world: int, shards: str, run_dir: str) -> str:
     return Trainer(config(Path(shards), Path(run_dir)), job_id="reference").run()
 

@@ -69,6 +69,7 @@ EXIT_PEER = 75  # the child recorded a peer failure (a collective broke): its su
 EXIT_IDLE = 4  # the child's rank sits the attempt out (an elastic re-plan on fewer ranks)
 BEAT_S = 0.5  # a supervisor's heartbeat period
 ALIVE_WAIT_S = 3.0  # how long the decision waits for every supervisor's heartbeat after a failure
+SETTLE_S = 10.0  # how long it then waits for the live ranks' failure records (or their children's end)
 
 
 def _beats_dir(run_dir: Path, job_id: str) -> Path:
@@ -105,6 +106,9 @@ class _Heartbeat:
                                           "time": time.time()}, fsync=False)
         except OSError:
             pass
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def _run(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -154,12 +158,23 @@ def _decide(cfg: Config, renv: RankEnv, restart: int, failed_at: float) -> dict:
     try:
         os.close(os.open(where / "decision.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        while True:  # another supervisor decides
+        deadline = time.time() + 30 + ALIVE_WAIT_S
+        while time.time() < deadline:  # another supervisor decides
             rec = read_json(path)
             if isinstance(rec, dict):
                 return rec
             time.sleep(0.1)
+        # The deciding supervisor vanished mid-decision (its node failed): what it would have decided.
+        return {"action": "requeue", "cause": "the supervisor deciding the restart stopped answering",
+                "silent_supervisors": []}
     alive, silent = _alive_since(cfg.run_dir, renv.job_id, renv.world_size, failed_at)
+    # The cause names the dead ranks: those with neither a failure record nor a child that a live
+    # supervisor saw end. Wait (bounded: a child may be blocked in a collective) for the ranks
+    # of the live supervisors to have one or the other.
+    deadline = time.time() + SETTLE_S
+    while time.time() < deadline and not all(
+            (where / f"rank{r:05d}.json").is_file() or (where / f"ended-rank{r:05d}.json").is_file() for r in alive):
+        time.sleep(0.1)
     why = diagnose(read_failures(cfg.run_dir, renv.job_id, restart), renv.world_size)
     if not why.restartable:
         action = "fail"
@@ -232,13 +247,16 @@ def supervise(cfg: Config, renv: RankEnv, restart: int) -> str:
             elif terminated.is_set():
                 exit_now(1)  # SLURM is ending the job (a node failure, a cancel): nothing to decide
             elif rc == EXIT_PEER or rc < 0:
+                where = failures_dir(cfg.run_dir, renv.job_id, restart)
+                atomic_write_json(where / f"ended-rank{renv.rank:05d}.json", {"rank": renv.rank, "returncode": rc,
+                                                                             "time": time.time()})
                 # Every supervisor still alive writes a heartbeat after this moment, which is
                 # after the failure; a failed node's never do.
                 decision = _decide(cfg, renv, restart, time.time())
             else:
                 if _requeued(cfg, renv, restart):
                     end_with_attempt(1)
-                beat._stop.set()
+                beat.stop()
                 recs = read_failures(cfg.run_dir, renv.job_id, restart)
                 why = diagnose(recs, renv.world_size) if recs else None
                 raise RuntimeError(f"rank {renv.rank} exited with status {rc}"
@@ -252,7 +270,7 @@ def supervise(cfg: Config, renv: RankEnv, restart: int) -> str:
         if action == "requeue":
             requeue_after_failure(cfg, renv, restart)
             exit_now(1)  # the requeue failed or never came: end with a failure
-        beat._stop.set()
+        beat.stop()
         raise RuntimeError(f"{decision['cause']}" + (" (launch.max_restarts reached)" if action == "give_up" else ""))
 
 
