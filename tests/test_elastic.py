@@ -263,3 +263,36 @@ def test_losing_a_node_replans_and_keeps_the_losses(tiny_shards, tmp_path):
     (rec,) = [e for e in ev if e["event"] == "recovered"]
     assert rec["step"] == EVERY + 1 and rec["since"] == "stop (node lost)" and rec["world_size"] == 2
     assert [e["event"] for e in ev if e["event"] in ("resumed", "started")][-2:] == ["resumed", "started"]
+
+
+@pytest.mark.parametrize("too_few", ["stop", "wait"])
+def test_too_few_nodes_stops_or_requeues_for_a_count_that_fits(tmp_path, monkeypatch, too_few):
+    """An attempt on which no layout fits (here: the re-plan made to fail): ``stop`` raises the
+    reason; ``wait`` has rank 0 requeue the job asking for the fewest nodes that have a layout
+    (``NumNodes=2-2 NumTasks=4``) and waits to be ended with the attempt."""
+    import moetrain.launch.elastic as elastic
+    import moetrain.launch.job as job
+    import moetrain.launch.lifecycle as lifecycle
+    from moetrain.launch.job import RankEnv, _elastic_start
+
+    cfg = elastic_tiny(tmp_path, tmp_path / "run", too_few=too_few)
+    (tmp_path / "run").mkdir()
+
+    def no_fit(*args):
+        raise ElasticError("no layout of the model fits on 1 node(s) × 2 ranks: (made up)")
+
+    asked = []
+    monkeypatch.setattr(elastic, "start_attempt", no_fit)
+    monkeypatch.setattr(lifecycle, "requeue_slurm_job", lambda **kw: asked.append(kw) or True)
+    monkeypatch.setattr(job, "end_with_attempt", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    env = RankEnv(0, 2, 0, 2, "7", "log", requeue=True, launcher="test")
+    if too_few == "stop":
+        with pytest.raises(ElasticError, match="made up"):
+            _elastic_start(cfg, env, 0)
+        assert asked == []
+        return
+    with pytest.raises(SystemExit):
+        _elastic_start(cfg, env, 0)
+    assert asked == [{"nodes": (2, 2, 2)}]
+    (ev,) = read_events(tmp_path / "run")
+    assert ev["event"] == "requeue" and ev["nodes"] == "2-2" and "too few nodes" in ev["cause"], ev
