@@ -263,11 +263,14 @@ def _failed(cfg: Config, env: RankEnv, restart: int, exc: BaseException, asked_n
     requeue_after_failure(cfg, env, restart, asked_nodes)
 
 
-def requeue_after_failure(cfg: Config, env: RankEnv, restart: int, asked_nodes: int | None = None) -> None:
+def requeue_after_failure(cfg: Config, env: RankEnv, restart: int, asked_nodes: int | None = None,
+                          settle_s: float = 3.0) -> None:
     """Requeue the job after a peer failure of attempt ``restart``: the first caller of the
     attempt does (an elastic job held, its whole-node failures excluded, its node range asked
     again, then released); every caller then waits to be ended with the attempt (returns when
-    the requeue failed or another rank's did not come)."""
+    the requeue failed or another rank's did not come). ``settle_s``: how long an elastic job
+    waits, held, for the surviving ranks' failure records before naming the failed nodes (0 when
+    the caller waited for them already, as the supervisors' decision does)."""
     from moetrain.launch.lifecycle import append_event, requeue_slurm_job
     from moetrain.train.records import atomic_write_json, diagnose, failures_dir, read_failures, read_json
 
@@ -294,7 +297,7 @@ def requeue_after_failure(cfg: Config, env: RankEnv, restart: int, asked_nodes: 
             from moetrain.launch.lifecycle import job_exclusions
             from moetrain.train.records import exclude_nodes
 
-            time.sleep(3.0)
+            time.sleep(settle_s)
             failed_nodes.extend(whole_node_failures(
                 cfg.run_dir, diagnose(read_failures(cfg.run_dir, env.job_id, restart), env.world_size)))
             record_failed_nodes(cfg.run_dir, failed_nodes)

@@ -268,7 +268,7 @@ def supervise(cfg: Config, renv: RankEnv, restart: int) -> str:
             restart += 1
             continue
         if action == "requeue":
-            requeue_after_failure(cfg, renv, restart)
+            requeue_after_failure(cfg, renv, restart, settle_s=0.0)  # the decision waited for the records
             exit_now(1)  # the requeue failed or never came: end with a failure
         beat.stop()
         raise RuntimeError(f"{decision['cause']}" + (" (launch.max_restarts reached)" if action == "give_up" else ""))

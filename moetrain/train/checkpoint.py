@@ -266,11 +266,14 @@ class Checkpointer:
             torch.save(rng, tmp / "rng" / f"rank{self.ps.rank:05d}.pt")
             files = {str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
                      for f in self._own_files(tmp)}
-            atomic_write(part_path, json.dumps({"rank": self.ps.rank, "files": files}, indent=1))
+            # A part is a message to rank 0, which deletes the parts directory as soon as it has
+            # every rank's (the commit): not fsynced, since fsyncing its directory after the
+            # rename could find it gone; the manifest rank 0 writes is the durable record.
+            atomic_write(part_path, json.dumps({"rank": self.ps.rank, "files": files}, indent=1), fsync=False)
         except BaseException as e:
             try:
                 error = {"rank": self.ps.rank, "error": f"{type(e).__name__}: {e}"}
-                atomic_write(part_path, json.dumps(error, indent=1))
+                atomic_write(part_path, json.dumps(error, indent=1), fsync=False)
             except OSError:
                 pass  # rank 0 then times out waiting for this part, and says so
             raise
