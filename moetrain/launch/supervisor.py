@@ -117,7 +117,9 @@ class _Heartbeat:
 
 def _alive_since(run_dir: Path, job_id: str, world: int, since: float) -> tuple[list[int], list[int]]:
     """Ranks whose supervisor wrote a heartbeat after ``since``, and those that did not, waiting
-    up to :data:`ALIVE_WAIT_S` for all of them."""
+    up to :data:`ALIVE_WAIT_S` for all of them. The times are each host's clock: a node whose
+    clock lags by more than about ``ALIVE_WAIT_S - BEAT_S`` counts as silent, and the job is
+    requeued instead of restarted inside — slower, never wrong."""
     deadline = since + ALIVE_WAIT_S
     while True:
         alive = []
