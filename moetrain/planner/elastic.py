@@ -210,13 +210,14 @@ def _replan_exact(cfg: Config, nodes: int, tasks_per_node: int, prof: ClusterPro
 
 
 def _describe(cfg: Config, plan: Plan, how: str, nodes: int, tasks_per_node: int, prof: ClusterProfile) -> Replan:
+    """What :func:`replan` chose (``plan`` is timed: both :meth:`Planner.evaluate` and
+    :meth:`Planner.search` time what they return), with the planner's step time against the
+    configured layout on the configured nodes."""
     before = Layout.from_config(cfg)
     ratio = None
     try:
         full = _planner(cfg, cfg.launch.nodes, cfg.launch.resolved_tasks_per_node(cfg.world_size), prof)
         before_s = full.evaluate(before).step_s
-        if plan.time is None:
-            plan.time = _planner(cfg, nodes, tasks_per_node, prof).evaluate(plan.layout).time
         ratio = plan.step_s / before_s if before_s > 0 else None
     except ValueError:  # the planner cannot time the configured layout (e.g. an uneven pp split)
         ratio = None
