@@ -40,7 +40,14 @@ link rate, after two fits in this run, each on one layout:
    that the planner's step of ``--fit-overlap`` (``flat+overlap``) equals the measured one.
 
 The other layouts are predictions: what the network adds without the overlap (``flat``,
-``hierarchical``), and the overlap with the other dispatcher. ``predicted_with_profile_efficiency_s``
+``hierarchical``), and the overlap with the other dispatcher.
+
+``--calibrate`` first runs ``python -m moetrain.calibrate`` on the cluster with the ``flat``
+layout's config (back to back with the training runs) and adds, for every layout, the step the
+planner predicts from that calibrated profile alone — nothing fitted on any layout's steps
+(``calibrated_predicted_step_s``, ``calibrated_error``) — and the node link rate the calibration
+recovered from its inter-node all-reduce (``calibrated_link_mbit_s``; the ranks of a node share
+its link). ``predicted_with_profile_efficiency_s``
 uses the profile's own ``ep_overlap_efficiency`` instead (the committed, earlier measurement).
 One software fact of this machine is given to the planner, not fitted: FSDP2's gradient
 all-reduce does not overlap the backward here (gloo's collectives run inside its hooks).
@@ -155,6 +162,20 @@ def run_layout(cfg, workdir: Path) -> list[float]:
     return [r["step_time_s"] for r in rows if "step_time_s" in r]
 
 
+def run_calibrate(cfg, workdir: Path) -> ClusterProfile:
+    """``python -m moetrain.calibrate`` on the cluster with ``cfg``'s launch; the profile it wrote."""
+    path = workdir / "calibrate.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    out = workdir / "calibrated-profile.yaml"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    res = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        raise RuntimeError(f"calibrate: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    print(res.stdout, file=sys.stderr, flush=True)
+    return load_profile(out)
+
+
 def fitted(prof: ClusterProfile, f: float, e: float | None = None) -> ClusterProfile:
     """``prof`` with its compute ``f`` times as fast (peak FLOP/s and memory bandwidth) and, when
     given, ``ep_overlap_efficiency`` e."""
@@ -200,6 +221,8 @@ def main() -> None:
     ap.add_argument("--config", default=None,
                     help="train this config (e.g. configs/demo-moe.yaml: its model, data and global batch) at "
                          "dp4 x ep4 instead of the bench's model; --micro-batches is then the config's")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="calibrate a profile on the cluster first and predict every layout from it alone")
     ap.add_argument("--fit-overlap", default="flat+overlap",
                     help="the overlapped layout the planner's ep_overlap_efficiency is fitted on ('' for none: "
                          "the profile's value)")
@@ -217,6 +240,11 @@ def main() -> None:
         cfgs = {n: layout_config(n, work / "shards", work / n, args.steps, args.micro_batches, profile_path,
                                  args.config) for n in names}
         measured = {}
+        calibrated = None
+        if args.calibrate:
+            flat = cfgs.get("flat") or layout_config("flat", work / "shards", work / "flat", args.steps,
+                                                     args.micro_batches, profile_path, args.config)
+            calibrated = run_calibrate(flat, work)
         for n in names:
             times = run_layout(cfgs[n], work)
             measured[n] = {"step_s": statistics.median(times[2:]), "steps": times}
@@ -253,6 +281,10 @@ def main() -> None:
             row["predicted_hidden_share"] = ((pred_off - pred["step_s"]) / min(ref, pred_off - ref)
                                              if pred_off > ref else None)
             row["split_micro_batches"] = overlap_split(cfgs[n])
+        if calibrated is not None:
+            c = predict(cfgs[n], calibrated)["step_s"]
+            row["calibrated_predicted_step_s"] = c
+            row["calibrated_error"] = c / measured[n]["step_s"] - 1
         rows[n] = row
     out = {"bench": "emulated_network", "link_mbit_s": mbps, "profile": str(profile_path),
            "model": args.config or {**MODEL, **MOE}, "parallel": "dp4 x ep4, 2 nodes x 2 tasks (one-node: 1 x 4)",
@@ -263,6 +295,13 @@ def main() -> None:
                            "ep_overlap_efficiency": {"layout": fit, "value": e,
                                                      "profile_value": prof.ep_overlap_efficiency}},
            "layouts": rows, "wall_s": time.time() - t_start}
+    if calibrated is not None:
+        errs = [abs(r["calibrated_error"]) for r in rows.values()]
+        rail = calibrated.collective_gb_s.get("rail", {}).get("all_reduce")
+        out["calibrated"] = {"profile_terms": calibrated.calibration.get("terms"),
+                             "wall_s": calibrated.calibration.get("wall_s"),
+                             "calibrated_link_mbit_s": rail * 8000 * calibrated.gpus_per_node if rail else None,
+                             "median_abs_error": statistics.median(errs), "max_abs_error": max(errs)}
     print(json.dumps(out, indent=1))
 
 

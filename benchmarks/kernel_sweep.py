@@ -21,19 +21,21 @@ the second half is kept:
    it), beside the planner's :func:`moetrain.planner.timing.gemm_pass_time` for the profile
    with the device's datasheet HBM bandwidth: measured / predicted, per GEMM and per row.
 
-Returns a dict; ``implied`` holds the profile values the measurements give.
+Returns a dict; ``implied`` holds the profile values the measurements give. The timing and the
+short-K fit are ``python -m moetrain.calibrate``'s own (:func:`moetrain.launch.calibrate.per_call_seconds`,
+:func:`moetrain.planner.calibration.fit_k0`), which measures the same terms, and the collectives,
+on a whole cluster and writes them into a profile.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from typing import Callable
 
 import torch
 
+from moetrain.launch.calibrate import per_call_seconds
 from moetrain.planner import published
+from moetrain.planner.calibration import fit_k0
 from moetrain.planner.timing import K_REF, TimingAssumptions, _wave, gemm_pass_time
 from moetrain.topology.cluster import load_profile
 
@@ -42,54 +44,6 @@ __all__ = ["fit_k0", "per_call_seconds", "time_copy", "time_gemm", "mlm_rows", "
 # Datasheet HBM bandwidth of the SXM parts, GB/s (NVIDIA data sheets)
 DATASHEET_HBM_GB_S = {"H100": 3350.0, "H200": 4800.0, "H800": 3350.0, "A100": 2039.0}
 SWEEP_KS = (512, 1024, 2048, 4096, 8192, 16384)
-
-
-def fit_k0(ks: list[float], seconds: list[float]) -> tuple[float, float, float]:
-    """Least-squares line ``seconds = a·K + b`` through GEMMs that differ only in K; returns
-    (k0 = b / a, a, the largest |residual| / seconds). ``k0``: the fixed cost of an output tile
-    in elements of K (:func:`moetrain.planner.timing.k_efficiency`).
-
-    Raises:
-        ValueError: fewer than two points, or times that do not grow with K.
-    """
-    if len(ks) < 2 or len(ks) != len(seconds):
-        raise ValueError(f"fit_k0 needs two or more (K, seconds) pairs, got {len(ks)} K and {len(seconds)} times")
-    mk, ms = statistics.fmean(ks), statistics.fmean(seconds)
-    var = sum((k - mk) ** 2 for k in ks)
-    a = sum((k - mk) * (s - ms) for k, s in zip(ks, seconds)) / var if var else 0.0
-    if a <= 0:
-        raise ValueError(f"GEMM times do not grow with K ({list(zip(ks, seconds))}): nothing to fit")
-    b = ms - a * mk
-    return b / a, a, max(abs(a * k + b - s) / s for k, s in zip(ks, seconds))
-
-
-def _batch(fn: Callable[[], object], reps: int, cuda: bool) -> float:
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return time.perf_counter() - t
-
-
-def per_call_seconds(fn: Callable[[], object], seconds: float, cuda: bool) -> float:
-    """Seconds per call of ``fn`` after it has run for ``seconds`` (clocks settled): batches of
-    ≥ 50 ms, the median of the second half."""
-    _batch(fn, 1, cuda)
-    reps = 1
-    while (t := _batch(fn, reps, cuda)) < 0.05 and reps < 1 << 16:
-        reps *= 2
-    times = [t / reps]
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        times.append(_batch(fn, reps, cuda) / reps)
-    return statistics.median(times[len(times) // 2:])
 
 
 def time_copy(nbytes: int, device: str, seconds: float) -> float:

@@ -84,7 +84,13 @@ def load_and_resolve(args: argparse.Namespace) -> tuple[Config, Layers, Allocati
     return cfg, layers, alloc
 
 
-def _executor(cfg: Config, folder: Path) -> Any:
+def make_executor(cfg: Config, folder: Path) -> Any:
+    """The submitit executor of ``cfg``'s launch: SLURM (after every check,
+    :func:`moetrain.launch.slurm.make_slurm_executor`) or one local node with a task per rank.
+
+    Raises:
+        ConfigError: the SLURM request does not fit the cluster.
+    """
     import submitit
 
     world = cfg.world_size
@@ -344,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     executor = None
     if alloc is None:
         try:
-            executor = _executor(cfg, folder)
+            executor = make_executor(cfg, folder)
         except ConfigError as e:  # the cluster changed since the preflight's query
             print(f"config error: {e}", file=sys.stderr)
             return 2

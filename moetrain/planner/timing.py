@@ -32,7 +32,11 @@ Phases of one step on the slowest pipeline rank (all times per micro-batch unles
    Megatron-Core zeroes, NaN-checks and pre-scales it) likewise.
 
 Every memory-bound term runs at the profile's achievable HBM bandwidth
-(``ClusterProfile.hbm_bandwidth``: the datasheet × the profile's ``hbm_efficiency``).
+(``ClusterProfile.hbm_bandwidth``: the datasheet × the profile's ``hbm_efficiency``), the
+elementwise kernels at its ``elementwise_efficiency`` share of it. A calibrated profile
+(``python -m moetrain.calibrate``, :mod:`moetrain.planner.calibration`) brings measured
+collective bandwidths per tier and collective, its own short-K loss (``gemm_k0``) and
+``layer_efficiency``, by which every compute term of phase 1 is divided.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class TimingAssumptions:
     ``moe_imbalance``: tokens on the busiest expert rank over the mean (dropless routing with a
     load-balancing loss; a capacity factor caps it, see ModelShape.expert_copies).
     ``gemm_k0``: the short-K loss of a GEMM, see :func:`k_efficiency` (calibrated, the one
-    constant set from published runs: docs/topology.md §5). ``tile``: GEMM output tile (rows,
+    constant set from published runs: docs/topology.md §5; a profile's measured ``gemm_k0``
+    replaces it). ``tile``: GEMM output tile (rows,
     cols) for wave quantisation.
     ``attention_backward``: executed backward/forward FLOP ratio of flash attention.
     ``adam_bytes``: bytes moved per local parameter by the optimizer step.
@@ -327,12 +332,14 @@ class _Compute:
         self.Tm = self.T / layout.tp                           # tokens an MoE block routes (1/tp slice)
         self.act_bytes = act_bytes
         self.grad_bytes = grad_bytes
-        self.rate = prof.peak_tflops * 1e12 * prof.gemm_efficiency
-        self.hbm = prof.hbm_bandwidth()
+        # layer_efficiency: the software's measured overhead on top of every compute term
+        self.speed = prof.layer_efficiency
+        self.rate = prof.peak_tflops * 1e12 * prof.gemm_efficiency * self.speed
+        self.hbm = prof.hbm_bandwidth() * self.speed
         if shape.fp8_gemms and not prof.fp8_peak_tflops:
             raise ValueError(f"profile {prof.name!r} has no fp8_peak_tflops (no FP8 tensor cores): plan it with "
                              f"train.precision bf16, or give the profile fp8_peak_tflops")
-        self.rate8 = (prof.fp8_peak_tflops or 0.0) * 1e12 * (prof.fp8_gemm_efficiency or prof.gemm_efficiency)
+        self.rate8 = (prof.fp8_peak_tflops or 0.0) * 1e12 * (prof.fp8_gemm_efficiency or prof.gemm_efficiency) * self.speed
         self.att_eff = ta.attention_efficiency or prof.attention_efficiency
 
     def gemm(self, m: float, n: float, k: float, count: int = 1, fp8: bool | None = None) -> tuple[float, float]:
@@ -343,7 +350,8 @@ class _Compute:
         two operands quantized first (``fp8_cast_bytes`` per element)."""
         fp8 = self.s.fp8_gemms if fp8 is None else fp8
         rate, in_bytes = (self.rate8, 1.0) if fp8 else (self.rate, self.act_bytes)
-        args = (rate, self.hbm, self.p.sm_count, self.ta.tile, self.ta.gemm_k0, in_bytes)
+        k0 = self.ta.gemm_k0 if self.p.gemm_k0 is None else self.p.gemm_k0
+        args = (rate, self.hbm, self.p.sm_count, self.ta.tile, k0, in_bytes)
         fwd = gemm_pass_time(m, n, k, count, *args, out_bytes=self.act_bytes)
         bwd = (gemm_pass_time(m, k, n, count, *args, out_bytes=self.act_bytes)
                + gemm_pass_time(k, n, m, count, *args, out_bytes=2.0 * self.grad_bytes))
@@ -414,7 +422,7 @@ class _Compute:
         f2, b2 = self.gemm(self.T, s.hidden, s.h_v / tp)
         if self.ta.attention == "flash":
             core_flops = self.T * s.attention_flops(causal=True) / tp  # causal: half the score matrix
-            core = core_flops / (self.p.peak_tflops * 1e12 * self.att_eff)
+            core = core_flops / (self.p.peak_tflops * 1e12 * self.att_eff * self.speed)
             return f1 + f2, b1 + b2, core, core * self.ta.attention_backward
         # Unfused: QKᵀ and AV as batched GEMMs over the full s×s matrix (masked afterwards),
         # and the scores pass through memory: write QKᵀ, masked softmax (read, write), dropout
@@ -463,7 +471,14 @@ class _Compute:
 
     def elementwise(self, moe: bool) -> float:
         """Forward seconds of the memory-bound kernels of one layer (each tensor read and
-        written once); the backward moves twice as much."""
+        written once, :meth:`elementwise_bytes`) at the profile's HBM bandwidth × its
+        ``elementwise_efficiency``; the backward moves twice as much."""
+        return self.elementwise_bytes(moe) / (self.hbm * self.p.elementwise_efficiency)
+
+    def elementwise_bytes(self, moe: bool) -> float:
+        """HBM bytes of one layer's memory-bound kernels, forward: norms, residual adds, RoPE,
+        and SwiGLU; in an MoE layer the permutation, the experts' SwiGLU and the router's fp32
+        softmax and top-k."""
         s, tp = self.s, self.l.tp
         b = self.act_bytes
         per_seq_shard = 10.0 * s.hidden                     # 2 norms (r+w), 2 residual adds (2r+w)
@@ -479,7 +494,7 @@ class _Compute:
         else:
             # SwiGLU reads gate and up and writes their product; GELU reads and writes
             nbytes += b * self.T * s.mlp_matrices * s.ffn / tp
-        return nbytes / self.hbm
+        return nbytes
 
     def logits(self) -> tuple[float, float]:
         s = self.s

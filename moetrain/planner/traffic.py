@@ -101,7 +101,7 @@ def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile
     steps = 1 if op == "p2p" else max(1, math.ceil(math.log2(n))) * (2 if op == "all_reduce" else 1)
     if place.tier == "nvlink":
         b = bus_factor(op, n) * nbytes
-        return b / profile.bandwidth("nvlink") + steps * profile.latency("nvlink"), {"nvlink": b}
+        return b / profile.bandwidth("nvlink", op) + steps * profile.latency("nvlink"), {"nvlink": b}
     m = min(max(1, place.per_domain), n)
     if op == "p2p":
         net, nv = float(nbytes), 0.0
@@ -111,7 +111,7 @@ def comm_time(op: str, nbytes: float, place: AxisPlace, profile: "ClusterProfile
     else:
         f = bus_factor(op, n) * nbytes
         net, nv = f / m, f * (m - 1) / m
-    t = max(net / profile.bandwidth(place.tier), nv / profile.bandwidth("nvlink")) + steps * profile.latency(place.tier)
+    t = max(net / profile.bandwidth(place.tier, op), nv / profile.bandwidth("nvlink", op)) + steps * profile.latency(place.tier)
     tiers = {place.tier: net}
     if nv:
         tiers["nvlink"] = nv

@@ -85,6 +85,25 @@ class ClusterProfile:
     hiding of ``parallel.ep_overlap`` (the planner's ``merged_pairs`` pieces,
     :func:`moetrain.planner.timing.merged_pair_hidden`) that this cluster achieves, as
     ``benchmarks/bench_emulated_network.py`` measures it (1.0, the ideal, where not measured).
+
+    Measured on the cluster (``python -m moetrain.calibrate`` writes both):
+    ``collective_gb_s``: ``{tier: {op: GB/s}}``, the bus bandwidth per GPU that each collective
+    (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) reached on that tier
+    (``nvlink``, ``rail``, ``spine``), efficiency included: where given it replaces
+    ``<tier>_gb_s × <tier>_efficiency`` for that collective (:meth:`bandwidth`).
+    ``elementwise_efficiency``: the share of the achievable HBM bandwidth that a layer's
+    memory-bound kernels (norms, residual adds, RoPE, SwiGLU, routing, permutation), forward and
+    backward as autograd runs them, reach (1.0 where not measured).
+    ``layer_efficiency``: the planner's compute time of one layer of the calibrated model
+    (forward + backward, GEMMs, attention and elementwise kernels at the terms above) over what
+    the software measured for it: the host overheads, unfused kernels and dispatch work no
+    other term counts. Every compute term of the planner is divided by it (1.0 where not
+    measured).
+    ``gemm_k0``: the short-K loss of this device's GEMMs in elements of K
+    (:func:`moetrain.planner.timing.k_efficiency`), where measured; ``null``: the planner's
+    ``TimingAssumptions.gemm_k0``.
+    ``calibration``: the record of the measurement (when, where, the raw figures): read by
+    people, not by the planner.
     """
 
     name: str
@@ -114,6 +133,11 @@ class ClusterProfile:
     reserved_gib: float = 5.0
     ep_overlap_efficiency: float = 1.0
     sources: tuple[str, ...] = ()
+    elementwise_efficiency: float = 1.0
+    layer_efficiency: float = 1.0
+    gemm_k0: float | None = None
+    collective_gb_s: dict[str, dict[str, float]] = field(default_factory=dict, hash=False)
+    calibration: dict[str, Any] = field(default_factory=dict, hash=False)
     path: str | None = None
 
     @property
@@ -121,8 +145,16 @@ class ClusterProfile:
         """Nodes per NVSwitch domain."""
         return max(1, self.nvswitch_domain_gpus // self.gpus_per_node)
 
-    def bandwidth(self, tier: str) -> float:
-        """Achievable bus bandwidth of ``tier`` per GPU, bytes/s (nominal × efficiency)."""
+    def bandwidth(self, tier: str, op: str | None = None) -> float:
+        """Achievable bus bandwidth of ``tier`` per GPU, bytes/s: what ``op`` was measured at
+        there (``collective_gb_s``), else nominal × efficiency.
+
+        Raises:
+            ValueError: ``tier`` is not nvlink, rail or spine.
+        """
+        measured = self.collective_gb_s.get(tier, {}).get(op) if op else None
+        if measured:
+            return measured * 1e9
         if tier == "nvlink":
             return self.nvlink_gb_s * 1e9 * self.nvlink_efficiency
         if tier == "rail":
@@ -150,6 +182,9 @@ _REQUIRED = ("name", "gpus_per_node", "nvswitch_domain_gpus", "rails_per_node", 
              "peak_tflops", "memory_gib", "hbm_gb_s", "nvlink_gb_s", "rail_gb_s", "spine_gb_s")
 
 
+_MEASURED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
 def list_profiles() -> list[str]:
     """Names of the profiles shipped in ``slurm/profiles/``."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
@@ -167,6 +202,11 @@ def _profile_from_dict(raw: dict[str, Any], where: str) -> ClusterProfile:
         raise ProfileError(f"{where}: missing {', '.join(missing)}. Fix: add them (see slurm/profiles/h100-superpod.yaml)")
     if "sources" in flat:
         flat["sources"] = tuple(flat["sources"] or ())
+    for key in ("collective_gb_s", "calibration"):
+        if flat.get(key) is None:
+            flat.pop(key, None)
+        elif not isinstance(flat[key], dict):
+            raise ProfileError(f"{where}: {key}: expected a mapping, got {type(flat[key]).__name__}")
     prof = ClusterProfile(**flat, path=where)
     if prof.gpus_per_node <= 0 or prof.nvswitch_domain_gpus % prof.gpus_per_node:
         raise ProfileError(f"{where}: nvswitch_domain_gpus={prof.nvswitch_domain_gpus} must be a positive multiple "
@@ -178,6 +218,19 @@ def _profile_from_dict(raw: dict[str, Any], where: str) -> ClusterProfile:
     if not 0 < prof.hbm_efficiency <= 1:
         raise ProfileError(f"{where}: hbm_efficiency={prof.hbm_efficiency!r} must lie in (0, 1] "
                            "(the measured share of hbm_gb_s a device-to-device copy reaches)")
+    for tier, ops in prof.collective_gb_s.items():
+        if tier not in ("nvlink", "rail", "spine") or not isinstance(ops, dict):
+            raise ProfileError(f"{where}: collective_gb_s.{tier}: expected a tier (nvlink, rail, spine) mapping "
+                               "collectives to GB/s")
+        for op, v in ops.items():
+            if op not in _MEASURED_OPS or not isinstance(v, (int, float)) or v <= 0:
+                raise ProfileError(f"{where}: collective_gb_s.{tier}.{op}={v!r}: expected one of "
+                                   f"{', '.join(_MEASURED_OPS)} with a positive bus bandwidth in GB/s")
+    if not prof.layer_efficiency > 0:
+        raise ProfileError(f"{where}: layer_efficiency={prof.layer_efficiency!r} must be positive")
+    if not 0 < prof.elementwise_efficiency <= 1:
+        raise ProfileError(f"{where}: elementwise_efficiency={prof.elementwise_efficiency!r} must lie in (0, 1] "
+                           "(the measured share of the copy bandwidth the elementwise kernels reach)")
     if not 0 <= prof.ep_overlap_efficiency <= 1:
         raise ProfileError(f"{where}: ep_overlap_efficiency={prof.ep_overlap_efficiency!r} must lie in [0, 1] "
                            "(the measured share of the ideal hiding)")
