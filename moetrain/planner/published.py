@@ -39,6 +39,8 @@ efficiency, see timing.py); every other entry is held out: nothing was tuned on 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +56,7 @@ from moetrain.planner.search import Planner
 from moetrain.planner.timing import TimingAssumptions
 from moetrain.topology.cluster import Allocation, ClusterProfile, Node, load_profile
 
-__all__ = ["Published", "PUBLISHED", "TOLERANCE", "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape"]
+__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "split_of", "compare_unseen", "TOLERANCE", "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20
@@ -95,6 +97,11 @@ class Published:
     the model; ``global_batch`` is needed with ``shape``. ``fixed``: the layout keys the
     publication states. ``software``: :class:`TimingAssumptions` fields that are facts of that
     run. ``held``: counted in the error summary (else shown with ``note`` saying why not).
+    ``split``: ``""`` for the rows of the comparison in :data:`PUBLISHED`; for the rows of
+    :data:`UNSEEN` (collected after the planner's terms were set) ``dev`` — their errors may be
+    looked at while terms change — or ``apart`` — set aside before any term changed, not
+    predicted until the terms are final (:func:`split_of`). ``family``: the run family a row
+    belongs to (one model of one source: its precisions or GPU kinds), the unit of the split.
     ``nodes_per_domain``: the job uses this many nodes of each NVSwitch domain (GB200 NVL72
     jobs of 64-GPU blocks: 16 of a rack's 18 trays), instead of filling domains in turn."""
 
@@ -116,6 +123,8 @@ class Published:
     calibration: bool = False
     note: str = ""
     nodes_per_domain: int | None = None
+    split: str = ""
+    family: str = ""
 
     @property
     def hardware(self) -> str:
@@ -331,6 +340,133 @@ PUBLISHED: tuple[Published, ...] = (
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# Runs collected after the terms were set (issue 34): a third of their families set apart
+# ---------------------------------------------------------------------------------------------
+# Every row above had its figure in view while the planner's terms were set. The rows below were
+# collected afterwards, before any term was changed for them; :func:`split_of` sets a third of
+# their families apart by a rule fixed with them (within each kind, the families in the order of
+# the SHA-256 of their names, the first third), and :func:`compare_unseen` predicts those only
+# when asked to reveal them: once, after the last term change.
+_SRC_DGXC_B1 = "NVIDIA dgxc-benchmarking v24.11.1 (commit 35a9aecc), {} README, H100 table"
+_SRC_DGXC_B2 = "NVIDIA dgxc-benchmarking v25.05.02 (commit dfc80397), {} README, H100 table"
+_SRC_FMS = ("IBM foundation-model-stack/fms-fsdp README (commit ed74fd5, 2024-05-09): torch.compile, "
+            "FSDP (HSDP for 7b), batch 2 per GPU, sequence 4096")
+# NeMo's recipes (the workloads' yamls in that commit): Megatron-Core layers, Apex's distributed
+# fused Adam (states sharded: ZeRO-1) with the gradient reduce-scatter and parameter all-gather
+# overlapped, fused cross-entropy where the yaml sets it, no dropout (GPT-3: 0.1), TP
+# communication overlap (userbuffers) where the yaml sets ub_tp_comm_overlap, FP8 with the
+# hybrid format and delayed scaling (amax history 1024) and fp8 parameters.
+_NEMO = {"cross_entropy": "fused"}
+_LLAMA31 = {"8b": (32, 4096, 32, 14336), "70b": (80, 8192, 64, 28672), "405b": (126, 16384, 128, 53248)}
+_NEMOTRON4 = {"15b": (32, 6144, 48, 24576), "340b": (96, 18432, 96, 73728)}
+# Llama 2 in fms (fms_fsdp/utils/config_utils.py): vocabulary 32000, SwiGLU; 34b and 70b with 8 KV heads
+_LLAMA2 = {"7b": (32, 4096, 32, 32, 11008), "13b": (40, 5120, 40, 40, 13824), "34b": (48, 8192, 64, 8, 22016),
+           "70b": (80, 8192, 64, 8, 28672)}
+
+
+def _nemo(family: str, src: str, shape: ModelShape, gpus: int, gbs: int, fixed: dict[str, Any], job_tokens_s: float,
+          precision: str, software: dict[str, Any]) -> Published:
+    """A NeMo recipe row of dgxc-benchmarking: the job's tokens per second (sequence × GBS / step
+    time, as printed) over its GPUs."""
+    if precision == "fp8":
+        shape = dataclasses.replace(shape, fp8_gemms=True)
+    tp = fixed["tp"]
+    fixed = {"cp": 1, "vpp": 1, "mbs": 1, "zero": 1} | fixed
+    fixed |= {"dp": gpus // (tp * fixed["pp"] * fixed["cp"]), "sp": tp > 1}
+    return Published(f"{family}-{precision}-{gpus}gpu", src, "h100-superpod", gpus, fixed, "tokens_per_gpu",
+                     job_tokens_s / gpus, shape=shape, global_batch=gbs, precision=precision,
+                     software=_NEMO | software, family=family)
+
+
+def _llama31(size: str, gpus: int, gbs: int, fixed: dict[str, Any], tokens_s: float, precision: str,
+             tp_overlap: bool) -> Published:
+    layers, h, a, f = _LLAMA31[size]
+    shape = model_shape(layers, h, a, 128256, 8192, kv_heads=8, ffn=f)
+    return _nemo(f"nemo-llama3.1-{size}", _SRC_DGXC_B1.format(f"llama3.1/README_{size}.md"), shape, gpus, gbs,
+                 fixed, tokens_s, precision, {"tp_comm_overlap": tp_overlap})
+
+
+def _nemotron4(size: str, gpus: int, gbs: int, fixed: dict[str, Any], tokens_s: float, precision: str,
+               tp_overlap: bool) -> Published:
+    layers, h, a, f = _NEMOTRON4[size]
+    shape = model_shape(layers, h, a, 256000, 4096, kv_heads=8, ffn=f, mlp_matrices=2)  # squared ReLU
+    return _nemo(f"nemo-nemotron4-{size}", _SRC_DGXC_B1.format(f"nemotron/README_{size}.md"), shape, gpus, gbs,
+                 fixed, tokens_s, precision, {"tp_comm_overlap": tp_overlap})
+
+
+def _gpt3(tokens_s: float, precision: str) -> Published:
+    shape = model_shape(96, 12288, 96, 50304, 2048, ffn=49152, mlp_matrices=2)  # GPT-2 BPE padded to 128
+    return _nemo("nemo-gpt3-175b", _SRC_DGXC_B1.format("nemo_megatron/README_175b.md"), shape, 128, 256,
+                 {"tp": 4, "pp": 8, "vpp": 12}, tokens_s, precision, {"tp_comm_overlap": True, "dropout": True})
+
+
+def _grok1(tokens_s: float, precision: str) -> Published:
+    # grok1_314b.yaml (v24.11.1): 64 layers, d 6144, 48 query / 8 KV heads, 8 experts of 32768 (top-2),
+    # capacity factor 1.0 with the expert inputs padded to capacity (every expert gets the mean load)
+    shape = model_shape(64, 6144, 48, 131072, 8192, kv_heads=8, experts=8, top_k=2, expert_ffn=32768)
+    row = _nemo("nemo-grok1-314b", _SRC_DGXC_B2.format("grok1/README.md"), shape, 512, 1024,
+                {"tp": 4, "pp": 8, "cp": 2, "vpp": 8, "ep": 8}, tokens_s, precision, _BALANCED)
+    return dataclasses.replace(row, fixed=row.fixed | {"etp": 1, "ep_fold": True})
+
+
+def _fms(size: str, gpu: str, tokens_per_gpu: float) -> Published:
+    layers, h, a, kv, f = _LLAMA2[size]
+    gpus, profile = (128, "a100-superpod") if gpu == "a100" else (96, "h100-superpod")
+    shape = model_shape(layers, h, a, 32000, 4096, kv_heads=kv, ffn=f)
+    # 7b: HSDP (fms shards within a node), no recomputation; 13b-70b: FULL_SHARD with fms's
+    # "selective AC" (a share of the blocks recomputed whole; the share is not stated: the planner
+    # chooses the recomputation)
+    fixed: dict[str, Any] = {"tp": 1, "pp": 1, "dp": gpus, "cp": 1, "zero": 3, "mbs": 2, "sp": False}
+    fixed |= {"dp_shard": 8, "ac": "none"} if size == "7b" else {}
+    return Published(f"fms-llama2-{size}-{gpu}", _SRC_FMS, profile, gpus, fixed, "tokens_per_gpu", tokens_per_gpu,
+                     shape=shape, global_batch=2 * gpus, family=f"fms-{size}")
+
+
+UNSEEN_KINDS = {"fsdp": 1, "nvidia-dense": 2, "nvidia-moe": 1}
+"""Per kind of run, the families :func:`split_of` sets apart (a third of 4, 6 and 2)."""
+
+_UNSEEN: tuple[tuple[str, Published], ...] = tuple(
+    [("fsdp", _fms(s, g, v)) for s, g, v in (
+        ("7b", "a100", 4550), ("13b", "a100", 2150), ("34b", "a100", 820), ("70b", "a100", 410),
+        ("7b", "h100", 9600), ("13b", "h100", 4850), ("34b", "h100", 1830), ("70b", "h100", 890))]
+    + [("nvidia-dense", r) for r in (
+        _llama31("8b", 8, 128, {"tp": 1, "pp": 1, "cp": 2}, 81222, "bf16", False),
+        _llama31("8b", 8, 128, {"tp": 1, "pp": 1, "cp": 2}, 108436, "fp8", False),
+        _llama31("70b", 64, 128, {"tp": 4, "pp": 4, "cp": 2, "vpp": 5}, 71235, "bf16", True),
+        _llama31("70b", 64, 128, {"tp": 4, "pp": 4, "cp": 2, "vpp": 5}, 95239, "fp8", True),
+        _llama31("405b", 576, 252, {"tp": 8, "pp": 9, "cp": 2, "vpp": 7}, 120022, "bf16", True),
+        _llama31("405b", 576, 252, {"tp": 8, "pp": 9, "cp": 2, "vpp": 7}, 183664, "fp8", True),
+        _gpt3(58843, "bf16"), _gpt3(88562, "fp8"),
+        _nemotron4("15b", 64, 256, {"tp": 4, "pp": 1, "mbs": 4}, 366635, "bf16", True),
+        _nemotron4("15b", 64, 256, {"tp": 4, "pp": 1, "mbs": 4}, 501711, "fp8", True),
+        _nemotron4("340b", 128, 32, {"tp": 8, "pp": 8, "vpp": 12, "ac": "selective"}, 28432, "bf16", False),
+        _nemotron4("340b", 128, 32, {"tp": 8, "pp": 8, "vpp": 12, "ac": "selective"}, 41478, "fp8", False))]
+    + [("nvidia-moe", r) for r in (
+        _grok1(526493, "bf16"), _grok1(624478, "fp8"),
+        dataclasses.replace(
+            _mb("nemo-deepseek-v3-bf16-1024gpu", _DSV3, "h100-superpod", 1024, 8192, 1, 4096, 16, 1, 64,
+                644781.55 / 1024, "", source=_SRC_DGXC_B2.format("deepseek_v3/pretraining/README.md"),
+                recompute=("mla_up_proj",), tp=2), family="nemo-deepseek-v3"))])
+
+
+def split_of(kinds: dict[str, int] = UNSEEN_KINDS,
+             rows: tuple[tuple[str, Published], ...] = _UNSEEN) -> dict[str, str]:
+    """``{family: "dev" | "apart"}``: within each kind, the families ordered by the SHA-256 of
+    their names, the first ``kinds[kind]`` set apart (the rule was fixed with the rows, before
+    any of their errors was computed)."""
+    out: dict[str, str] = {}
+    for kind, n_apart in kinds.items():
+        fams = sorted({r.family for k, r in rows if k == kind}, key=lambda f: hashlib.sha256(f.encode()).hexdigest())
+        out |= {f: "apart" if i < n_apart else "dev" for i, f in enumerate(fams)}
+    return out
+
+
+_SPLIT = split_of()
+UNSEEN: tuple[Published, ...] = tuple(dataclasses.replace(r, split=_SPLIT[r.family]) for _, r in _UNSEEN)
+"""The issue-34 rows, each with its ``split``."""
+
+
 def _config(entry: Published):
     raw = yaml.safe_load((ROOT / entry.config).read_text())
     return config_from_dict(apply_overrides(raw, list(entry.overrides)), validate_config=False)
@@ -396,6 +532,22 @@ def predict(entry: Published) -> dict[str, Any]:
 
 def compare_all() -> list[dict[str, Any]]:
     return [predict(e) for e in PUBLISHED]
+
+
+def compare_unseen(reveal: bool = False) -> list[dict[str, Any]]:
+    """The rows of :data:`UNSEEN`: the ``dev`` ones predicted, the ``apart`` ones listed without
+    a prediction unless ``reveal`` (for the final report, after the last term change)."""
+    out = []
+    for e in UNSEEN:
+        if e.split == "apart" and not reveal:
+            out.append({"key": e.key, "source": e.source, "hardware": e.hardware, "gpus": e.gpus,
+                        "precision": e.precision, "metric": e.metric, "published": e.value, "held": False,
+                        "calibration": False, "moe": bool(e.shape and e.shape.is_moe), "predicted": None,
+                        "error": None, "layout": None, "split": "apart", "family": e.family,
+                        "note": "set apart: not predicted until the planner's terms are final"})
+        else:
+            out.append(predict(e) | {"split": e.split, "family": e.family})
+    return out
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
