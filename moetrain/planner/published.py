@@ -102,6 +102,8 @@ class Published:
     looked at while terms change — or ``apart`` — set aside before any term changed, not
     predicted until the terms are final (:func:`split_of`). ``family``: the run family a row
     belongs to (one model of one source: its precisions or GPU kinds), the unit of the split.
+    ``cluster``: profile fields the source states of its own cluster (a slower network than the
+    profile's reference design), applied to ``profile`` for this row.
     ``nodes_per_domain``: the job uses this many nodes of each NVSwitch domain (GB200 NVL72
     jobs of 64-GPU blocks: 16 of a rack's 18 trays), instead of filling domains in turn."""
 
@@ -125,6 +127,7 @@ class Published:
     nodes_per_domain: int | None = None
     split: str = ""
     family: str = ""
+    cluster: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hardware(self) -> str:
@@ -416,11 +419,15 @@ def _fms(size: str, gpu: str, tokens_per_gpu: float) -> Published:
     shape = model_shape(layers, h, a, 32000, 4096, kv_heads=kv, ffn=f)
     # 7b: HSDP (fms shards within a node), no recomputation; 13b-70b: FULL_SHARD with fms's
     # "selective AC" (a share of the blocks recomputed whole; the share is not stated: the planner
-    # chooses the recomputation)
+    # chooses the recomputation). The clusters, as the README states them: 128 A100 "with
+    # 400Gbps", 96 H100 "with 800 Gbps" — per node (IBM's blog gives its 464-H100 cluster
+    # "3.2Tbps", 8 × 400 Gb/s a node): 50 and 100 Gb/s per GPU, over one rail group.
+    net = 400 / 8 / 8 if gpu == "a100" else 800 / 8 / 8   # GB/s per GPU
     fixed: dict[str, Any] = {"tp": 1, "pp": 1, "dp": gpus, "cp": 1, "zero": 3, "mbs": 2, "sp": False}
     fixed |= {"dp_shard": 8, "ac": "none"} if size == "7b" else {}
     return Published(f"fms-llama2-{size}-{gpu}", _SRC_FMS, profile, gpus, fixed, "tokens_per_gpu", tokens_per_gpu,
-                     shape=shape, global_batch=2 * gpus, family=f"fms-{size}")
+                     shape=shape, global_batch=2 * gpus, family=f"fms-{size}",
+                     cluster={"rail_gb_s": net, "spine_gb_s": net, "rails_per_node": 8})
 
 
 UNSEEN_KINDS = {"fsdp": 1, "nvidia-dense": 2, "nvidia-moe": 1}
@@ -478,7 +485,7 @@ def _allocation(n_nodes: int, nodes_per_domain: int, prof: ClusterProfile) -> Al
 
 
 def _planner(entry: Published) -> Planner:
-    prof = load_profile(entry.profile)
+    prof = dataclasses.replace(load_profile(entry.profile), **entry.cluster)
     n_nodes = entry.gpus // prof.gpus_per_node
     alloc = _allocation(n_nodes, entry.nodes_per_domain, prof) if entry.nodes_per_domain else None
     if entry.shape is not None:
