@@ -51,6 +51,11 @@
    large-GEMM efficiency, and the forward GEMMs of Megatron-LM's weak-scaling rows against the
    planner's prediction; ``--seconds`` per shape (2).
 
+12. ``--calibrate`` instead: ``python -m moetrain.calibrate`` on this GPU (one rank: no
+   collective; the model of ``--mfu``, in fp8 where the GPU has FP8 tensor cores): the profile it
+   writes (GEMM rate and short-K loss, fp8 GEMM rate, attention, copy, elementwise and layer
+   efficiencies) beside ``h100-superpod``'s values.
+
 On a machine with no package index (the GPU machines lent to this project carry torch 2.11):
 ``pip install --no-deps -e .``. ``--cpu`` runs the same checks on the CPU (few steps, the CUDA
 sync counter left out) to prove a torch install before a GPU is at hand.
@@ -66,6 +71,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,6 +152,40 @@ def count_syncs(trainer, steps: int = 3, cuda: bool = True) -> dict:
             "read_stacks": reads.stacks[:3]}
 
 
+# --cpu: the --mfu model shrunk to a size the CPU times in seconds (proves the code, measures nothing)
+CPU_SHRINK = ["model.layers=2", "model.hidden=256", "model.heads=8", "model.kv_heads=4", "model.ffn_hidden=512",
+              "moe.ffn_hidden=256", "model.seq_len=256"]
+
+
+def calibrate_here(cuda: bool, sets: list[str]) -> int:
+    """``python -m moetrain.calibrate`` with one local rank on the --mfu model (fp8 on a GPU with
+    FP8 tensor cores); prints the measured terms beside h100-superpod's. Returns the exit code."""
+    from moetrain.topology.cluster import load_profile
+
+    fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
+    over = [*MFU_MODEL, "parallel.dp=1", "parallel.ep=1", "launch.cluster=local", "launch.nodes=1",
+            f"train.precision={'fp8' if fp8 else 'bf16'}", *([] if cuda else CPU_SHRINK),
+            *sets]
+    out = Path(tempfile.mkdtemp()) / "calibrated.yaml"
+    cmd = [sys.executable, "-m", "moetrain.calibrate", "--config", str(ROOT / "configs" / "demo-moe.yaml"),
+           "--out", str(out), *(["--seconds", "0.05"] if not cuda else [])]
+    for s in over:
+        cmd += ["--set", s]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if res.returncode != 0:
+        print(json.dumps({"calibrate": "failed", "exit": res.returncode, "stdout": res.stdout[-4000:],
+                          "stderr": res.stderr[-4000:]}, indent=1))
+        return 1
+    prof, ref = load_profile(out), load_profile("h100-superpod")
+    keys = ("peak_tflops", "gemm_efficiency", "gemm_k0", "fp8_peak_tflops", "fp8_gemm_efficiency",
+            "attention_efficiency", "hbm_gb_s", "hbm_efficiency", "elementwise_efficiency", "layer_efficiency")
+    print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                      "model": over, "measured": {k: getattr(prof, k) for k in keys},
+                      "h100_superpod": {k: getattr(ref, k) for k in keys},
+                      "report": prof.calibration.get("report"), "log": res.stdout[-3000:]}, indent=1, default=str))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs/demo-moe.yaml"))
@@ -165,11 +205,15 @@ def main() -> int:
     ap.add_argument("--gemm-sweep", action="store_true",
                     help="only measure HBM, the short-K sweep and the weak-scaling table's GEMMs (kernel_sweep.py)")
     ap.add_argument("--seconds", type=float, default=2.0, help="--gemm-sweep: seconds per shape (clocks settle)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only run python -m moetrain.calibrate on this GPU with the --mfu model; print its profile")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.cpu
     if not cuda and not a.cpu:
         print(json.dumps({"skipped": "no CUDA device (--cpu runs the checks on the CPU)"}))
         return 0
+    if a.calibrate:
+        return calibrate_here(cuda, a.set)
     if a.gemm_sweep:
         from kernel_sweep import kernel_sweep
 

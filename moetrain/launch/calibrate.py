@@ -230,15 +230,28 @@ def _elementwise_seconds(shape: ModelShape, layout: Layout, device: torch.device
     return per_call_seconds(layer, seconds, cuda)
 
 
-def _layer_seconds(cfg: Config, device: torch.device, dtype: torch.dtype, seconds: float, cuda: bool) -> float:
+def _layer_seconds(cfg: Config, device: torch.device, seconds: float, cuda: bool) -> float:
     """Seconds of :func:`moetrain.planner.calibration.layer_config`'s model (one block with the
     rank's share of the experts, embedding and head), forward, loss and backward, for one
-    micro-batch of random tokens."""
+    micro-batch of random tokens; set up as the trainer sets up its model (fp32 parameters,
+    modules computing in the precision's dtype, fp8 GEMMs, the expert backend it resolves)."""
+    from moetrain.model.fp8_gemm import set_fp8
+    from moetrain.model.layers import set_compute_dtype
     from moetrain.model.loss import model_loss
+    from moetrain.model.moe import GroupedExperts, resolve_expert_backend
     from moetrain.model.transformer import Transformer
+    from moetrain.parallel.precision import compute_dtype, fp8_recipe
 
     one = layer_config(cfg)
-    model = Transformer(one.model, one.moe).to(device=device, dtype=dtype)
+    model = Transformer(one.model, one.moe).to(device=device)
+    run_dtype = compute_dtype(cfg.train.precision)
+    set_compute_dtype(model, run_dtype)
+    recipe = fp8_recipe(cfg.train)
+    set_fp8(model, recipe, cfg.train.fp8_keep)
+    backend = resolve_expert_backend(cfg.moe.expert_backend, device, run_dtype, fp8=recipe is not None)
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.backend = backend
     tokens = torch.randint(0, one.model.vocab_size, (cfg.train.micro_batch_size, one.model.seq_len), device=device)
 
     def step() -> None:
@@ -356,7 +369,7 @@ def measure_rank(cfg: Config, seconds: float = 0.5, coll_budget_s: float = 8.0) 
     elem_s = _elementwise_seconds(shape, layout, device, dtype, seconds, cuda)
     say(f"one layer's elementwise kernels forward + backward: {elem_s * 1e3:.2f} ms")
     dist.barrier()
-    layer_s = _layer_seconds(cfg, device, dtype, seconds, cuda)
+    layer_s = _layer_seconds(cfg, device, seconds, cuda)
     say(f"one layer of the model with its head, forward + backward: {layer_s * 1e3:.2f} ms")
     # 4. collectives, tier by tier
     hosts: list[Any] = [None] * world
