@@ -275,3 +275,19 @@ def test_calibrate_a_local_job(tmp_path, tiny_shards):
     bad = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out),
                           "--set", "parallel.ep=3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "config error:" in bad.stderr and "parallel.ep" in bad.stderr, bad.stderr
+
+
+def test_an_fp8_config_on_a_device_without_fp8_is_calibrated_in_16_bits():
+    """train.precision: fp8 on a device with no FP8 tensor cores (the CPU): the GEMMs are listed
+    (not refused for the profile's missing FP8 peak) and fitted as the 16-bit GEMMs they ran as."""
+    cfg, shape, lay, mem = _demo()
+    base = load_profile("cpu-local")
+    measured = _synthetic(base, shape, lay, mem, TimingAssumptions())
+    fp8 = dataclasses.replace(shape, fp8_gemms=True)
+    assert any(g.fp8 for g in gemm_shapes(fp8, lay, base, mem))
+    one = dataclasses.replace(ModelShape.from_config(layer_config(cfg)), fp8_gemms=True)
+    measured["layer"] = {"seconds": layer_seconds_predicted(dataclasses.replace(one, fp8_gemms=False), lay.mbs,
+                                                            base, mem)}
+    prof, report = calibrated_profile(base, measured, fp8, lay, mem, layer_shape=one)
+    assert "fp8" in report and prof.fp8_peak_tflops is None
+    assert prof.layer_efficiency == pytest.approx(1.0, rel=2e-3)

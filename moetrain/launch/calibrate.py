@@ -354,10 +354,11 @@ def measure_rank(cfg: Config, seconds: float = 0.5, coll_budget_s: float = 8.0) 
     dist.barrier()
     ksweep = [{"m": g.m, "n": g.n, "k": g.k, "seconds": per_call_seconds(_gemm_fn(g, device, dtype), seconds, cuda)}
               for g in k_sweep_shapes(cuda)]
-    shapes = gemm_shapes(shape, layout, prof, mem)
-    if fp8_ok:
-        shapes = shapes + [type(g)(g.m, g.n, g.k, g.count, True, g.pass_) for g in shapes if not g.fp8]
-    shapes = [g for g in shapes if not g.fp8 or fp8_ok]
+    # every GEMM of the model in the 16/32-bit dtype (gemm_efficiency), and the fp8 ones again in
+    # fp8 where the device runs them (fp8_gemm_efficiency)
+    model_shapes = gemm_shapes(shape, layout, prof, mem)
+    shapes = list(dict.fromkeys(dataclasses.replace(g, fp8=False) for g in model_shapes))
+    shapes += [g for g in model_shapes if g.fp8 and fp8_ok]
     say(f"short-K sweep done; timing {len(shapes)} GEMMs of the model's shapes ({seconds:g} s each)")
     gemm = [{"m": g.m, "n": g.n, "k": g.k, "count": g.count, "fp8": g.fp8, "pass": g.pass_,
              "seconds": per_call_seconds(_gemm_fn(g, device, dtype), seconds, cuda)} for g in shapes]

@@ -105,6 +105,8 @@ def gemm_shapes(shape: ModelShape, layout: Layout, profile: "ClusterProfile",
     tokens per expert, shared experts, the output head), each with its input-gradient (dgrad)
     and weight-gradient (wgrad) GEMM, as the planner's compute model counts them
     (:class:`moetrain.planner.timing._Compute`). Sizes are rounded to whole rows."""
+    # the recorder times nothing: any FP8 peak lets an fp8 model's GEMMs be listed on any profile
+    profile = dataclasses.replace(profile, fp8_peak_tflops=profile.fp8_peak_tflops or profile.peak_tflops)
     rec = _Recorder(shape, layout, profile, ta, mem.act_bytes, mem.grad_bytes)
     rec.attention()
     if shape.layers > shape.moe_layers:
@@ -320,6 +322,11 @@ def calibrated_profile(base: "ClusterProfile", measured: dict[str, Any], shape: 
     """
     report: dict[str, Any] = {}
     changes: dict[str, Any] = {}
+    if shape.fp8_gemms and not base.fp8_peak_tflops and not any(r["fp8"] for r in measured["gemm"]):
+        # an fp8 config on a device without FP8 tensor cores: its GEMMs ran, and are timed, in 16 bits
+        shape = dataclasses.replace(shape, fp8_gemms=False)
+        layer_shape = layer_shape and dataclasses.replace(layer_shape, fp8_gemms=False)
+        report["fp8"] = "no FP8 tensor cores measured: the fp8 model's GEMMs counted as 16-bit"
     hbm_meas = float(measured["hbm_copy_gb_s"])
     hbm_gb_s, hbm_eff = _efficiency(hbm_meas, base.hbm_gb_s)
     changes.update(hbm_gb_s=hbm_gb_s, hbm_efficiency=hbm_eff)
