@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from moetrain.config import ConfigError, load_layers, to_dict
+from moetrain.launch.slurm import SlurmUnavailableError
 from moetrain.planner.calibration import CalibrationError, calibrated_profile, layer_config
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import MemoryAssumptions
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ProfileError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except SlurmUnavailableError as e:
+        print(f"calibrate: cannot submit the measuring job: {e}", file=sys.stderr)
+        return 1
     from moetrain.launch.calibrate import CalibrateJob
 
     command = "python -m moetrain.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)

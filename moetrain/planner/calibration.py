@@ -52,7 +52,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
     from moetrain.topology.cluster import ClusterProfile
 
-__all__ = ["GemmShape", "gemm_shapes", "k_sweep_shapes", "fit_k0", "layer_config", "layer_seconds_predicted", "message_sizes", "fit_line", "fit_collective", "collective_steps",
+__all__ = ["GemmShape", "gemm_shapes", "k_sweep_shapes", "fit_k0", "layer_config", "layer_seconds_predicted",
+           "message_sizes", "fit_line", "fit_collective", "collective_steps",
            "fit_rate", "attention_flops", "calibrated_profile", "CalibrationError", "OPS", "TIERS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -314,8 +315,9 @@ def calibrated_profile(base: "ClusterProfile", measured: dict[str, Any], shape: 
     ranks): ``hbm_copy_gb_s``; ``gemm``: ``[{"m", "n", "k", "count", "fp8", "pass", "seconds"}]``;
     ``attention``, ``elementwise``: ``{"seconds": forward + backward}``; ``layer``:
     ``{"seconds": forward + backward}`` of :func:`layer_config`'s model, whose shape is
-    ``layer_shape`` (``layer_efficiency``, fitted last, from the other terms); ``collectives``: ``{tier: {"n": group
-    size, op: {"sizes": [...], "seconds": [...]}}}``; ``meta``: recorded as is.
+    ``layer_shape`` (``layer_efficiency``, fitted last, from the other terms); ``collectives``:
+    ``{tier: {"n": group size, op: {"sizes": [...], "seconds": [...]}}}``; ``meta``: recorded as
+    is.
 
     Raises:
         CalibrationError: a measurement the fits cannot use (says which).
@@ -374,9 +376,9 @@ def calibrated_profile(base: "ClusterProfile", measured: dict[str, Any], shape: 
 
     el = measured.get("elementwise")
     if el and el.get("seconds"):
-        comp = _Compute(shape, layout, dataclasses.replace(base, **{k: v for k, v in changes.items()
-                                                                   if k in ("hbm_gb_s", "hbm_efficiency")}),
-                        ta, mem.act_bytes, mem.grad_bytes)
+        # the bytes do not depend on the GEMMs' precision (16-bit: no FP8 peak needed to count them)
+        comp = _Compute(dataclasses.replace(shape, fp8_gemms=False), layout, base, ta, mem.act_bytes,
+                        mem.grad_bytes)
         nbytes = 3 * comp.elementwise_bytes(shape.is_moe)  # forward, and the backward's twice as much
         rate = nbytes / float(el["seconds"])
         changes["elementwise_efficiency"] = min(1.0, rate / hbm)

@@ -56,7 +56,8 @@ from moetrain.planner.search import Planner
 from moetrain.planner.timing import TimingAssumptions
 from moetrain.topology.cluster import Allocation, ClusterProfile, Node, load_profile
 
-__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "split_of", "compare_unseen", "TOLERANCE", "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape"]
+__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "split_of", "compare_unseen", "TOLERANCE",
+           "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20

@@ -88,7 +88,7 @@ class ClusterProfile:
 
     Measured on the cluster (``python -m moetrain.calibrate`` writes both):
     ``collective_gb_s``: ``{tier: {op: GB/s}}``, the bus bandwidth per GPU that each collective
-    (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) reached on that tier
+    (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``p2p``) reached on that tier
     (``nvlink``, ``rail``, ``spine``), efficiency included: where given it replaces
     ``<tier>_gb_s × <tier>_efficiency`` for that collective (:meth:`bandwidth`).
     ``elementwise_efficiency``: the share of the achievable HBM bandwidth that a layer's
