@@ -75,6 +75,23 @@ def tiny_config(data_path: str | Path, run_dir: str | Path, **sections) -> Confi
     return config_from_dict(base)
 
 
+def run_calibrate(cfg: Config, workdir: Path, *args: str, timeout: float = 300):
+    """``python -m moetrain.calibrate`` on ``cfg`` (written to ``workdir/c.yaml``) with ``args``,
+    its profile to ``workdir/calibrated.yaml``: (the finished process, the profile's path)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from moetrain.config import to_dict
+
+    path, out = workdir / "c.yaml", workdir / "calibrated.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    res = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out), *args],
+                         capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+    return res, out
+
+
 def require_slurm_cluster():
     """For SLURM test modules, at import: the dev cluster's ``ClusterInfo``, or skip the module
     when it is not up — fail instead under ``MOETRAIN_REQUIRE_SLURM=1`` (CI brought it up, so a

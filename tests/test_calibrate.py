@@ -19,7 +19,6 @@ import pytest
 import yaml
 
 from moetrain.calibrate import write_profile
-from moetrain.config import to_dict
 from moetrain.launch.calibrate import tier_groups
 from moetrain.planner.calibration import (
     CalibrationError, GemmShape, attention_flops, calibrated_profile, collective_steps, fit_collective, fit_k0,
@@ -32,7 +31,7 @@ from moetrain.planner.timing import TimingAssumptions, _Compute, gemm_pass_time,
 from moetrain.planner.traffic import bus_factor
 from moetrain.topology.cluster import ProfileError, load_profile
 
-from conftest import tiny_config
+from conftest import run_calibrate, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -253,12 +252,8 @@ def test_calibrate_a_local_job(tmp_path, tiny_shards):
     """A real 4-rank local job: a profile the planner takes, its intra-node collectives measured
     for every op, the job's facts recorded; then a config error exits 2 before anything runs."""
     cfg = tiny_config(tiny_shards, tmp_path / "run", parallel={"dp": 4, "ep": 2}, launch={"cluster": "local"})
+    res, out = run_calibrate(cfg, tmp_path, "--seconds", "0.05", "--collective-budget", "0.5")
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(to_dict(cfg)))
-    out = tmp_path / "p.yaml"
-    res = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out),
-                          "--seconds", "0.05", "--collective-budget", "0.5"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "calibrate: nvlink all_to_all over 1 group(s) of 4" in res.stdout, res.stdout
     prof = load_profile(out)
@@ -272,8 +267,7 @@ def test_calibrate_a_local_job(tmp_path, tiny_shards):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert json.loads(plan.stdout)
-    bad = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out),
-                          "--set", "parallel.ep=3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad, _ = run_calibrate(cfg, tmp_path, "--set", "parallel.ep=3", timeout=120)
     assert bad.returncode == 2 and "config error:" in bad.stderr and "parallel.ep" in bad.stderr, bad.stderr
 
 

@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 
 import cloudpickle
-import yaml
 import pytest
 import submitit
 
 from moetrain.topology.cluster import load_profile
 
-from conftest import require_slurm_cluster, tiny_config
+from conftest import require_slurm_cluster, run_calibrate, tiny_config
 
 pytestmark = pytest.mark.slurm
 
@@ -224,17 +223,10 @@ def test_calibrate_recovers_the_link_rate(emulated, tmp_path, tiny_shards):
     """``python -m moetrain.calibrate`` on 2 nodes × 2 tasks measures the node link it was given:
     the inter-node all-reduce's bus bandwidth per rank × the node's 2 ranks within 10 % of the
     emulated rate, and the intra-node tier far faster (issue: recover the link rate within 10 %)."""
-    from moetrain.config import to_dict
-
     cfg = tiny_config(tiny_shards, tmp_path / "run", parallel={"dp": 4, "ep": 2},
                       launch={"cluster": "slurm", "nodes": 2, "tasks_per_node": 2, "cpus_per_task": 1,
                               "profile": str(emulated), "time_min": 10, "max_restarts": 0})
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(to_dict(cfg)))
-    out = tmp_path / "calibrated.yaml"
-    res = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out),
-                          "--seconds", "0.05", "--collective-budget", "4"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    res, out = run_calibrate(cfg, tmp_path, "--seconds", "0.05", "--collective-budget", "4")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     prof = load_profile(out)
     assert prof.calibration["hosts"] == ["n1", "n2"] and prof.calibration["tasks_per_node"] == 2

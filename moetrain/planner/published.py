@@ -499,6 +499,13 @@ def _planner(entry: Published) -> Planner:
     return planner
 
 
+def _row(entry: Published, moe: bool) -> dict[str, Any]:
+    """What a result row says of its entry, before any prediction."""
+    return {"key": entry.key, "source": entry.source, "hardware": entry.hardware, "gpus": entry.gpus,
+            "precision": entry.precision, "metric": entry.metric, "published": entry.value, "held": entry.held,
+            "calibration": entry.calibration, "moe": moe, "note": entry.note}
+
+
 def predict(entry: Published) -> dict[str, Any]:
     """The planner's best layout under the entry's fixed choices, and its error."""
     planner = _planner(entry)
@@ -520,9 +527,7 @@ def predict(entry: Published) -> dict[str, Any]:
                 cand = planner.evaluate(lay)
         if cand is not None and (best is None or cand.step_s < best.step_s):
             best = cand
-    out = {"key": entry.key, "source": entry.source, "hardware": entry.hardware, "gpus": entry.gpus,
-           "precision": entry.precision, "metric": entry.metric, "published": entry.value, "held": entry.held,
-           "calibration": entry.calibration, "moe": planner.shape.is_moe, "note": entry.note}
+    out = _row(entry, planner.shape.is_moe)
     if best is None:
         return out | {"predicted": None, "error": None, "layout": None, "note": entry.note or "no layout fits"}
     predicted = getattr(best, entry.metric)
@@ -548,11 +553,10 @@ def compare_unseen(reveal: bool = False) -> list[dict[str, Any]]:
     out = []
     for e in UNSEEN:
         if e.split == "apart" and not reveal:
-            out.append({"key": e.key, "source": e.source, "hardware": e.hardware, "gpus": e.gpus,
-                        "precision": e.precision, "metric": e.metric, "published": e.value, "held": False,
-                        "calibration": False, "moe": bool(e.shape and e.shape.is_moe), "predicted": None,
-                        "error": None, "layout": None, "split": "apart", "family": e.family,
-                        "note": "set apart: not predicted until the planner's terms are final"})
+            out.append(_row(e, bool(e.shape and e.shape.is_moe))
+                       | {"held": False, "predicted": None, "error": None, "layout": None, "split": "apart",
+                          "family": e.family,
+                          "note": "set apart: not predicted until the planner's terms are final"})
         else:
             out.append(predict(e) | {"split": e.split, "family": e.family})
     return out
