@@ -14,7 +14,7 @@ from moetrain.config import load_config
 from moetrain.planner.layout import Layout, parse_layout_spec
 from moetrain.planner.memory import MemoryAssumptions, memory_per_gpu
 from moetrain.planner.model import ModelShape
-from moetrain.planner.published import model_shape
+from moetrain.planner.published import fms_recomputed_layers, model_shape
 from moetrain.planner.search import Planner
 from moetrain.planner.timing import (
     K_REF,
@@ -480,6 +480,63 @@ def test_recompute_modules_cost_their_forward_again():
     assert s.recompute_flops_per_token("selective", ("mla_up_proj",)) == pytest.approx(
         s.layers * (s.attention_flops() + 2.0 * (s.attn_params - s.attn_out_params)))
     assert s.recompute_flops_per_token("selective") == s.layers * s.attention_flops()
+
+
+def test_recompute_num_layers_recomputes_that_share_of_the_layers():
+    # Megatron-Core's --recompute-method block --recompute-num-layers k: k of each virtual
+    # stage's layers recomputed whole, the others keep all their activations.
+    s = model_shape(8, 1024, 8, 32000, 2048, ffn=4096)  # dense, 8 layers
+    places = _places()
+
+    def both(**kw):
+        lay = Layout(**kw)
+        return step_time(s, lay, 8, H100, places), memory_per_gpu(s, lay, 8).activations
+
+    (none, a_none), (full, a_full) = both(ac="none"), both(ac="full")
+    all8, a_all8 = both(ac="full", recompute_num_layers=8)
+    assert all8.step == full.step and all8.executed_flops == full.executed_flops and a_all8 == a_full
+    part, a_part = both(ac="full", recompute_num_layers=2)
+    rec_full = full.breakdown["recompute"]
+    assert rec_full > 0 and part.breakdown["recompute"] == pytest.approx(rec_full * 2 / 8, rel=1e-12)
+    assert part.executed_flops - none.executed_flops == pytest.approx(
+        (full.executed_flops - none.executed_flops) * 2 / 8, rel=1e-12)
+    # activations: 2 layers keep their input, 6 keep everything, plus one layer recomputed at a time
+    layer_none = (a_none - memory_per_gpu(dataclasses.replace(s, layers=4), Layout(ac="none"), 8).activations) / 4
+    layer_full_kept = (a_full - memory_per_gpu(dataclasses.replace(s, layers=4), Layout(ac="full"), 8).activations) / 4
+    assert a_full < a_part < a_none
+    assert a_part == pytest.approx(a_none - 2 * (layer_none - layer_full_kept) + layer_none, rel=1e-9)
+    # a pipeline of 2 stages × 2 virtual stages: 1 of each chunk's 2 layers, half of them
+    lay = Layout(pp=2, vpp=2, dp=1, ac="full", recompute_num_layers=1, schedule="interleaved_1f1b")
+    lay_full = dataclasses.replace(lay, recompute_num_layers=None)
+    assert lay.full_recompute_share(2) == 0.5 and lay.full_recompute_share(1) == 1.0
+    pl = _places(pp=AxisPlace(2, "nvlink", 2))
+    assert step_time(s, lay, 8, H100, pl).breakdown["recompute"] == pytest.approx(
+        step_time(s, lay_full, 8, H100, pl).breakdown["recompute"] / 2, rel=1e-12)
+
+
+def test_recompute_num_layers_in_layout_specs_and_the_planner():
+    assert parse_layout_spec("recompute_num_layers=8") == {"recompute_num_layers": 8, "ac": "full"}
+    with pytest.raises(ValueError, match="needs ac=full"):
+        parse_layout_spec("ac=selective,recompute_num_layers=8")
+    lay = Layout(ac="full", recompute_num_layers=8)
+    assert "ac=full(8/stage)" in lay.short() and not lay.runs_in_moetrain
+    assert lay.to_dict()["recompute_num_layers"] == 8
+    with pytest.raises(ValueError, match="recomputes every layer"):
+        lay.overrides()
+    s = model_shape(8, 1024, 8, 32000, 2048, ffn=4096)
+    planner = Planner(s, H100, 1, 64)
+    assert "needs ac = full" in planner.check(Layout(dp=8, ac="none", recompute_num_layers=2))
+    best = planner.search({"tp": 1, "pp": 1, "ac": "full", "recompute_num_layers": 2}, top=1).ranked[0]
+    assert best.layout.recompute_num_layers == 2 and best.to_dict()["recompute_num_layers"] == 2
+
+
+def test_fms_recomputed_share_comes_from_its_hfu_over_mfu():
+    # HFU / MFU = 1 + p/3 for a share p of the blocks recomputed whole (fms-fsdp README)
+    assert fms_recomputed_layers("13b", "a100") == round(3 * (0.69 / 0.61 - 1) * 40) == 16
+    assert fms_recomputed_layers("13b", "h100") == 8
+    assert fms_recomputed_layers("34b", "a100") is None       # 0.74 / 0.55: every block
+    with pytest.raises(KeyError):
+        fms_recomputed_layers("7b", "a100")                    # HFU = MFU: nothing recomputed
 
 
 def _core_f(s):

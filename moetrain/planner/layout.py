@@ -41,7 +41,11 @@ class Layout:
     dp × cp).
     ``recompute_modules``: what ``ac = "selective"`` recomputes (:data:`RECOMPUTE_MODULES`);
     moetrain's trainer recomputes ``core_attn`` only, the others describe published runs
-    (``python -m moetrain.plan --layout recompute_modules=layernorm+moe_act``)."""
+    (``python -m moetrain.plan --layout recompute_modules=layernorm+moe_act``).
+    ``recompute_num_layers``: with ``ac = "full"``, how many layers of each virtual pipeline
+    stage are recomputed whole (Megatron-Core's ``--recompute-method block
+    --recompute-num-layers``; fms-fsdp's ``selective_checkpointing`` share of the blocks);
+    None recomputes every layer. Planner-only: moetrain's trainer recomputes all of them."""
 
     tp: int = 1
     pp: int = 1
@@ -58,12 +62,23 @@ class Layout:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     ep_fold: bool = False
     dp_shard: int | None = None
+    recompute_num_layers: int | None = None
 
     @property
     def runs_in_moetrain(self) -> bool:
         """Whether moetrain's trainer can run this layout: its selective checkpointing recomputes
-        core_attn only, and its ep groups lie within dp × cp."""
-        return (self.ac != "selective" or self.recompute_modules == ("core_attn",)) and not self.ep_fold
+        core_attn only, its full checkpointing every layer, and its ep groups lie within dp × cp."""
+        return ((self.ac != "selective" or self.recompute_modules == ("core_attn",)) and not self.ep_fold
+                and self.recompute_num_layers is None)
+
+    def full_recompute_share(self, chunk_layers: float) -> float:
+        """Share of a virtual stage's ``chunk_layers`` layers recomputed whole: 0 unless
+        ``ac = "full"``; ``min(recompute_num_layers, chunk_layers) / chunk_layers`` when set, else 1."""
+        if self.ac != "full":
+            return 0.0
+        if self.recompute_num_layers is None or chunk_layers <= 0:
+            return 1.0
+        return min(float(self.recompute_num_layers), chunk_layers) / chunk_layers
 
     @property
     def world(self) -> int:
@@ -110,6 +125,8 @@ class Layout:
         s += f" mbs{self.mbs} ac={self.ac}"
         if self.ac == "selective" and self.recompute_modules != ("core_attn",):
             s += f"({'+'.join(self.recompute_modules)})"
+        if self.ac == "full" and self.recompute_num_layers is not None:
+            s += f"({self.recompute_num_layers}/stage)"
         if self.pp > 1:
             s += f" {self.schedule}"
         return s
@@ -122,6 +139,7 @@ class Layout:
         d["activation_checkpointing"] = d.pop("ac")
         d["sequence_parallel"] = d.pop("sp")
         d["recompute_modules"] = list(self.recompute_modules) if self.ac == "selective" else []
+        d["recompute_num_layers"] = self.recompute_num_layers if self.ac == "full" else None
         d["edp"] = self.edp
         return d
 
@@ -142,6 +160,9 @@ class Layout:
         if self.ep_fold:
             raise ValueError("ep_fold: moetrain's ep groups lie within dp × cp (the tp ranks keep whole-expert "
                              "copies). Fix: leave ep_fold out, or use parallel.etp = tp")
+        if self.recompute_num_layers is not None:
+            raise ValueError(f"recompute_num_layers={self.recompute_num_layers}: moetrain's full checkpointing "
+                             "recomputes every layer. Fix: leave recompute_num_layers out")
         if not self.runs_in_moetrain:
             raise ValueError(f"recompute_modules={'+'.join(self.recompute_modules)}: moetrain's selective "
                              "checkpointing recomputes core_attn only. Fix: leave recompute_modules out, or use ac=full")
@@ -181,6 +202,7 @@ _ALIASES = {
     "recompute_modules": "recompute_modules", "modules": "recompute_modules",
     "ep_fold": "ep_fold",
     "dp_shard": "dp_shard", "hsdp": "dp_shard",
+    "recompute_num_layers": "recompute_num_layers",
 }
 LAYOUT_KEYS = tuple(sorted(set(_ALIASES)))
 _CHOICES = {"ac": ("none", "selective", "full"), "schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")}
@@ -230,4 +252,8 @@ def parse_layout_spec(text: str) -> dict[str, Any]:
         if out.setdefault("ac", "selective") != "selective":
             raise LayoutError(f"--layout {text!r}: recompute_modules needs ac=selective, not ac={out['ac']}. "
                               "Fix: drop the ac key or write ac=selective")
+    if "recompute_num_layers" in out:
+        if out.setdefault("ac", "full") != "full":
+            raise LayoutError(f"--layout {text!r}: recompute_num_layers needs ac=full, not ac={out['ac']}. "
+                              "Fix: drop the ac key or write ac=full")
     return out

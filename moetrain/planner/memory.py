@@ -371,6 +371,10 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         grads = A.grad_bytes * (dense_p / (dense_shard if z >= 2 else 1) + expert_p / (expert_shard if z >= 2 else 1))
         optim = A.optim_bytes * (dense_p / (dense_shard if z >= 1 else 1) + expert_p / (expert_shard if z >= 1 else 1))
         stage_act = n_dense * a_dense + n_moe * a_moe
+        if layout.ac == "full" and layout.recompute_num_layers is not None:
+            # only a share of each virtual stage's layers keeps its input alone, the rest all
+            share = layout.full_recompute_share((n_dense + n_moe) / layout.vpp)
+            stage_act = share * stage_act + (1.0 - share) * (n_dense * a_dense_full + n_moe * a_moe_full)
         acts = _inflight(layout, m, r) * stage_act
         if layout.ac == "full" and n_dense + n_moe:
             acts += a_moe_full if n_moe else a_dense_full  # one layer recomputed at a time

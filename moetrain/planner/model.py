@@ -321,17 +321,19 @@ class ModelShape:
         fwd = sum(self.layer_matmul_flops(flag) + self.attention_flops(causal) for flag in self.moe_layer_flags)
         return 3.0 * (fwd + self.logits_flops + self.mtp_flops(causal))
 
-    def recompute_flops_per_token(self, checkpointing: str, modules: tuple[str, ...] = ("core_attn",)) -> float:
+    def recompute_flops_per_token(self, checkpointing: str, modules: tuple[str, ...] = ("core_attn",),
+                                  share: float = 1.0) -> float:
         """Extra forward FLOPs per token that activation checkpointing executes (same convention).
         ``modules``: what selective checkpointing recomputes (layout.RECOMPUTE_MODULES):
         ``core_attn`` the attention core, ``mla_up_proj`` the core and MLA's up-projections
         (:attr:`up_proj_params`; not the compressions, whose outputs it keeps), ``mlp`` the dense
         MLPs; ``layernorm`` and ``moe_act`` recompute elementwise kernels only (no matmul FLOPs).
-        Full recomputation runs the MTP modules' blocks again too."""
+        Full recomputation runs the MTP modules' blocks again too; ``share``: the share of the
+        layers it recomputes (``Layout.recompute_num_layers``), 1 for all."""
         if checkpointing == "full":
             blocks = sum(self.layer_matmul_flops(flag) + self.attention_flops() for flag in self.moe_layer_flags)
-            return blocks + self.mtp_depth * (self.layer_matmul_flops(self.mtp_moe)
-                                              + 2.0 * self.seq_len * (self.h_q + self.h_v))
+            return share * (blocks + self.mtp_depth * (self.layer_matmul_flops(self.mtp_moe)
+                                                       + 2.0 * self.seq_len * (self.h_q + self.h_v)))
         if checkpointing != "selective":
             return 0.0
         f = 0.0

@@ -367,6 +367,26 @@ _NEMOTRON4 = {"15b": (32, 6144, 48, 24576), "340b": (96, 18432, 96, 73728)}
 # Llama 2 in fms (fms_fsdp/utils/config_utils.py): vocabulary 32000, SwiGLU; 34b and 70b with 8 KV heads
 _LLAMA2 = {"7b": (32, 4096, 32, 32, 11008), "13b": (40, 5120, 40, 40, 13824), "34b": (48, 8192, 64, 8, 22016),
            "70b": (80, 8192, 64, 8, 28672)}
+# fms-fsdp's README, second table: (MFU, HFU) per model and GPU. HFU counts the FLOPs executed
+# (PyTorch's FLOP counter, recomputation included), MFU the model's (PaLM's formula); the 7b
+# run, which recomputes nothing, has HFU = MFU. A block recomputed whole runs its forward
+# (a third of its 6·N FLOPs) again, so HFU / MFU = 1 + p / 3 for a share p of the blocks
+# recomputed (fms's ``selective_checkpointing``, which the README does not state otherwise).
+_FMS_MFU_HFU = {("13b", "a100"): (0.61, 0.69), ("34b", "a100"): (0.55, 0.74), ("70b", "a100"): (0.55, 0.74),
+                ("13b", "h100"): (0.43, 0.46), ("34b", "h100"): (0.38, 0.49), ("70b", "h100"): (0.38, 0.47)}
+
+
+def fms_recomputed_layers(size: str, gpu: str) -> int | None:
+    """Blocks fms-fsdp's "selective AC" recomputed in its published run of ``size`` on ``gpu``,
+    from its MFU / HFU columns: round(3 · (HFU / MFU − 1) · layers), None when that is every
+    block (a share ≥ 1 within the table's two-digit rounding).
+
+    Raises:
+        KeyError: no such run in the table (7b recomputes nothing)."""
+    mfu, hfu = _FMS_MFU_HFU[(size, gpu)]
+    layers = _LLAMA2[size][0]
+    n = round(3.0 * (hfu / mfu - 1.0) * layers)
+    return None if n >= layers else max(1, n)
 
 
 def _nemo(family: str, src: str, shape: ModelShape, gpus: int, gbs: int, fixed: dict[str, Any], job_tokens_s: float,
@@ -419,13 +439,16 @@ def _fms(size: str, gpu: str, tokens_per_gpu: float) -> Published:
     gpus, profile = (128, "a100-superpod") if gpu == "a100" else (96, "h100-superpod")
     shape = model_shape(layers, h, a, 32000, 4096, kv_heads=kv, ffn=f)
     # 7b: HSDP (fms shards within a node), no recomputation; 13b-70b: FULL_SHARD with fms's
-    # "selective AC" (a share of the blocks recomputed whole; the share is not stated: the planner
-    # chooses the recomputation). The clusters, as the README states them: 128 A100 "with
+    # "selective AC": a share of the blocks recomputed whole, read from the README's HFU / MFU
+    # (fms_recomputed_layers). The clusters, as the README states them: 128 A100 "with
     # 400Gbps", 96 H100 "with 800 Gbps" — per node (IBM's blog gives its 464-H100 cluster
     # "3.2Tbps", 8 × 400 Gb/s a node): 50 and 100 Gb/s per GPU, over one rail group.
     net = 400 / 8 / 8 if gpu == "a100" else 800 / 8 / 8   # GB/s per GPU
     fixed: dict[str, Any] = {"tp": 1, "pp": 1, "dp": gpus, "cp": 1, "zero": 3, "mbs": 2, "sp": False}
-    fixed |= {"dp_shard": 8, "ac": "none"} if size == "7b" else {}
+    if size == "7b":
+        fixed |= {"dp_shard": 8, "ac": "none"}
+    else:
+        fixed |= {"ac": "full", "recompute_num_layers": fms_recomputed_layers(size, gpu)}
     return Published(f"fms-llama2-{size}-{gpu}", _SRC_FMS, profile, gpus, fixed, "tokens_per_gpu", tokens_per_gpu,
                      shape=shape, global_batch=2 * gpus, family=f"fms-{size}",
                      cluster={"rail_gb_s": net, "spine_gb_s": net, "rails_per_node": 8})

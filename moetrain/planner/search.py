@@ -92,6 +92,7 @@ class Plan:
             "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "vpp": lay.vpp,
             "zero_stage": lay.zero, "micro_batch_size": lay.mbs, "activation_checkpointing": lay.ac,
             "recompute_modules": list(lay.recompute_modules) if lay.ac == "selective" else [], "ep_fold": lay.ep_fold,
+            "recompute_num_layers": lay.recompute_num_layers if lay.ac == "full" else None,
             "pp_schedule": lay.schedule, "sequence_parallel": lay.sp,
             "microbatches": self.time.microbatches if self.time else None,
             "memory_gib_per_gpu": round(self.memory_gib, 3), "capacity_gib": round(self.capacity_gib, 3),
@@ -219,6 +220,8 @@ class Planner:
             return "virtual stages need the interleaved schedule and micro-batches divisible by pp"
         if lay.pp == 1 and lay.vpp > 1:
             return "virtual stages need pp > 1"
+        if lay.recompute_num_layers is not None and (lay.ac != "full" or lay.recompute_num_layers < 1):
+            return f"recompute_num_layers = {lay.recompute_num_layers} needs ac = full and at least 1 layer"
         return None
 
     def evaluate(self, lay: Layout, with_time: bool = True) -> Plan:
@@ -290,7 +293,8 @@ class Planner:
                                     lay = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, vpp=v, zero=fixed.get("zero", 1),
                                                  mbs=mbs, ac=fixed.get("ac", "none"), schedule=sched, sp=sp, etp=etp,
                                                  recompute_modules=fixed.get("recompute_modules", ("core_attn",)),
-                                                 ep_fold=fold, dp_shard=fixed.get("dp_shard"))
+                                                 ep_fold=fold, dp_shard=fixed.get("dp_shard"),
+                                                 recompute_num_layers=fixed.get("recompute_num_layers"))
                                     if self.check(lay) is None:
                                         yield lay
 

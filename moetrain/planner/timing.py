@@ -581,6 +581,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
 
     # 1-2. per micro-batch on each pipeline rank; the slowest rank sets the pace
     worst = None
+    recomputed_layers = 0.0  # layers recomputed whole, all pipeline ranks (ac = full)
     for r, (n_dense, n_moe) in enumerate(stage_counts(shape, lay.pp, lay.vpp)):
         acc = {k: n_dense * per[False][k] + n_moe * per[True][k] for k in per[False]}
         acc["n_moe"] = float(n_moe)
@@ -599,8 +600,12 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         t_f = sum(acc[k] for k in keys_f)
         rec = 0.0
         if lay.ac == "full":
+            # the recomputed share of the stage's layers (Layout.recompute_num_layers), each
+            # layer's forward again; the heads are never recomputed
+            share = lay.full_recompute_share((n_dense + n_moe) / lay.vpp)
+            recomputed_layers += share * (n_dense + n_moe)
             heads = (1 + shape.mtp_depth) * log_f if r == lay.pp - 1 else 0.0
-            rec = sum(acc[k] for k in keys_f if k not in ("pp_f",)) - heads
+            rec = share * (sum(acc[k] for k in keys_f if k not in ("pp_f",)) - heads)
         elif lay.ac == "selective":
             rec = acc["rec_selective"]
         t_b = sum(acc[k] for k in acc if k.endswith("_b")) + rec
@@ -678,7 +683,8 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     }
     tokens = global_batch * shape.seq_len
     model_flops = tokens * shape.model_flops_per_token()
-    executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules)
+    share = recomputed_layers / max(1, sum(d + e for d, e in stage_counts(shape, lay.pp, lay.vpp)))
+    executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules, share)
     tiers = {a: places[a].tier for a in places}
     return StepTime(step, t_f, t_b, m, bd, tiers, model_flops, executed, ep_hidden_step)
 

@@ -232,7 +232,8 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     mtp_moe = shape.mtp_depth if shape.mtp_moe else 0
     n_moe = round(lp * moe_frac) + mtp_moe
     n_dense = lp - round(lp * moe_frac) + shape.mtp_depth - mtp_moe
-    recompute = 1 if layout.ac == "full" else 0
+    # the share of a stage's layers run forward again under full recomputation
+    recompute = layout.full_recompute_share(lp / layout.vpp)
     passes = 2 + recompute  # forward, backward, forward again under full recomputation
     out: list[CollectiveVolume] = []
 
