@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import Any
 
@@ -33,17 +32,24 @@ __all__ = ["main"]
 
 
 def _published(fmt: str) -> int:
-    from moetrain.planner.published import MEDIAN_GOAL, TOLERANCE, compare_all, compare_unseen, summary
+    from moetrain.planner.published import (
+        APART_REVEALED,
+        MEDIAN_GOAL,
+        TOLERANCE,
+        compare_all,
+        compare_unseen,
+        split_summary,
+        summary,
+    )
 
     rows = compare_all()
     stats = summary(rows)
     unseen = compare_unseen()
-    dev = [abs(r["error"]) for r in unseen if r["split"] == "dev" and r["error"] is not None]
-    dev_stats = ({"rows": len(dev), "median": statistics.median(dev), "mean": sum(dev) / len(dev), "max": max(dev)}
-                 if dev else {})
+    split_stats = split_summary(unseen)
     if fmt == "json":
         print(json.dumps({"median_goal": MEDIAN_GOAL, "max_goal": TOLERANCE, "summary": stats, "results": rows,
-                          "unseen": {"dev": dev_stats, "results": unseen}}, indent=1))
+                          "unseen": split_stats | {"apart_revealed_at": APART_REVEALED, "results": unseen}},
+                         indent=1))
         return 0
     print(f"{'run':28s} {'hardware':12s} {'GPUs':>5} {'prec':5s} {'metric':17s} {'published':>9} {'predicted':>9} "
           f"{'error':>7}  layout (planner's choice within the published one)")
@@ -67,20 +73,19 @@ def _published(fmt: str) -> int:
     for name, st in stats.items():
         print(f"  {name:15s} {st['rows']:>3} rows: median {st['median']:.1%}, mean {st['mean']:.1%}, "
               f"max {st['max']:.1%}")
-    print("\nRuns collected after the terms were set (docs/topology.md §5): the development rows, and a third "
-          "of the families set apart, not predicted until the terms are final:")
+    print("\nRuns collected after the terms were set (docs/topology.md §5): the development rows (dev), whose "
+          "errors were in view while terms changed, and a third of the families set apart (apart), first "
+          f"predicted with the final terms of commit {APART_REVEALED}:")
     for r in unseen:
-        if r["split"] == "apart":
-            print(f"{r['key']:36s} {r['hardware']:12s} {r['gpus']:>5} {r['precision']:5s} {r['published']:>9.1f} "
-                  f"{'-':>9} {'apart':>7}")
-            continue
         err = "n/a" if r["error"] is None else f"{r['error']:+.1%}"
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.1f}"
-        print(f"{r['key']:36s} {r['hardware']:12s} {r['gpus']:>5} {r['precision']:5s} {r['published']:>9.1f} "
-              f"{pred:>9} {err:>7}  {r['layout']}")
-    if dev_stats:
-        print(f"  development     {dev_stats['rows']:>3} rows: median {dev_stats['median']:.1%}, mean "
-              f"{dev_stats['mean']:.1%}, max {dev_stats['max']:.1%}")
+        print(f"{r['split']:5s} {r['key']:36s} {r['hardware']:12s} {r['gpus']:>5} {r['precision']:5s} "
+              f"{r['published']:>9.1f} {pred:>9} {err:>7}  {r['layout']}")
+    for split, name in (("dev", "development"), ("apart", "set apart")):
+        if split in split_stats:
+            st = split_stats[split]
+            print(f"  {name:15s} {st['rows']:>3} rows: median {st['median']:.1%}, mean {st['mean']:.1%}, "
+                  f"max {st['max']:.1%}")
     return 0
 
 

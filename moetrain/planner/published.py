@@ -56,7 +56,7 @@ from moetrain.planner.search import Planner
 from moetrain.planner.timing import TimingAssumptions
 from moetrain.topology.cluster import Allocation, ClusterProfile, Node, load_profile
 
-__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "split_of", "compare_unseen", "TOLERANCE",
+__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "split_of", "compare_unseen", "split_summary", "APART_REVEALED", "TOLERANCE",
            "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,8 +100,8 @@ class Published:
     run. ``held``: counted in the error summary (else shown with ``note`` saying why not).
     ``split``: ``""`` for the rows of the comparison in :data:`PUBLISHED`; for the rows of
     :data:`UNSEEN` (collected after the planner's terms were set) ``dev`` — their errors may be
-    looked at while terms change — or ``apart`` — set aside before any term changed, not
-    predicted until the terms are final (:func:`split_of`). ``family``: the run family a row
+    looked at while terms change — or ``apart`` — set aside before any term changed, first
+    predicted once the terms were final (:data:`APART_REVEALED`, :func:`split_of`). ``family``: the run family a row
     belongs to (one model of one source: its precisions or GPU kinds), the unit of the split.
     ``cluster``: profile fields the source states of its own cluster (a slower network than the
     profile's reference design), applied to ``profile`` for this row.
@@ -497,6 +497,11 @@ _SPLIT = split_of()
 UNSEEN: tuple[Published, ...] = tuple(dataclasses.replace(r, split=_SPLIT[r.family]) for _, r in _UNSEEN)
 """The issue-34 rows, each with its ``split``."""
 
+APART_REVEALED = "93bf8e1"
+"""The commit whose terms the ``apart`` rows were first predicted with, once, after the last
+term change made from the development rows. A term changed later is changed with their errors
+in view: they then no longer test runs the planner was not tuned on."""
+
 
 def _config(entry: Published):
     raw = yaml.safe_load((ROOT / entry.config).read_text())
@@ -570,18 +575,21 @@ def compare_all() -> list[dict[str, Any]]:
     return [predict(e) for e in PUBLISHED]
 
 
-def compare_unseen(reveal: bool = False) -> list[dict[str, Any]]:
-    """The rows of :data:`UNSEEN`: the ``dev`` ones predicted, the ``apart`` ones listed without
-    a prediction unless ``reveal`` (for the final report, after the last term change)."""
-    out = []
-    for e in UNSEEN:
-        if e.split == "apart" and not reveal:
-            out.append(_row(e, bool(e.shape and e.shape.is_moe))
-                       | {"held": False, "predicted": None, "error": None, "layout": None, "split": "apart",
-                          "family": e.family,
-                          "note": "set apart: not predicted until the planner's terms are final"})
-        else:
-            out.append(predict(e) | {"split": e.split, "family": e.family})
+def compare_unseen() -> list[dict[str, Any]]:
+    """The rows of :data:`UNSEEN`, predicted, each with its ``split`` (``dev`` or ``apart``)
+    and ``family``."""
+    return [predict(e) | {"split": e.split, "family": e.family} for e in UNSEEN]
+
+
+def split_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Rows, median, mean and max |error| of :func:`compare_unseen`'s rows per split
+    (``dev``, ``apart``), the rows without a prediction left out."""
+    out: dict[str, dict[str, float]] = {}
+    for split in ("dev", "apart"):
+        errs = [abs(r["error"]) for r in rows if r["split"] == split and r["error"] is not None]
+        if errs:
+            out[split] = {"rows": len(errs), "median": statistics.median(errs), "mean": sum(errs) / len(errs),
+                          "max": max(errs)}
     return out
 
 
