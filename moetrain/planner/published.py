@@ -56,8 +56,9 @@ from moetrain.planner.search import Planner
 from moetrain.planner.timing import TimingAssumptions
 from moetrain.topology.cluster import Allocation, ClusterProfile, Node, load_profile
 
-__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "split_of", "compare_unseen", "split_summary", "APART_REVEALED", "TOLERANCE",
-           "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape"]
+__all__ = ["Published", "PUBLISHED", "UNSEEN", "UNSEEN_KINDS", "APART_REVEALED", "split_of", "compare_unseen",
+           "split_summary", "TOLERANCE", "MEDIAN_GOAL", "predict", "compare_all", "summary", "model_shape",
+           "fms_recomputed_layers"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.20
@@ -101,8 +102,9 @@ class Published:
     ``split``: ``""`` for the rows of the comparison in :data:`PUBLISHED`; for the rows of
     :data:`UNSEEN` (collected after the planner's terms were set) ``dev`` — their errors may be
     looked at while terms change — or ``apart`` — set aside before any term changed, first
-    predicted once the terms were final (:data:`APART_REVEALED`, :func:`split_of`). ``family``: the run family a row
-    belongs to (one model of one source: its precisions or GPU kinds), the unit of the split.
+    predicted once the terms were final (:data:`APART_REVEALED`, :func:`split_of`).
+    ``family``: the run family a row belongs to (one model of one source: its precisions or GPU
+    kinds), the unit of the split.
     ``cluster``: profile fields the source states of its own cluster (a slower network than the
     profile's reference design), applied to ``profile`` for this row.
     ``nodes_per_domain``: the job uses this many nodes of each NVSwitch domain (GB200 NVL72
