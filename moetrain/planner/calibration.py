@@ -47,6 +47,8 @@ from moetrain.planner.memory import MemoryAssumptions
 from moetrain.planner.model import ModelShape
 from moetrain.planner.timing import K_REF, TimingAssumptions, _Compute, gemm_pass_time
 from moetrain.planner.traffic import bus_factor, microbatch_buffers
+from moetrain.topology.cluster import COLLECTIVES as OPS
+from moetrain.topology.cluster import LINK_TIERS as TIERS
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
@@ -55,10 +57,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["GemmShape", "gemm_shapes", "k_sweep_shapes", "fit_k0", "layer_config", "layer_seconds_predicted",
            "message_sizes", "fit_line", "fit_collective", "collective_steps",
            "fit_rate", "attention_flops", "calibrated_profile", "CalibrationError", "OPS", "TIERS"]
-
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-TIERS = ("nvlink", "rail", "spine")
-
 
 class CalibrationError(ValueError):
     """Measurements that cannot give a profile term (too few points, times that fall with size);

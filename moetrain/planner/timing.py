@@ -581,7 +581,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
 
     # 1-2. per micro-batch on each pipeline rank; the slowest rank sets the pace
     worst = None
-    recomputed_layers = 0.0  # layers recomputed whole, all pipeline ranks (ac = full)
+    recomputed_layers = layers = 0.0  # over the pipeline ranks: layers recomputed whole (ac = full), all layers
     for r, (n_dense, n_moe) in enumerate(stage_counts(shape, lay.pp, lay.vpp)):
         acc = {k: n_dense * per[False][k] + n_moe * per[True][k] for k in per[False]}
         acc["n_moe"] = float(n_moe)
@@ -599,6 +599,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         keys_f = [k for k in acc if k.endswith("_f")]
         t_f = sum(acc[k] for k in keys_f)
         rec = 0.0
+        layers += n_dense + n_moe
         if lay.ac == "full":
             # the recomputed share of the stage's layers (Layout.recompute_num_layers), each
             # layer's forward again; the heads are never recomputed
@@ -683,8 +684,8 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     }
     tokens = global_batch * shape.seq_len
     model_flops = tokens * shape.model_flops_per_token()
-    share = recomputed_layers / max(1, sum(d + e for d, e in stage_counts(shape, lay.pp, lay.vpp)))
-    executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules, share)
+    executed = model_flops + tokens * shape.recompute_flops_per_token(lay.ac, lay.recompute_modules,
+                                                                      recomputed_layers / max(1.0, layers))
     tiers = {a: places[a].tier for a in places}
     return StepTime(step, t_f, t_b, m, bd, tiers, model_flops, executed, ep_hidden_step)
 

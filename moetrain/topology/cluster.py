@@ -33,6 +33,8 @@ import yaml
 
 __all__ = [
     "TIERS",
+    "LINK_TIERS",
+    "COLLECTIVES",
     "ProfileError",
     "ClusterProfile",
     "Node",
@@ -50,6 +52,12 @@ __all__ = [
 
 TIERS = ("none", "nvlink", "rail", "spine")
 """Network tiers, fastest first. A group's tier is the slowest one its traffic crosses."""
+
+LINK_TIERS = TIERS[1:]
+"""The tiers that carry traffic (``ClusterProfile.bandwidth``, ``collective_gb_s``)."""
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+"""The collectives the planner times and ``python -m moetrain.calibrate`` measures per tier."""
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
 
@@ -182,9 +190,6 @@ _REQUIRED = ("name", "gpus_per_node", "nvswitch_domain_gpus", "rails_per_node", 
              "peak_tflops", "memory_gib", "hbm_gb_s", "nvlink_gb_s", "rail_gb_s", "spine_gb_s")
 
 
-_MEASURED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-
-
 def list_profiles() -> list[str]:
     """Names of the profiles shipped in ``slurm/profiles/``."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
@@ -219,13 +224,13 @@ def _profile_from_dict(raw: dict[str, Any], where: str) -> ClusterProfile:
         raise ProfileError(f"{where}: hbm_efficiency={prof.hbm_efficiency!r} must lie in (0, 1] "
                            "(the measured share of hbm_gb_s a device-to-device copy reaches)")
     for tier, ops in prof.collective_gb_s.items():
-        if tier not in ("nvlink", "rail", "spine") or not isinstance(ops, dict):
+        if tier not in LINK_TIERS or not isinstance(ops, dict):
             raise ProfileError(f"{where}: collective_gb_s.{tier}: expected a tier (nvlink, rail, spine) mapping "
                                "collectives to GB/s")
         for op, v in ops.items():
-            if op not in _MEASURED_OPS or not isinstance(v, (int, float)) or v <= 0:
+            if op not in COLLECTIVES or not isinstance(v, (int, float)) or v <= 0:
                 raise ProfileError(f"{where}: collective_gb_s.{tier}.{op}={v!r}: expected one of "
-                                   f"{', '.join(_MEASURED_OPS)} with a positive bus bandwidth in GB/s")
+                                   f"{', '.join(COLLECTIVES)} with a positive bus bandwidth in GB/s")
     if not prof.layer_efficiency > 0:
         raise ProfileError(f"{where}: layer_efficiency={prof.layer_efficiency!r} must be positive")
     if not 0 < prof.elementwise_efficiency <= 1:
