@@ -4,14 +4,18 @@
 Needs the SLURM dev cluster up with its emulated network (as root)::
 
     sudo slurm/dev-cluster up --inter-node-mbps 300   # the README's figures (also measured at 200)
-    python benchmarks/bench_emulated_network.py [--steps 10] [--micro-batches 8]
+    python benchmarks/bench_emulated_network.py [--steps 10] [--micro-batches 8] [--ranks 2]
 
 Every layout trains the same MoE (4 MoE blocks, hidden 256, 8 experts top-2, no shared expert,
-byte-level data) with ``python -m moetrain.submit`` on the dev cluster, dp = 4 × ep = 4:
+byte-level data) with ``python -m moetrain.submit`` on the dev cluster, dp = ep = ``--ranks``:
+4 (2 nodes × 2 tasks, the default) or 2 (2 nodes × 1 task). This machine has 2 cores: with 4
+ranks two processes share each core, so the ranks' compute pieces contend and the ranks reach
+each all-to-all tens of milliseconds apart (docs/performance.md §5), which no GPU cluster does;
+with 2 each rank has a core of its own, as a rank has its GPU.
 
-* ``one-node``: the 4 ranks on one node (its loopback: the all-to-all costs little), the
-  compute reference; the same 2 cores run 4 processes in every layout;
-* ``flat`` / ``flat+overlap``: 2 nodes × 2 tasks, the flat all-to-all dispatcher, ep across the
+* ``one-node``: the ranks on one node (its loopback: the all-to-all costs little), the
+  compute reference; the same 2 cores run the same processes in every layout;
+* ``flat`` / ``flat+overlap``: 2 nodes, the flat all-to-all dispatcher, ep across the
   nodes' shaped links, without and with ``parallel.ep_overlap``;
 * ``hierarchical`` / ``hierarchical+overlap``: the same with ``moe.token_dispatcher:
   hierarchical`` (a token crosses the link once per remote node its experts are on);
@@ -28,10 +32,12 @@ the network's cost that the overlap removed; ``hidden_share`` = (off − on) / m
 off − one-node): the share of what can be hidden at all (a transfer longer than the compute
 beside it cannot hide whole), with the planner's ``predicted_hidden_share`` beside it. With 2
 micro-batches per rank (``--micro-batches 2``) the overlapped layouts split each micro-batch in
-two halves (``parallel.ep_overlap_split: auto``; ``split_micro_batches``).
+two halves (``parallel.ep_overlap_split: auto``; ``split_micro_batches``). With ``--config``,
+``--micro-batches N`` sets the global batch to micro-batch size × ranks × N (default: the config's).
 
 The planner (``moetrain.planner``) predicts each layout with the profile ``up`` wrote for the
-link rate, after two fits in this run, each on one layout:
+link rate (whose per-rank bandwidth is the node link over the profile's ranks per node: with one
+rank per node that rank has the whole link), after two fits in this run, each on one layout:
 
 1. compute: one factor scales the profile's peak FLOP/s and memory bandwidth until the planner's
    one-node step equals the measured one;
@@ -124,27 +130,30 @@ def emulated_rate() -> tuple[float, Path]:
     return float(m.group(1)), state / "profiles" / "dev-emulated.yaml"
 
 
-def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batches: int, profile: Path,
-                  config: str | None = None):
+def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batches: int | None, profile: Path,
+                  config: str | None = None, ranks: int = 4):
+    """The config of layout ``name`` at dp = ep = ``ranks`` (4: 2 per node, 2: one per node)."""
     nodes, moe, parallel = LAYOUTS[name]
-    if config is not None:  # a user's config (its model, data and batch) at dp4 x ep4 in this layout
+    if config is not None:  # a user's config (its model, data and batch) at dp = ep = ranks in this layout
         from moetrain.config import load_config
         from moetrain.launch.preflight import resolve_vocab
 
         base = load_config(ROOT / config)
         over = [f"moe.{k}={v}" for k, v in moe.items()] + [f"parallel.{k}={str(v).lower()}" for k, v in parallel.items()]
+        if micro_batches is not None:  # the global batch that gives each rank that many micro-batches
+            over.append(f"train.global_batch_size={base.train.micro_batch_size * ranks * micro_batches}")
         return resolve_vocab(load_config(ROOT / config, [
-            "parallel.dp=4", "parallel.ep=4", f"train.steps={steps}", "train.val_every=0", "checkpoint.every=0",
+            f"parallel.dp={ranks}", f"parallel.ep={ranks}", f"train.steps={steps}", "train.val_every=0", "checkpoint.every=0",
             "checkpoint.resume=false", f"run.dir={run_dir}", f"run.name=bench-net-{name}", "data.verify=size",
             f"data.path={(ROOT / base.data.path).resolve()}", "launch.cluster=slurm", f"launch.nodes={nodes}",
-            f"launch.tasks_per_node={4 // nodes}", "launch.cpus_per_task=1", f"launch.profile={profile}",
+            f"launch.tasks_per_node={ranks // nodes}", "launch.cpus_per_task=1", f"launch.profile={profile}",
             "launch.max_restarts=0", "launch.time_min=30", "train.log_every=1", *over]))
     return tiny_config(data, run_dir, run={"name": f"bench-net-{name}"}, model=MODEL,
-                       moe={**MOE, **moe}, parallel={"dp": 4, "ep": 4, **parallel},
-                       train={"steps": steps, "micro_batch_size": 2, "global_batch_size": 2 * 4 * micro_batches,
+                       moe={**MOE, **moe}, parallel={"dp": ranks, "ep": ranks, **parallel},
+                       train={"steps": steps, "micro_batch_size": 2, "global_batch_size": 2 * ranks * micro_batches,
                               "grad_clip": 1.0, "log_every": 1},
                        data={"verify": "size"},
-                       launch={"cluster": "slurm", "nodes": nodes, "tasks_per_node": 4 // nodes, "time_min": 30,
+                       launch={"cluster": "slurm", "nodes": nodes, "tasks_per_node": ranks // nodes, "time_min": 30,
                                "cpus_per_task": 1, "profile": str(profile), "max_restarts": 0})
 
 
@@ -186,9 +195,13 @@ def fitted(prof: ClusterProfile, f: float, e: float | None = None) -> ClusterPro
 def predict(cfg, prof: ClusterProfile) -> dict:
     """The planner's step (seconds) for ``cfg`` on ``prof``."""
     nodes = cfg.launch.nodes
-    gpn = cfg.launch.resolved_tasks_per_node(4)
-    if nodes == 1:  # the 4 ranks share one node's loopback: one domain of 4
+    gpn = cfg.launch.resolved_tasks_per_node(cfg.parallel.dp)
+    if nodes == 1:  # the ranks share one node's loopback: one domain
         prof = dataclasses.replace(prof, gpus_per_node=gpn, nvswitch_domain_gpus=gpn)
+    elif gpn != prof.gpus_per_node:  # the profile gives each of its ranks per node a share of the node link
+        share = prof.gpus_per_node / gpn
+        prof = dataclasses.replace(prof, gpus_per_node=gpn, nvswitch_domain_gpus=gpn,
+                                   rail_gb_s=prof.rail_gb_s * share, spine_gb_s=prof.spine_gb_s * share)
     # FSDP2's gradient all-reduce blocks in its backward hooks on gloo: not overlapped here.
     ta = TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
                            delay_wgrad=cfg.parallel.delay_wgrad_compute, overlap_grad_reduce=False,
@@ -216,17 +229,23 @@ def solve(step_of, measured: float, lo: float, hi: float, geometric: bool = Fals
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10, help="steps per layout (the first 2 are not counted)")
-    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step per rank")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="micro-batches per step per rank (default 8; with --config, the config's global batch)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
     ap.add_argument("--config", default=None,
                     help="train this config (e.g. configs/demo-moe.yaml: its model, data and global batch) at "
-                         "dp4 x ep4 instead of the bench's model; --micro-batches is then the config's")
+                         "dp = ep = --ranks instead of the bench's model; --micro-batches is then the config's")
+    ap.add_argument("--ranks", type=int, choices=(2, 4), default=4,
+                    help="dp = ep = ranks: 4 (2 per node, two processes per core of this 2-core machine) or 2 "
+                         "(one per node and per core, as a rank has its own GPU)")
     ap.add_argument("--calibrate", action="store_true",
                     help="calibrate a profile on the cluster first and predict every layout from it alone")
     ap.add_argument("--fit-overlap", default="flat+overlap",
                     help="the overlapped layout the planner's ep_overlap_efficiency is fitted on ('' for none: "
                          "the profile's value)")
     args = ap.parse_args()
+    if args.micro_batches is None and args.config is None:
+        args.micro_batches = 8
     names = args.layouts.split(",")
     if "one-node" not in names:
         raise SystemExit("--layouts must include one-node: the planner's compute is calibrated on it")
@@ -238,12 +257,12 @@ def main() -> None:
         write_shards(_documents(1500), ByteTokenizer(), work / "shards", shard_tokens=200_000, val_docs=10,
                      progress=False)
         cfgs = {n: layout_config(n, work / "shards", work / n, args.steps, args.micro_batches, profile_path,
-                                 args.config) for n in names}
+                                 args.config, args.ranks) for n in names}
         measured = {}
         calibrated = None
         if args.calibrate:
             flat = cfgs.get("flat") or layout_config("flat", work / "shards", work / "flat", args.steps,
-                                                     args.micro_batches, profile_path, args.config)
+                                                     args.micro_batches, profile_path, args.config, args.ranks)
             calibrated = run_calibrate(flat, work)
         for n in names:
             times = run_layout(cfgs[n], work)
@@ -287,7 +306,8 @@ def main() -> None:
             row["calibrated_error"] = c / measured[n]["step_s"] - 1
         rows[n] = row
     out = {"bench": "emulated_network", "link_mbit_s": mbps, "profile": str(profile_path),
-           "model": args.config or {**MODEL, **MOE}, "parallel": "dp4 x ep4, 2 nodes x 2 tasks (one-node: 1 x 4)",
+           "model": args.config or {**MODEL, **MOE}, "parallel": (f"dp{args.ranks} x ep{args.ranks}, 2 nodes x {args.ranks // 2} tasks (one-node: 1 x "
+                                                         f"{args.ranks})"),
            "micro_batches_per_rank": cfgs["one-node"].grad_accum_steps,
            "micro_batch_size": cfgs["one-node"].train.micro_batch_size,
            "calibration": {"compute": {"layout": "one-node", "factor": f, "peak_tflops": prof.peak_tflops * f,
