@@ -134,7 +134,7 @@ def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batche
                   config: str | None = None, ranks: int = 4):
     """The config of layout ``name`` at dp = ep = ``ranks`` (4: 2 per node, 2: one per node)."""
     nodes, moe, parallel = LAYOUTS[name]
-    if config is not None:  # a user's config (its model, data and batch) at dp = ep = ranks in this layout
+    if config is not None:  # a user's config (its model, data and batch) at dp = ep = ranks here
         from moetrain.config import load_config
         from moetrain.launch.preflight import resolve_vocab
 
@@ -143,11 +143,11 @@ def layout_config(name: str, data: Path, run_dir: Path, steps: int, micro_batche
         if micro_batches is not None:  # the global batch that gives each rank that many micro-batches
             over.append(f"train.global_batch_size={base.train.micro_batch_size * ranks * micro_batches}")
         return resolve_vocab(load_config(ROOT / config, [
-            f"parallel.dp={ranks}", f"parallel.ep={ranks}", f"train.steps={steps}", "train.val_every=0", "checkpoint.every=0",
-            "checkpoint.resume=false", f"run.dir={run_dir}", f"run.name=bench-net-{name}", "data.verify=size",
-            f"data.path={(ROOT / base.data.path).resolve()}", "launch.cluster=slurm", f"launch.nodes={nodes}",
-            f"launch.tasks_per_node={ranks // nodes}", "launch.cpus_per_task=1", f"launch.profile={profile}",
-            "launch.max_restarts=0", "launch.time_min=30", "train.log_every=1", *over]))
+            f"parallel.dp={ranks}", f"parallel.ep={ranks}", f"train.steps={steps}", "train.val_every=0",
+            "checkpoint.every=0", "checkpoint.resume=false", f"run.dir={run_dir}", f"run.name=bench-net-{name}",
+            "data.verify=size", f"data.path={(ROOT / base.data.path).resolve()}", "launch.cluster=slurm",
+            f"launch.nodes={nodes}", f"launch.tasks_per_node={ranks // nodes}", "launch.cpus_per_task=1",
+            f"launch.profile={profile}", "launch.max_restarts=0", "launch.time_min=30", "train.log_every=1", *over]))
     return tiny_config(data, run_dir, run={"name": f"bench-net-{name}"}, model=MODEL,
                        moe={**MOE, **moe}, parallel={"dp": ranks, "ep": ranks, **parallel},
                        train={"steps": steps, "micro_batch_size": 2, "global_batch_size": 2 * ranks * micro_batches,
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, from " + ", ".join(LAYOUTS))
     ap.add_argument("--config", default=None,
                     help="train this config (e.g. configs/demo-moe.yaml: its model, data and global batch) at "
-                         "dp = ep = --ranks instead of the bench's model; --micro-batches is then the config's")
+                         "dp = ep = --ranks instead of the bench's model")
     ap.add_argument("--ranks", type=int, choices=(2, 4), default=4,
                     help="dp = ep = ranks: 4 (2 per node, two processes per core of this 2-core machine) or 2 "
                          "(one per node and per core, as a rank has its own GPU)")
@@ -306,8 +306,9 @@ def main() -> None:
             row["calibrated_error"] = c / measured[n]["step_s"] - 1
         rows[n] = row
     out = {"bench": "emulated_network", "link_mbit_s": mbps, "profile": str(profile_path),
-           "model": args.config or {**MODEL, **MOE}, "parallel": (f"dp{args.ranks} x ep{args.ranks}, 2 nodes x {args.ranks // 2} tasks (one-node: 1 x "
-                                                         f"{args.ranks})"),
+           "model": args.config or {**MODEL, **MOE},
+           "parallel": f"dp{args.ranks} x ep{args.ranks}, 2 nodes x {args.ranks // 2} tasks "
+                       f"(one-node: 1 x {args.ranks})",
            "micro_batches_per_rank": cfgs["one-node"].grad_accum_steps,
            "micro_batch_size": cfgs["one-node"].train.micro_batch_size,
            "calibration": {"compute": {"layout": "one-node", "factor": f, "peak_tflops": prof.peak_tflops * f,
