@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import timings
 from moetrain.config import Config, config_from_dict
 from moetrain.data.writer import write_shards
 
@@ -105,3 +106,51 @@ def require_slurm_cluster():
         if os.environ.get("MOETRAIN_REQUIRE_SLURM") == "1":
             raise RuntimeError(reason) from e
         pytest.skip(reason, allow_module_level=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups from the marks
+def pytest_collection_modifyitems(config, items):
+    """Work units for ``pytest -n N --dist loadgroup`` (pytest-xdist): the tests that use the SLURM
+    dev cluster form one unit, run one after another on one worker (they share its two nodes, and
+    one of them kills a node's slurmd), and go first, since they are the longest and mostly wait on
+    the scheduler while the other workers take the CPU-bound tests; every other module is one unit,
+    so its module fixtures are built once. Without xdist the marks are inert."""
+    for item in items:  # slow(fast=[ids]): the cases named stay in the fast loop (-m "not slow")
+        mark = item.get_closest_marker("slow")
+        callspec = getattr(item, "callspec", None)
+        if mark is not None and callspec is not None and callspec.id in mark.kwargs.get("fast", ()):
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "slow"]
+    slurm = [item for item in items if item.get_closest_marker("slurm")]
+    rest = [item for item in items if not item.get_closest_marker("slurm")]
+    for item in slurm:
+        item.add_marker(pytest.mark.xdist_group("slurm"))
+    for item in rest:
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items[:] = slurm + rest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--timings", metavar="PATH",
+                     help="write each test's setup, call and teardown seconds and its kind (slurm, hugging-face, "
+                          "multi-process, single-process) to PATH as JSON lines (tests/timings.py); "
+                          "`python tools/test_timings.py PATH` tabulates them by file and kind")
+
+
+def pytest_configure(config):
+    if config.getoption("timings"):
+        timings.count_process_starts()
+        if not hasattr(config, "workerinput"):  # the controller under xdist, or pytest alone
+            config.pluginmanager.register(timings.Writer(config.getoption("timings")), "timings-writer")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("timings"):
+        timings.mark_start(item)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and item.config.getoption("timings"):
+        item.user_properties.extend(timings.properties(item))  # before the teardown report is made
+    return (yield)

@@ -18,6 +18,7 @@ machines), which would make the tests flaky.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import traceback
@@ -30,9 +31,23 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for rank 0's TCPStore that is free now and stays free until rank 0 listens on it:
+    below Linux's ephemeral range (32768-60999, where the outgoing end of every gloo connection
+    takes a port, so a port the kernel handed out a moment ago may be taken again before rank 0
+    binds it) and below moetrain's own rendezvous ports (20000-32767,
+    ``moetrain.launch.job.master_port``), in a slice of 1,000 of its own per pytest-xdist worker.
+    Raises RuntimeError when the slice has no free port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 10000 + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
+    rng = random.Random()
+    for port in rng.sample(range(base, base + 1000), 1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + 999}")
 
 
 # Imported once by the fork server; what the ranks' functions need most.

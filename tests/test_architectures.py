@@ -79,6 +79,7 @@ CASES = [(arch, layout) for arch in ARCHS for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
+@pytest.mark.slow(fast=["gpt_oss-pp2-dp2-ep2"])
 def test_twenty_steps_equal_one_process(arch, layout, tiny_shards, tmp_path):
     parallel = LAYOUTS[layout]
     if parallel.get("pp", 1) > 1 and ARCHS[arch]["model"]["layers"] % 2:
@@ -121,6 +122,7 @@ EXTRA = [
 @pytest.mark.parametrize("arch, parallel, docs", EXTRA,
                          ids=[f"{a}-" + "-".join(f"{k}{v}" for k, v in p.items()) + ("-docs" if d else "")
                               for a, p, d in EXTRA])
+@pytest.mark.slow
 def test_documents_and_recomputation_equal_one_process(arch, parallel, docs, tiny_shards, short_doc_shards,
                                                        tmp_path):
     data_section = {"document_mask": True} if docs else {}

@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_data_order as bdo  # noqa: E402
 
 
+@pytest.mark.slow
 def test_tiny_run_reports_every_field(tmp_path):
     """1 and 2 billion tokens in 2^27-token shards (8 and 15 sparse files) and in one big
     shard, measured in this process (the benchmark runs each in a fresh one)."""

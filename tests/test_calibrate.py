@@ -104,9 +104,18 @@ def test_fit_rate_recovers_a_known_efficiency():
     peak, hbm = 1e11, 2e10
     secs = [gemm_pass_time(g.m, g.n, g.k, g.count, peak * 0.37, hbm, prof.sm_count, ta.tile, ta.gemm_k0, 4, 4)
             for g in shapes]
-    assert fit_rate(shapes, secs, peak, hbm, prof.sm_count, ta, 4, 4) == pytest.approx(0.37, rel=1e-6)
-    with pytest.raises(CalibrationError, match="memory-bound floor"):
-        fit_rate(shapes, [s * 1e-6 for s in secs], peak, hbm, prof.sm_count, ta, 4, 4)
+    e, floor = fit_rate(shapes, secs, peak, hbm, prof.sm_count, ta, 4, 4)
+    assert e == pytest.approx(0.37, rel=1e-6) and floor is None
+    # A million times faster than the operands can move at hbm: recorded, fitted from the compute
+    # alone (the time is then proportional to 1 / E), with the floor it fell under.
+    fast = [s * 1e-6 for s in secs]
+    e, floor = fit_rate(shapes, fast, peak, hbm, prof.sm_count, ta, 4, 4)
+    compute = sum(gemm_pass_time(g.m, g.n, g.k, g.count, peak, math.inf, prof.sm_count, ta.tile, ta.gemm_k0, 4, 4)
+                  for g in shapes)
+    assert e == pytest.approx(compute / sum(fast), rel=1e-12)
+    assert floor > sum(fast)
+    with pytest.raises(CalibrationError, match="add up to 0"):
+        fit_rate(shapes, [0.0] * len(shapes), peak, hbm, prof.sm_count, ta, 4, 4)
 
 
 def _synthetic(true, shape, lay, mem, ta):
@@ -182,6 +191,29 @@ def test_calibrated_profile_recovers_the_cluster_and_its_predictions():
     assert abs(step(base) / step(true) - 1) > 0.2
 
 
+def test_gemms_at_the_memory_floor_are_recorded_and_said_to_be():
+    """GEMMs that ran faster than their operands move at the measured copy rate (a small model in
+    cache, a copy measurement slowed by noise) give a profile, fitted from their compute alone,
+    and the report and the summary say that they hit the floor."""
+    from moetrain.calibrate import summary_lines
+
+    cfg, shape, lay, mem = _demo()
+    base = load_profile("cpu-local")
+    measured = {**_synthetic(base, shape, lay, mem, TimingAssumptions()), "collectives": {}}
+    for r in measured["gemm"]:
+        r["seconds"] *= 1e-3
+    prof, report = calibrated_profile(base, measured, shape, lay, mem)
+    floor = report["gemm"]["at_memory_floor"]
+    assert floor["measured_s"] < floor["floor_s"] and floor["copy_gb_s"] == measured["hbm_copy_gb_s"]
+    assert prof.peak_tflops * prof.gemm_efficiency == pytest.approx(report["gemm"]["fitted_rate_tflops"], rel=1e-9)
+    assert any("at or below the memory-bound floor" in line for line in summary_lines(report, prof))
+    clean, report = calibrated_profile(base, {**measured, "gemm": _synthetic(base, shape, lay, mem,
+                                                                             TimingAssumptions())["gemm"]},
+                                       shape, lay, mem)
+    assert "at_memory_floor" not in report["gemm"]
+    assert not any("memory-bound floor" in line for line in summary_lines(report, clean))
+
+
 def test_a_measured_rate_above_the_base_peak_raises_the_peak():
     cfg, shape, lay, mem = _demo()
     base = load_profile("cpu-local")
@@ -248,6 +280,7 @@ def test_message_sizes_span_the_layouts_buffers():
     assert message_sizes(shape, lay, mem.act_bytes, hi=1 << 20)[-1] == 1 << 20
 
 
+@pytest.mark.slow
 def test_calibrate_a_local_job(tmp_path, tiny_shards):
     """A real 4-rank local job: a profile the planner takes, its intra-node collectives measured
     for every op, the job's facts recorded; then a config error exits 2 before anything runs."""

@@ -91,6 +91,7 @@ def resume(rank: int, world: int, data: str, run_dir: str) -> dict:
             "losses": [trainer.train_step().loss for _ in range(MORE)]}
 
 
+@pytest.mark.slow
 def test_async_sharded_save_while_training_then_resume_into_another_layout(tiny_shards, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(tiny_shards, data, ignore=shutil.ignore_patterns(".moetrain-verified.json"))  # no cache yet

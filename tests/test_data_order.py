@@ -116,6 +116,7 @@ def test_schedule_is_the_greedy_rule_repeated(weights):
     assert np.abs(ours - theirs).max() <= 1
 
 
+@pytest.mark.slow
 def test_every_source_stays_within_two_samples_of_its_share():
     """The bound the docs state: over one period (the state then repeats) of 150 random blends
     (2-40 sources; exact weights, and every third blend rounded to a period of 65,536), every

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_trains_through_submit(tmp_path):
     data = tmp_path / "demo"
     prep = subprocess.run([sys.executable, "tools/prepare_demo.py", "--root", str(data)], cwd=ROOT,

@@ -241,6 +241,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_losing_a_node_replans_and_keeps_the_losses(tiny_shards, tmp_path):
     """4 nodes × 1 rank (dp4 × ep2) for 10 steps; the next attempt gets 3 nodes: dp 3 divides
     neither the global batch nor ep's groups, so it trains on 2 of them (dp2 × ep2, twice the

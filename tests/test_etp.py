@@ -68,6 +68,7 @@ def etp_steps(rank: int, world: int, data: str, run_dir: str, parallel: dict, n_
     ({"tp": 2, "etp": 2}, {"tp": 2}),
     ({"tp": 2}, {"dp": 2, "tp": 2, "etp": 2, "zero_stage": 2}),
 ], ids=["etp2-to-etp1", "etp1-to-etp2-zero2"])
+@pytest.mark.slow
 def test_checkpoints_move_between_etp_layouts(first, second, tiny_shards, tmp_path):
     def world(p: dict) -> int:
         return p.get("dp", 1) * p.get("tp", 1)
@@ -99,6 +100,7 @@ LONG_CASES = [
 
 
 @pytest.mark.parametrize("parallel", LONG_CASES, ids=["-".join(f"{k}{v}" for k, v in p.items()) for p in LONG_CASES])
+@pytest.mark.slow
 def test_twenty_clipped_steps_with_tp_and_etp_equal_one_process(parallel, tiny_shards, tmp_path):
     """Over 20 steps, gradient clipping on: a clip factor taken from a layout-dependent norm (as
     moetrain 0.1's fp32 norm was) made tp × etp layouts depart from one process after ~10 steps."""

@@ -397,7 +397,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.slow(fast=["dp2-ep2"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_masked_fine_tuning_equals_one_process_in_every_layout(layout, chat_data, tmp_path):
     if "ref" not in REFERENCE:

@@ -253,6 +253,7 @@ def fp8_runs(tiny_shards, tmp_path_factory):
             for name, train in recipes.items()}
 
 
+@pytest.mark.slow
 def test_fp8_recipes_track_fp32_and_unscaled_does_not(fp8_runs):
     """20 steps of the tiny MoE: each recipe within 3e-3 relative of fp32 at every step (the
     tiny model's own bf16 gap is ~3e-4); the unscaled control at least 3× further from fp32 than
@@ -274,6 +275,7 @@ CASES = [({"dp": 2, "ep": 2}, FP8, "tensorwise"), ({"tp": 2, "sequence_parallel"
 
 @pytest.mark.parametrize("parallel, train, reference", CASES,
                          ids=["dp2-ep2", "tp2-sp", "tp2-sp-blockwise", "dp2-ep2-rowwise", "pp2", "dp2-zero3"])
+@pytest.mark.slow(fast=["dp2-ep2"])
 def test_fp8_layouts_match_single_process(parallel, train, reference, fp8_runs, tiny_shards, tmp_path):
     ref = fp8_runs[reference]
     result = merged(run_distributed(capture, 2, str(tiny_shards), str(tmp_path), parallel, train))

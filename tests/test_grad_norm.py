@@ -67,6 +67,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("parallel", CASES, ids=["-".join(f"{k}{v}" for k, v in p.items()) for p in CASES])
+@pytest.mark.slow
 def test_norm_equals_one_process_and_the_gathered_gradient(parallel, reference, tiny_shards, tmp_path):
     world = parallel["dp"] * parallel.get("tp", 1)
     results = run_distributed(norms, world, str(tiny_shards), str(tmp_path), parallel)

@@ -50,6 +50,7 @@ def demo_data(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_demo_finetunes_from_an_imported_model_and_exports(demo_data, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

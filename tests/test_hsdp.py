@@ -51,6 +51,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_hsdp_trains_as_one_process(name, one_process, tiny_shards, tmp_path):
     parallel = CASES[name]
     outs = run_distributed(hsdp_run, parallel["dp"] * parallel.get("tp", 1), str(tiny_shards), str(tmp_path),
@@ -103,6 +104,7 @@ def hsdp_resume_run(rank: int, world: int, data: str, run_dir: str, parallel: di
     return losses
 
 
+@pytest.mark.slow
 def test_an_hsdp_checkpoint_resumes_in_another_layout(one_process, tiny_shards, tmp_path):
     """10 steps under HSDP (ZeRO-3), checkpointed; steps 11-20 in one process follow the
     uninterrupted run (parameters and AdamW's states were saved from the 2-D placements)."""

@@ -43,6 +43,7 @@ def test_implied_profile_values_from_synthetic_timings(monkeypatch):
     assert len(out["mlm_layer_gemms"]) == 4 and out["measured_over_planner_by_model"]["1.7b"] > 0
 
 
+@pytest.mark.slow
 def test_sweep_runs_on_the_cpu():
     out = ks.kernel_sweep(cuda=False, seconds=0.0)
     rows = ks.mlm_rows()

@@ -247,6 +247,7 @@ def test_allocation_step_script(tmp_path, monkeypatch):
     assert tail[:6] == ["--config", str(cfg.run_dir / "config.yaml"), "--resolved", "--restart", "1", "--job-id"]
 
 
+@pytest.mark.slow
 def test_submit_explain_prints_each_layer(layers3, tmp_path):
     cmd = [sys.executable, "-m", "moetrain.submit", *sum((["--config", str(p)] for p in layers3), []),
            "--set", "launch.cluster=local", "--set", "launch.nodes=1", "--set", "launch.setup=[]",
@@ -259,6 +260,7 @@ def test_submit_explain_prints_each_layer(layers3, tmp_path):
     assert bad.returncode == 2 and "--explain 'launch.nope': no such key" in bad.stderr
 
 
+@pytest.mark.slow
 def test_submit_inside_an_allocation_checks_it_and_shows_the_step(tiny_shards, tmp_path):
     from conftest import tiny_config
 
@@ -286,6 +288,7 @@ def test_submit_inside_an_allocation_checks_it_and_shows_the_step(tiny_shards, t
     assert "#SBATCH --nodes=2" in new.stdout, "launch.allocation: new renders a job of its own"
 
 
+@pytest.mark.slow
 def test_ranks_and_plan_take_layered_configs():
     """The inspection CLIs read the same layers as submit: the site file's profile and tasks per
     node, dp: auto re-derived for the nodes asked about."""

@@ -46,6 +46,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_stop_checkpoint_resume_loses_and_repeats_nothing(tiny_shards, tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     assert run_distributed(run_until, 2, str(tiny_shards), str(ref_dir), None) == ["done", "done"]

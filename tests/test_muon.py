@@ -117,6 +117,7 @@ def one_process(tiny_shards, tmp_path_factory):
     {"tp": 2, "sequence_parallel": True}, {"pp": 2}, {"tp": 2, "etp": 2}, {"dp": 2, "zero_stage": 0},
     {"dp": 2, "tp": 2, "zero_stage": 3}, {"dp": 4, "ep": 2, "zero_stage": 3, "dp_shard": 2}],
     ids=["dp2-ep2-zero1", "dp2-ep2-zero3", "tp2-sp", "pp2", "tp2-etp2", "dp2-zero0", "dp2-tp2-zero3", "hsdp"])
+@pytest.mark.slow(fast=["dp2-zero0"])
 def test_muon_trains_the_same_in_sharded_layouts(parallel, one_process, tiny_shards, tmp_path):
     """20 steps: losses within 1e-5 relative at every step and the parameters after them within
     1e-4 of their largest value (fp32; the layouts reduce gradients in other orders, and each

@@ -129,6 +129,7 @@ def single(two_procs, tiny_shards) -> dict:
     return {"ref": ref, "ref_tp": ref_tp, "resumed_pp1": resumed}
 
 
+@pytest.mark.slow
 def test_reference_learns(single):
     ref = single["ref"]
     assert ref["losses"][-1] < ref["losses"][0]
@@ -193,6 +194,7 @@ def four_procs(tiny_shards, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layout", list(PP2_COMPOSED))
+@pytest.mark.slow
 def test_composed_layout_matches_single_process(layout, four_procs, single):
     parallel = PP2_COMPOSED[layout]
     _assert_same_run(four_procs[layout], single["ref_tp" if "tp" in parallel else "ref"],
@@ -231,6 +233,7 @@ def eight_procs(tiny_shards, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("layout", list(PP2_EIGHT))
+@pytest.mark.slow
 def test_eight_process_layout_matches_single_process(layout, eight_procs, single):
     tp = "tp" in PP2_EIGHT[layout]
     _assert_same_run(eight_procs[layout], single["ref_tp" if tp else "ref"], same_val=False)

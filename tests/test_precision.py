@@ -121,6 +121,7 @@ def test_bf16_layouts_match_single_process(parallel, world, bf16_reference, tiny
         assert err <= tol, f"{name}: max grad error {err:.3e} > {tol:.3e}"
 
 
+@pytest.mark.slow
 def test_bf16_tracks_fp32_where_pure_bf16_drifts(tiny_shards, tmp_path):
     steps = 30
     runs = {name: run_distributed(capture, 1, str(tiny_shards), str(tmp_path / name), sections, steps, pure)[0]

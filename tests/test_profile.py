@@ -26,6 +26,7 @@ def names_in(path) -> set[str]:
     return {e["name"] for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"}
 
 
+@pytest.mark.slow
 def test_traces_name_every_phase_and_the_monitor_splits_each_step(tiny_shards, tmp_path, capsys):
     """dp2 × ep2, ZeRO-3: one trace per rank for steps 2-3 with the step, forward, backward and optimizer
     ranges, each dispatch / combine all-to-all and its wait, FSDP's gather and reduction; the
@@ -55,6 +56,7 @@ def test_traces_name_every_phase_and_the_monitor_splits_each_step(tiny_shards, t
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.slow
 def test_pipeline_traces_mark_each_stage_s_forward_backward_and_transfers(schedule, tiny_shards, tmp_path):
     """pp2 (torch's 1F1B schedule, and interleaved 1F1B on moetrain's runtime): the stages'
     forwards and backwards are ranges, the activations' sends and receives are collectives."""

@@ -91,6 +91,7 @@ def one_process(tiny_shards, tmp_path_factory):
 @pytest.mark.parametrize("parallel, model", [
     ({"dp": 2, "ep": 2, "zero_stage": 3}, "gqa"), ({"tp": 2, "sequence_parallel": True}, "gqa"),
     ({"pp": 2}, "gqa"), ({"tp": 2}, "mla")], ids=["dp2-ep2-zero3", "tp2-sp", "pp2", "mla-tp2"])
+@pytest.mark.slow
 def test_clipped_training_is_the_same_in_sharded_layouts(parallel, model, one_process, tiny_shards, tmp_path):
     """20 steps with heads clipped: the largest logit and the loss of each step equal one
     process's within 1e-5 relative (each tp rank clips its own heads' rows, each FSDP rank its

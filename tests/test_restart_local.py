@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from moetrain.config import to_dict
@@ -59,6 +60,7 @@ def losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_step_restarts_with_the_same_losses_and_corrupt_checkpoint_is_skipped(tiny_shards, tmp_path):
     assert run_distributed(uninterrupted, 2, str(tiny_shards), str(tmp_path / "ref")) == ["done", "done"]
     reference = losses(tmp_path / "ref")
@@ -97,6 +99,7 @@ def test_sigkill_mid_step_restarts_with_the_same_losses_and_corrupt_checkpoint_i
     assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(last) and "sha256" in skipped[0]["reason"]
 
 
+@pytest.mark.slow
 def test_rank_error_is_reported_in_a_few_lines_and_not_restarted(tiny_shards, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(tiny_shards, data)
@@ -155,6 +158,7 @@ def test_diagnosis_names_the_cause_and_whether_a_restart_can_help():
     assert failure_kind(StaleAttemptError("attempt 1 is stale: ... timed out")) == "error"
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_no_traceback(tiny_shards, tmp_path):
     """Ctrl-C in the terminal reaches the whole foreground process group (this command, submitit's
     local controller, the ranks): the console gets one line, not the controller's tracebacks."""

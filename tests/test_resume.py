@@ -36,6 +36,7 @@ def uninterrupted(tiny_shards, tmp_path_factory):
 
 @pytest.mark.parametrize("second", [{"dp": 2, "ep": 2}, {"dp": 4, "ep": 4}, {"dp": 1}],
                          ids=["same-layout", "to-dp4-ep4", "to-single-process"])
+@pytest.mark.slow
 def test_resume_matches_uninterrupted(second, uninterrupted, tiny_shards, tmp_path):
     first = run_distributed(train_steps, 2, str(tiny_shards), str(tmp_path), {"dp": 2, "ep": 2}, STOP, True)[0]
     assert first["start"] == 0

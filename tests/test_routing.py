@@ -105,6 +105,7 @@ def bias_reference(tiny_shards, tmp_path_factory):
     return run_distributed(bias_capture, 1, str(tiny_shards), str(tmp_path_factory.mktemp("bias")), {}, 6, False)[0]
 
 
+@pytest.mark.slow
 def test_bias_trajectory_is_layout_independent(bias_reference, tiny_shards, tmp_path):
     assert all(b.abs().sum() > 0 for b in bias_reference["bias"].values())
     for parallel, world in (({"dp": 2, "ep": 2}, 2), ({"dp": 4, "ep": 4}, 4), ({"cp": 2}, 2)):
@@ -171,6 +172,7 @@ def test_node_limit_that_leaves_too_few_experts_is_refused_before_launch():
 HIERARCHICAL = {"token_dispatcher": "hierarchical"}
 
 
+@pytest.mark.slow
 def test_hierarchical_dispatch_equals_one_process_and_crosses_once_per_node(tiny_shards, tmp_path):
     ref = run_distributed(limited_capture, 1, str(tiny_shards), str(tmp_path / "ref"), {}, LIMITED, True)[0]
     flat = run_distributed(limited_capture, 4, str(tiny_shards), str(tmp_path / "flat"), {"dp": 4, "ep": 4},

@@ -219,6 +219,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_prepare_demo_builds_then_skips(tmp_path):
     root = tmp_path / "demo"
     first = _tool("tools/prepare_demo.py", "--root", str(root))

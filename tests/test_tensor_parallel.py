@@ -74,6 +74,7 @@ CASES = [
 @pytest.mark.parametrize("parallel", CASES,
                          ids=["-".join(k if v is True else f"{k}{v}" for k, v in c.items())
                               .replace("sequence_parallel", "sp") for c in CASES])
+@pytest.mark.slow(fast=["tp2-sp"])
 def test_tensor_parallel_matches_single_process(parallel, tp_reference, tiny_shards, tmp_path):
     results = run_distributed(capture, _world(parallel), str(tiny_shards), str(tmp_path), parallel)
     assert_matches_with_norms(results, tp_reference)

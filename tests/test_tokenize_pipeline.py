@@ -114,6 +114,7 @@ def _crawl(corpus: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_cli_skips_broken_documents_counts_them_and_can_fail_instead(tmp_path):
     corpus = write_corpus(tmp_path, files=2)
     crawl = _crawl(corpus)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from moetrain.config import to_dict
@@ -44,6 +45,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_torchrun_trains_the_same_losses_as_submit(tiny_shards, tmp_path):
     config = _config(tmp_path / "tiny.yaml", tiny_shards, tmp_path / "submit")
     ref = subprocess.run([sys.executable, "-m", "moetrain.submit", "--config", str(config)], cwd=ROOT, env=_env(),
@@ -65,6 +67,7 @@ def test_torchrun_trains_the_same_losses_as_submit(tiny_shards, tmp_path):
     assert rank1["variables"]["WORLD_SIZE"] == "2" and rank1["variables"]["LOCAL_RANK"] == "1"
 
 
+@pytest.mark.slow
 def test_layout_the_started_ranks_cannot_fill_is_refused(tiny_shards, tmp_path):
     config = _config(tmp_path / "tiny.yaml", tiny_shards, tmp_path / "run")
     run = _torchrun(1, "--config", str(config))

@@ -8,7 +8,8 @@ the ranks contend for the node as they do in training) and what it sets:
    fp8 ones where the device has FP8 tensor cores and the config trains in fp8): the profile's
    ``gemm_efficiency`` (``fp8_gemm_efficiency``) is the one value at which the planner's
    :func:`moetrain.planner.timing.gemm_pass_time` over all of them takes the measured seconds
-   (:func:`fit_rate`);
+   (:func:`fit_rate`); GEMMs that ran at or below the memory-bound floor at the measured copy
+   bandwidth are fitted from their compute terms alone, and the report says so;
 2. causal attention forward and backward at the model's heads, head size and sequence:
    ``attention_efficiency`` (the planner's attention FLOPs over peak × seconds); one layer's
    memory-bound kernels forward and backward (norms, residuals, RoPE, routing, permutation,
@@ -258,40 +259,58 @@ def fit_collective(op: str, n: int, sizes: list[int], seconds: list[float]) -> d
 
 def fit_rate(shapes: list[GemmShape], seconds: list[float], peak_flops: float, hbm: float, sm_count: int,
              ta: TimingAssumptions = TimingAssumptions(), in_bytes: float = 2.0, out_bytes: float = 2.0,
-             cast_bytes: float = 0.0) -> float:
+             cast_bytes: float = 0.0) -> tuple[float, float | None]:
     """The efficiency E at which the planner's time of every GEMM in ``shapes``
     (:func:`moetrain.planner.timing.gemm_pass_time` at ``peak_flops · E``, plus
     ``cast_bytes`` per operand element at ``hbm`` for fp8) adds up to the measured seconds
     (bisection on a log scale, 1e-4 … 1e3; the result may exceed 1 where the given peak is
-    not the device's).
+    not the device's), and None.
+
+    Where the measured total is at or below the planner's memory-bound floor at ``hbm`` (the
+    GEMMs' operands moved faster than the copy measured: small shapes that stay in cache, or
+    a copy measurement slowed by noise), no efficiency gives the measurement; then E is the
+    one at which the compute terms alone take the measured seconds, returned with the floor
+    (seconds), so that the caller records the measurement and says it hit the floor.
 
     Raises:
-        CalibrationError: no shapes, or lengths that differ, or a measured total the planner
-        cannot reach at any efficiency (memory-bound at ``hbm``).
+        CalibrationError: no shapes, lengths that differ, or a measured total that is not
+        positive.
     """
     if not shapes or len(shapes) != len(seconds):
         raise CalibrationError(f"GEMM fit: {len(shapes)} shapes and {len(seconds)} times")
     measured = sum(seconds)
+    if not measured > 0:
+        raise CalibrationError(f"GEMM fit: the measured times add up to {measured} s")
 
-    def total(e: float) -> float:
+    def total(e: float, bandwidth: float = hbm) -> float:
         t = 0.0
         for g in shapes:
-            t += gemm_pass_time(g.m, g.n, g.k, g.count, peak_flops * e, hbm, sm_count, ta.tile, ta.gemm_k0,
+            t += gemm_pass_time(g.m, g.n, g.k, g.count, peak_flops * e, bandwidth, sm_count, ta.tile, ta.gemm_k0,
                                 in_bytes, out_bytes)
-            t += cast_bytes * g.count * (g.m * g.k + g.k * g.n) / hbm
+            t += cast_bytes * g.count * (g.m * g.k + g.k * g.n) / bandwidth
         return t
 
     lo, hi = 1e-4, 1e3
-    if total(hi) > measured:
-        raise CalibrationError(f"GEMMs took {measured:.3g} s, less than the planner's memory-bound floor "
-                               f"{total(hi):.3g} s at HBM {hbm / 1e9:.1f} GB/s: measure the copy bandwidth first")
+    floor = total(hi)
+    if floor >= measured:
+        # compute time is proportional to 1 / E: the E whose compute alone is the measurement
+        return total(1.0, math.inf) / measured, floor
     for _ in range(80):
         mid = math.sqrt(lo * hi)
         if total(mid) > measured:
             lo = mid
         else:
             hi = mid
-    return math.sqrt(lo * hi)
+    return math.sqrt(lo * hi), None
+
+
+def _floor_note(floor: float | None, seconds: list[float], hbm: float) -> dict[str, Any]:
+    """The report's record of GEMMs measured at or below the memory-bound floor (:func:`fit_rate`)."""
+    if floor is None:
+        return {}
+    return {"at_memory_floor": {"measured_s": sum(seconds), "floor_s": floor, "copy_gb_s": hbm / 1e9,
+                                "note": "the GEMMs took no longer than moving their operands at the measured copy "
+                                        "bandwidth: their rate is fitted from the compute terms alone"}}
 
 
 def _efficiency(measured_rate: float, peak: float) -> tuple[float, float]:
@@ -350,20 +369,22 @@ def calibrated_profile(base: "ClusterProfile", measured: dict[str, Any], shape: 
         flops = sum(g.flops for g in shapes)
         if fp8:
             peak = (base.fp8_peak_tflops or 2 * base.peak_tflops) * 1e12
-            e = fit_rate(shapes, secs, peak, hbm, base.sm_count, ta, 1.0, mem.act_bytes, ta.fp8_cast_bytes)
+            e, floor = fit_rate(shapes, secs, peak, hbm, base.sm_count, ta, 1.0, mem.act_bytes, ta.fp8_cast_bytes)
             p8, e8 = _efficiency(peak * e, peak)
             changes.update(fp8_peak_tflops=p8 / 1e12, fp8_gemm_efficiency=e8)
             report["gemm_fp8"] = {"shapes": len(shapes), "tflops": flops / sum(secs) / 1e12,
                                   "fitted_rate_tflops": peak * e / 1e12,
-                                  "base_rate_tflops": peak * (base.fp8_gemm_efficiency or base.gemm_efficiency) / 1e12}
+                                  "base_rate_tflops": peak * (base.fp8_gemm_efficiency or base.gemm_efficiency) / 1e12,
+                                  **_floor_note(floor, secs, hbm)}
         else:
             peak = base.peak_tflops * 1e12
-            e = fit_rate(shapes, secs, peak, hbm, base.sm_count, ta, mem.act_bytes, mem.act_bytes)
+            e, floor = fit_rate(shapes, secs, peak, hbm, base.sm_count, ta, mem.act_bytes, mem.act_bytes)
             p, eff = _efficiency(peak * e, peak)
             changes.update(peak_tflops=p / 1e12, gemm_efficiency=eff)
             report["gemm"] = {"shapes": len(shapes), "tflops": flops / sum(secs) / 1e12,
                               "fitted_rate_tflops": peak * e / 1e12,
-                              "base_rate_tflops": base.peak_tflops * base.gemm_efficiency}
+                              "base_rate_tflops": base.peak_tflops * base.gemm_efficiency,
+                              **_floor_note(floor, secs, hbm)}
     peak = changes.get("peak_tflops", base.peak_tflops) * 1e12
     att = measured.get("attention")
     if att and att.get("seconds"):

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Re-run the negative controls of docs/development.md: for each, copy the tree, plant one break
+# in the mechanism a test guards, run that test alone, and report whether it failed (it must).
+#
+#   tools/negative_controls.sh [WORKDIR]      # default WORKDIR: a new temporary directory
+#
+# Prints one line per control ("FAILED as it must" / "PASSED: the test cannot see this break")
+# and exits 1 if any control passed. Each control takes 10-40 s on 2 cores.
+set -u
+root="$(cd "$(dirname "$0")/.." && pwd)"
+work="${1:-$(mktemp -d)}"
+bad=0
+
+control() {  # control NAME FILE OLD NEW TEST...: replace the one occurrence of OLD in FILE by NEW
+    local name=$1 file=$2 old=$3 new=$4; shift 4
+    local tree="$work/$name"
+    rm -rf "$tree" && mkdir -p "$tree" && rsync -a --exclude .git --exclude runs --exclude data "$root/" "$tree/"
+    ln -s "$root/data" "$tree/data" 2>/dev/null || true
+    if ! python3 - "$tree/$file" "$old" "$new" <<'PY'
+import sys
+path, old, new = sys.argv[1:4]
+text = open(path).read()
+if text.count(old) != 1:
+    sys.exit(f"{path}: the text to replace occurs {text.count(old)} times (expected once)")
+open(path, "w").write(text.replace(old, new))
+PY
+    then
+        echo "$name: could not plant the break (the code changed: update this script)"; bad=1; return
+    fi
+    if (cd "$tree" && PYTHONPATH="$tree" python3 -m pytest -q -n 0 -p no:cacheprovider "$@" >"$work/$name.log" 2>&1); then
+        echo "$name: PASSED: the test cannot see this break ($work/$name.log)"; bad=1
+    else
+        echo "$name: FAILED as it must ($(tail -1 "$work/$name.log"))"
+    fi
+}
+
+control stragglers-between-steps moetrain/train/stragglers.py \
+    "if name == STEP and self._last_end is not None:" "if False:" \
+    "tests/test_stragglers.py::test_a_slowed_rank_is_named_within_k_plus_one_windows[between-outside]"
+control wgrad-flush-order moetrain/parallel/ep_overlap.py \
+    "        if self._pending:
+            pending, self._pending = self._pending, []" \
+    "        owed, self._owed = self._owed, []
+        for post_backward in owed:
+            post_backward()
+        if self._pending:
+            pending, self._pending = self._pending, []" \
+    "tests/test_ep_overlap.py::test_overlap_is_the_same_step[dp2-ep2-zero2-grouped-mm-delay-wgrad]"
+control split-divisor moetrain/parallel/runner.py \
+    "divisor)
+            for s in (slice(0, h)" \
+    "None)
+            for s in (slice(0, h)" \
+    "tests/test_ep_overlap.py::test_split_micro_batches_are_the_same_step_within_fp32[dp2-ep2]"
+control fp8-gradient-wire moetrain/parallel/exchange.py \
+    "grad_sent, grad.contiguous()," "grad_sent, fp8.round_trip(grad.contiguous(), fp8.E4M3)," \
+    "tests/test_dispatch_fp8.py::test_fp8_dispatch_is_the_same_in_every_layout"
+control pp-grad-norm moetrain/parallel/data_parallel.py \
+    "    if ps.size(PP) > 1:
+        dist.all_reduce(total, group=ps.group(PP))" \
+    "    if False:
+        dist.all_reduce(total, group=ps.group(PP))" \
+    "tests/test_hf_train.py::test_layouts_train_alike"
+control plan-vocabulary moetrain/plan.py \
+    "cfg, vocab_unknown = vocab_for_planning(load_config(args.config, args.sets))" \
+    "cfg, vocab_unknown = load_config(args.config, args.sets), 'model.vocab_size is null'" \
+    "tests/test_planner.py::test_plan_takes_a_null_vocabulary_from_the_data_as_the_run_does"
+exit $bad
