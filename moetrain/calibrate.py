@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from moetrain.config import ConfigError, load_layers, to_dict
+from moetrain.data.sources import vocab_for_planning
 from moetrain.launch.slurm import SlurmUnavailableError
 from moetrain.planner.calibration import CalibrationError, calibrated_profile, layer_config
 from moetrain.planner.layout import Layout
@@ -86,6 +87,11 @@ def summary_lines(report: dict[str, Any], prof: ClusterProfile) -> list[str]:
     for key, label in (("gemm", "GEMM rate (model's shapes)"), ("gemm_fp8", "fp8 GEMM rate")):
         if key in report:
             row(label, report[key]["fitted_rate_tflops"], report[key]["base_rate_tflops"], "TF")
+            floor = report[key].get("at_memory_floor")
+            if floor:
+                out.append(f"  note: the GEMMs took {floor['measured_s']:.3g} s, at or below the memory-bound floor "
+                           f"{floor['floor_s']:.3g} s at the measured copy rate {floor['copy_gb_s']:.3g} GB/s; "
+                           f"the rate above is fitted from their compute alone")
     if "k_sweep" in report:
         row("short-K loss k0 (elements of K)", report["k_sweep"]["k0"], report["k_sweep"]["base_k0"], "")
     if "attention" in report:
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg, _ = load_layers(args.config, args.overrides)
+        # the model measured is the one the run trains: its vocabulary from the data where null
+        cfg, vocab_unknown = vocab_for_planning(cfg)
         if args.seconds <= 0 or args.collective_budget <= 0:
             raise ConfigError(f"--seconds {args.seconds} / --collective-budget {args.collective_budget}: both must "
                               "be positive")
@@ -132,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     job = executor.submit(CalibrateJob(to_dict(cfg), args.seconds, args.collective_budget))
     print(f"calibrate: job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks on "
           f"{cfg.launch.nodes} node(s)); logs in {folder}", flush=True)
+    if vocab_unknown:
+        print(f"calibrate: note: {vocab_unknown}: the model is measured at an assumed vocabulary of "
+              f"{ModelShape.from_config(cfg).vocab}; set model.vocab_size to the tokenizer's for a profile of "
+              "this model", flush=True)
     shown = 0
     start = time.time()
     while not job.done():

@@ -1498,6 +1498,16 @@ def _check_ep_overlap(cfg: Config) -> None:
                           "set parallel.ep_overlap: false, or ep >= 2")
     if blocked := ep_overlap_blocker(par.pp, par.pp_schedule, par.zero_stage, par.activation_checkpointing):
         raise field_error("parallel.ep_overlap", True, *blocked)
+    if par.pp > 1:
+        from moetrain.internals import stage_keeps_outputs  # torch's pipelining: only where it matters
+
+        if not stage_keeps_outputs():
+            import torch
+
+            raise field_error("parallel.ep_overlap", True, f"with pp > 1 starts a merged pair's backward from the "
+                              f"stage's saved forward outputs, which torch {torch.__version__}'s pipeline stages no "
+                              f"longer keep (fwd_cache, removed in torch 2.15)",
+                              "set parallel.ep_overlap: false with pp > 1, or use torch 2.11-2.14")
     if cfg.train.compile:
         raise field_error("parallel.ep_overlap", True, "does not run with train.compile (the turn-taking at the "
                           "all-to-alls is Python, a graph break inside every block)",

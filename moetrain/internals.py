@@ -29,7 +29,7 @@ from torch.distributed.pipelining import schedules as _schedules
 __all__ = ["Action", "CHECKED_TORCH", "FORWARD", "FULL_BACKWARD", "OVERLAP_F_B", "PipelineRuntime", "disable_backward",
            "flatten_mesh", "unflatten_mesh", "foreach_norms", "fsdp_replicate", "gate_post_backward", "interleaved_1f1b_order",
            "keep_local_job", "local_shape_and_offset", "missing", "queue_backward_callback", "record_cuda_memory_history",
-           "dump_cuda_memory_snapshot", "render_submission"]
+           "dump_cuda_memory_snapshot", "render_submission", "stage_keeps_outputs"]
 
 CHECKED_TORCH = ("2.11", "2.13")
 
@@ -145,6 +145,15 @@ def disable_backward(schedule: Any) -> None:
     schedule._has_backward = False
 
 
+def stage_keeps_outputs() -> bool:
+    """Whether this torch's pipeline stages keep each micro-batch's forward (outputs, inputs) in
+    ``fwd_cache`` until its backward, which :class:`PipelineRuntime` reaches (torch 2.11-2.14; 2.15
+    replaced it with ``_forward_chunk_states``, which may drop the outputs once they are sent)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    return "fwd_cache" in _PipelineStageBase.__init__.__code__.co_names
+
+
 class PipelineRuntime(_schedules._PipelineScheduleRuntime):
     """torch's pipeline runtime (``_PipelineScheduleRuntime``) with the pieces a custom order
     needs, under public names: :meth:`set_order` lowers a compute order with torch's send/recv
@@ -161,6 +170,9 @@ class PipelineRuntime(_schedules._PipelineScheduleRuntime):
         if OVERLAP_F_B is None or not hasattr(_schedules._PipelineScheduleRuntime, "register_custom_function"):
             raise NotImplementedError(f"torch {torch.__version__}'s pipeline runtime lacks the OVERLAP_F_B actions "
                                       f"and custom functions this schedule needs")
+        if not stage_keeps_outputs():
+            raise NotImplementedError(f"torch {torch.__version__}'s pipeline stages keep no per-micro-batch forward "
+                                      f"outputs (fwd_cache, removed in torch 2.15) for a backward to start from")
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         self.stage_of = {s.stage_index: s for s in stages}
 
@@ -286,6 +298,7 @@ def missing() -> list[str]:
             hasattr(submitit.SlurmExecutor, n) for n in (
                 "_convert_parameters", "_make_submission_file_text", "_submitit_command_str")),
         "LocalJob._cancel_at_deletion": "_cancel_at_deletion" in LocalJob.__init__.__code__.co_names,
+        "PipelineStage.fwd_cache": stage_keeps_outputs(),
         "torch.cuda.memory._record_memory_history / _dump_snapshot": all(
             hasattr(torch.cuda.memory, n) for n in ("_record_memory_history", "_dump_snapshot")),
     }

@@ -4,7 +4,9 @@
         [--top K] [--format table|json] [--layout tp=8,pp=4,...] [--set section.key=value ...]
     python -m moetrain.plan --published [--format table|json]
 
-The model, global batch and sequence length come from the config; the layout (tp, pp, virtual
+The model, global batch and sequence length come from the config (a null ``model.vocab_size``
+from the data's manifest where the data is readable here, as the run will take it; otherwise an
+assumed vocabulary, which the output names); the layout (tp, pp, virtual
 stages, dp, cp, ep, ZeRO stage, micro-batch, activation checkpointing, schedule) is searched.
 ``--layout`` fixes some or all of those keys (``tp, pp, dp, cp, ep, etp, vpp, zero, mbs, ac,
 schedule, sp``); with all of them it evaluates that one layout, fitting or not.
@@ -23,6 +25,7 @@ import sys
 from typing import Any
 
 from moetrain.config import ConfigError, load_config
+from moetrain.data.sources import vocab_for_planning
 from moetrain.planner.layout import LayoutError, parse_layout_spec
 from moetrain.planner.search import Planner, explain
 from moetrain.topology.cluster import ProfileError, expand_nodelist, load_profile
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         ap.error("--config is required (or --published)")
     try:
-        cfg = load_config(args.config, args.sets)
+        cfg, vocab_unknown = vocab_for_planning(load_config(args.config, args.sets))
         prof_name = args.profile or cfg.launch.profile
         if prof_name is None:
             raise ProfileError("no cluster profile: pass --profile (e.g. h100-superpod) or set launch.profile")
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               "seq_len": planner.shape.seq_len, "capacity_gib": planner.capacity,
               "enumerated": result.enumerated if result else 1, "fitting": result.fitting if result else None}
     if planner.shape.vocab_assumed:
-        header["note"] = f"model.vocab_size is null: assumed {planner.shape.vocab}"
+        header["note"] = f"{vocab_unknown}: assumed {planner.shape.vocab}"
     if args.format == "json":
         out = dict(header, layouts=[p.to_dict() for p in plans])
         if result and not plans:

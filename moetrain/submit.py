@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         return 0
-    from moetrain.launch.job import TrainJob, job_config
+    from moetrain.launch.job import job_config
+    from moetrain.launch.task import TrainJob
 
     executor = None
     if alloc is None:

@@ -110,3 +110,23 @@ def test_every_wrapped_internal_is_still_there():
     assert not gone, (f"torch {torch.__version__} (moetrain was checked on {', '.join(internals.CHECKED_TORCH)}) "
                       f"lacks internals moetrain/internals.py wraps: {gone}")
 
+
+
+def test_a_torch_whose_pipeline_stages_keep_no_outputs_refuses_ep_overlap_with_pp(tmp_path, monkeypatch):
+    """torch 2.15 dropped the stages' ``fwd_cache`` (moetrain/internals.py): ep_overlap with pp > 1
+    is refused by the config, before anything starts, naming the field and the fix; ep_overlap at
+    pp = 1 and pp without it are not affected."""
+    import pytest
+
+    from moetrain.utils import ConfigError
+
+    from conftest import tiny_config
+
+    assert internals.stage_keeps_outputs(), f"torch {torch.__version__} keeps fwd_cache: the refusal is not needed"
+    monkeypatch.setattr(internals, "stage_keeps_outputs", lambda: False)
+    with pytest.raises(ConfigError, match=r"parallel.ep_overlap = True: with pp > 1 .*fwd_cache.*torch 2.11-2.14"):
+        tiny_config(tmp_path, tmp_path / "r", parallel={"pp": 2, "dp": 2, "ep": 2, "ep_overlap": True})
+    tiny_config(tmp_path, tmp_path / "r", parallel={"dp": 2, "ep": 2, "ep_overlap": True})
+    tiny_config(tmp_path, tmp_path / "r", parallel={"pp": 2, "dp": 2, "ep": 2})
+    with pytest.raises(NotImplementedError, match="fwd_cache"):
+        internals.PipelineRuntime([], 2, lambda *a: None)

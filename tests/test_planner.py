@@ -217,6 +217,7 @@ def test_layout_spec_parsing():
         parse_layout_spec("zero=4")
 
 
+@pytest.mark.slow
 def test_plan_cli_json(capsys):
     from moetrain.plan import main
 
@@ -469,3 +470,40 @@ def test_unseen_development_rows_are_predicted():
     # the fms clusters' network as the README states it (per node), not the reference design's
     fms = next(e for e in published.UNSEEN if e.key == "fms-llama2-7b-h100")
     assert published._planner(fms).profile.rail_gb_s == 12.5
+
+
+def test_plan_takes_a_null_vocabulary_from_the_data_as_the_run_does(tiny_shards, tmp_path, capsys):
+    """The demo leaves ``model.vocab_size`` null (the run takes its tokenizer's 8192); a plan that
+    assumed 32000 instead counted 4× the embedding and head — most of a small model's gradient
+    all-reduce and a large share of its compute — and predicted the measured step 1.7× too slow.
+    With the data readable the plan uses the manifest's vocabulary (padded as the run pads it);
+    without it, the assumption is named."""
+    import json
+
+    from moetrain.config import padded_vocab, save_config
+    from moetrain.plan import main as plan_main
+    from moetrain.planner.model import DEFAULT_VOCAB
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(tiny_shards, tmp_path / "run")
+    cfg = cfg.replace(model={"vocab_size": None})
+    path = tmp_path / "c.yaml"
+    save_config(cfg, path)
+    layout = "tp=1,pp=1,dp=8,cp=1,ep=1,zero=0,mbs=1,ac=none"  # one 8-GPU node, global batch 8
+
+    def plan(*sets: str) -> dict:
+        args = ["--config", str(path), "--profile", "h100-superpod", "--nodes", "1", "--layout", layout,
+                "--format", "json"]
+        for s in sets:
+            args += ["--set", s]
+        assert plan_main(args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    vocab = padded_vocab(257, cfg.model.vocab_multiple, 1)
+    from_data, stated = plan(), plan(f"model.vocab_size={vocab}")
+    assert "note" not in from_data and from_data["model_params"] == stated["model_params"]
+    assert from_data["layouts"][0]["step_time_s"] == stated["layouts"][0]["step_time_s"]
+    no_data = plan(f"data.path={tmp_path / 'missing'}")
+    assert f"assumed {DEFAULT_VOCAB}" in no_data["note"] and "data.path" in no_data["note"]
+    assert no_data["model_params"] > from_data["model_params"]

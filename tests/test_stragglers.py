@@ -39,8 +39,9 @@ def test_a_rank_is_named_after_k_slow_windows_in_a_row_and_not_before():
 
 def straggler_run(rank: int, world: int, data: str, run_dir: str, steps: int, every: int, slow: str | None,
                   exclude: bool = False) -> dict:
-    """dp2 × ep2; ``slow``: rank 1 sleeps 40 ms in each forward (``forward``, a forward hook) or
-    80 ms in each batch its data loader gives (``data``), from outside the project."""
+    """dp2 × ep2; ``slow``: rank 1 sleeps 40 ms in each forward (``forward``, a forward hook),
+    80 ms in each batch its data loader gives (``data``) or 80 ms before each step (``between``,
+    the trainer's ``before_step`` hook: a slow host between steps), from outside the project."""
     cfg = tiny_config(data, run_dir, parallel={"dp": 2, "ep": 2},
                       train={"steps": steps, "straggler_every": every, "straggler_windows": 3},
                       launch={"exclude_stragglers": exclude})
@@ -54,6 +55,8 @@ def straggler_run(rank: int, world: int, data: str, run_dir: str, steps: int, ev
             time.sleep(0.08)
             return next_batch()
         trainer.loader.next_batch = slow_batch
+    if slow == "between" and rank == 1:
+        trainer.before_step = lambda step: time.sleep(0.08)
     factors: list = []
     step = trainer.train_step
 
@@ -69,7 +72,7 @@ def straggler_run(rank: int, world: int, data: str, run_dir: str, steps: int, ev
             "excluded": existing_excludes(Path(cfg.run_dir))}
 
 
-@pytest.mark.parametrize("slow, phase", [("forward", "forward"), ("data", "outside")])
+@pytest.mark.parametrize("slow, phase", [("forward", "forward"), ("data", "outside"), ("between", "outside")])
 def test_a_slowed_rank_is_named_within_k_plus_one_windows(slow, phase, tiny_shards, tmp_path):
     out = run_distributed(straggler_run, 2, str(tiny_shards), str(tmp_path / slow), 20, 5, slow, True)[0]
     events = out["events"]
@@ -78,6 +81,7 @@ def test_a_slowed_rank_is_named_within_k_plus_one_windows(slow, phase, tiny_shar
     assert events[0]["node"] in out["excluded"]
 
 
+@pytest.mark.slow
 def test_a_clean_run_names_no_straggler(tiny_shards, tmp_path):
     out = run_distributed(straggler_run, 2, str(tiny_shards), str(tmp_path / "clean"), 100, 10, None)[0]
     assert out["events"] == [] and len(out["factors"]) == 10, out["factors"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 
-from moetrain.config import DataConfig, field_error
+from moetrain.config import Config, ConfigError, DataConfig, field_error, padded_vocab
 from moetrain.data.format import ShardError, read_manifest
 from moetrain.data.reader import samples_per_shard
 
-__all__ = ["check_sources"]
+__all__ = ["check_sources", "resolve_vocab", "vocab_for_planning"]
 
 log = logging.getLogger("moetrain")
 
@@ -106,3 +106,41 @@ def check_sources(data: DataConfig, seq_len: int) -> dict:
                     "s" if len(masked) > 1 else "", ", ".join(repr(n) for n in masked),
                     "y" if len(masked) > 1 else "ies")
     return first
+
+
+def resolve_vocab(cfg: Config) -> Config:
+    """Check the data's sources against each other (:func:`check_sources`) and fill
+    ``model.vocab_size`` from their manifest (padded for tp), or check the given one.
+
+    Raises:
+        ConfigError: no data, a data directory or manifest missing/invalid, sources that were not
+            tokenized alike, or vocab_size smaller than the tokenizer's vocabulary.
+    """
+    manifest = check_sources(cfg.data, cfg.model.seq_len)
+    vocab = int(manifest["vocab_size"])
+    if cfg.model.vocab_size is None:
+        return cfg.replace(model={"vocab_size": padded_vocab(vocab, cfg.model.vocab_multiple, cfg.parallel.tp)})
+    if cfg.model.vocab_size < vocab:
+        where = cfg.data.path if cfg.data.path is not None else "the data"
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
+                          f"({vocab}) in {where}. Fix: set model.vocab_size: null (auto) or >= {vocab}")
+    return cfg
+
+
+def vocab_for_planning(cfg: Config) -> tuple[Config, str | None]:
+    """``cfg`` with the vocabulary the run will train with, for a tool that models the run
+    without starting it (``moetrain.plan``, ``moetrain.calibrate``): where ``model.vocab_size``
+    is null, the data's (:func:`resolve_vocab`) when the data can be read here. The embedding
+    and head of a small model are much of its parameters, gradient traffic and compute, so a
+    guessed vocabulary makes a wrong plan.
+
+    Returns:
+        (the config, None) when the vocabulary is known; (``cfg`` unchanged, why it is not) when
+        it is null and the data cannot be read here (the caller says what it assumes instead).
+    """
+    if cfg.model.vocab_size is not None:
+        return cfg, None
+    try:
+        return resolve_vocab(cfg), None
+    except ConfigError as e:
+        return cfg, f"model.vocab_size is null and the data gives none here ({e})"

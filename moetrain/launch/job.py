@@ -1,9 +1,10 @@
-"""The callable every task runs: logging, torch.distributed, lifecycle, then the trainer.
+"""One rank of a run: logging, torch.distributed, lifecycle, then the trainer (:func:`run_rank`).
 
-``TrainJob`` is a ``submitit.helpers.Checkpointable``: submitit pickles it into the run's log
-folder, starts it once per task (locally or on SLURM), and starts the same pickle again after a
-requeue. The job holds only the resolved config; everything else (step, data position, RNG) is
-in the run directory's checkpoints, so a restart resumes where the last complete checkpoint is.
+Every launcher ends here: a task that submit started (:class:`moetrain.launch.task.TrainJob`,
+directly or through its supervisor, :mod:`moetrain.launch.supervisor`), ``python -m
+moetrain.run`` under torchrun, an ``srun`` step inside an allocation. The rank holds only the
+resolved config; everything else (step, data position, RNG) is in the run directory's
+checkpoints, so a restart resumes where the last complete checkpoint is.
 
 Lifecycle on SLURM:
 
@@ -51,9 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import submitit
-
-from moetrain.config import Config, config_from_dict, to_dict
+from moetrain.config import Config, to_dict
 
 log = logging.getLogger("moetrain")
 
@@ -123,43 +122,6 @@ class RankEnv:
     requeue: bool
     launcher: str
     supervised: bool = False
-
-
-class TrainJob(submitit.helpers.Checkpointable):
-    """Train ``config`` (a plain dict, so the pickle does not depend on class layouts).
-    ``restart``: the local relaunch number (the submit command's); SLURM's requeues add
-    ``SLURM_RESTART_COUNT``."""
-
-    def __init__(self, config: dict, restart: int = 0):
-        self.config = config
-        self.restart = restart
-
-    def __call__(self) -> str:
-        cfg: Config = config_from_dict(self.config)
-        env = submitit.JobEnvironment()
-        # A batch job of submitit's own on SLURM (not the local executor started inside someone's
-        # allocation, which sees SLURM_JOB_ID too): the run may requeue it, and SLURM counts its
-        # requeues.
-        own_slurm_job = os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-        requeues = int(os.environ.get("SLURM_RESTART_COUNT", "0")) if own_slurm_job else 0
-        supervised = own_slurm_job and cfg.launch.restart_in_job
-        if supervised:
-            from moetrain.launch.supervisor import inner_restarts
-
-            requeues += inner_restarts(cfg.run_dir, str(env.job_id))  # attempts restarted inside the job
-        restart = getattr(self, "restart", 0) + requeues
-        os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), restart))
-        denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        renv = RankEnv(denv.rank, denv.world_size, denv.local_rank, denv.local_world_size, str(env.job_id),
-                       str(env.paths.stdout), requeue=own_slurm_job, launcher="submitit")
-        if supervised:
-            from moetrain.launch.supervisor import supervise
-
-            status = supervise(cfg, renv, restart)
-        else:
-            status = run_rank(cfg, renv, restart)
-        atexit.register(exit_now, 0)  # after submitit records the result (gloo may abort at exit)
-        return status
 
 
 def run_rank(cfg: Config, renv: RankEnv, restart: int) -> str:

@@ -10,28 +10,9 @@ and checkpoints visible inside) and the SLURM cluster.
 
 from __future__ import annotations
 
-from moetrain.config import Config, ConfigError, check_supported, field_error, padded_vocab
-from moetrain.data.sources import check_sources
+from moetrain.config import Config, check_supported, field_error
+from moetrain.data.sources import resolve_vocab
 from moetrain.train.weights import check_init_from
-
-
-def resolve_vocab(cfg: Config) -> Config:
-    """Check the data's sources against each other (:func:`moetrain.data.sources.check_sources`)
-    and fill ``model.vocab_size`` from their manifest (padded for tp), or check the given one.
-
-    Raises:
-        ConfigError: no data, a data directory or manifest missing/invalid, sources that were not
-            tokenized alike, or vocab_size smaller than the tokenizer's vocabulary.
-    """
-    manifest = check_sources(cfg.data, cfg.model.seq_len)
-    vocab = int(manifest["vocab_size"])
-    if cfg.model.vocab_size is None:
-        return cfg.replace(model={"vocab_size": padded_vocab(vocab, cfg.model.vocab_multiple, cfg.parallel.tp)})
-    if cfg.model.vocab_size < vocab:
-        where = cfg.data.path if cfg.data.path is not None else "the data"
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's vocabulary "
-                          f"({vocab}) in {where}. Fix: set model.vocab_size: null (auto) or >= {vocab}")
-    return cfg
 
 
 def check_node_limited(cfg: Config) -> None:

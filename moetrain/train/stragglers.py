@@ -2,12 +2,14 @@
 
 A slow GPU, host or data path makes its rank late, and every other rank then waits for it in the
 next collective: step times say only that the run is slow. What tells the slow rank apart is
-how long each rank is *busy* — its step less what it spent waiting for peers (the token
-all-to-alls' waits and the dispatch counts' exchange: :mod:`moetrain.ranges`' ``….wait`` ranges;
-with ``parallel.ep_overlap`` only one side of a pair runs at a time, so the two threads' waits
-never overlap). A slow data path is busy time too (it is in the step, outside the forward). The
-phase a straggler is named for is the one (forward, backward, optimizer, or ``outside`` them:
-data, metrics) in which it spends the most over the median rank.
+how long each rank is *busy* — its whole cycle from the end of one step to the end of the next
+(the step, and what the rank does between two steps: metrics, sinks, hooks, a GC pause, a host
+contended by something else) less what it spent waiting for peers (the token all-to-alls' waits
+and the dispatch counts' exchange: :mod:`moetrain.ranges`' ``….wait`` ranges; with
+``parallel.ep_overlap`` only one side of a pair runs at a time, so the two threads' waits never
+overlap). A slow data path is busy time too (it is in the step, outside the forward). The phase a
+straggler is named for is the one (forward, backward, optimizer, or ``outside`` them: data,
+metrics, the time between steps) in which it spends the most over the median rank.
 :class:`StragglerDetector` watches those ranges
 (:func:`moetrain.ranges.observe`), sums them per rank over a window of ``every`` steps — host
 clocks on the CPU, CUDA events on a GPU, whose times are read once per window —, gathers the
@@ -90,6 +92,7 @@ class StragglerDetector:
         self._spans: list[tuple[str, str, Any, Any]] = []  # this window's (kind, phase it is in, start, end)
         self._lock = threading.Lock()
         self._streak = [0] * len(nodes)
+        self._last_end: Any = None  # the mark at which the last step ended: the next cycle starts there
         self.last_table: list[list[float]] = []  # the last window's sums, a row of FIELDS per rank
         self.last_factors: list[float] = []  # each rank's busy time over the median's, last window
 
@@ -98,7 +101,12 @@ class StragglerDetector:
             stack = getattr(self._open, "stack", None)
             if stack is None:
                 stack = self._open.stack = []
-            stack.append((name, self._clock.mark()))
+            now = self._clock.mark()
+            if name == STEP and self._last_end is not None:
+                # the time since the last step ended is this step's cycle too, outside its phases
+                with self._lock:
+                    self._spans.append(("step", "step", self._last_end, now))
+            stack.append((name, now))
 
     def leave(self, name: str) -> None:
         if name in _PHASES or name.endswith(WAIT):
@@ -107,12 +115,17 @@ class StragglerDetector:
             assert opened == name, (opened, name)
             # a wait belongs to the innermost phase open on its thread (the step's own otherwise)
             owner = next((_PHASES[n] for n, _ in reversed(stack) if n in _PHASES), "step")
+            end = self._clock.mark()
             with self._lock:
-                self._spans.append((_PHASES.get(name, "waits"), owner, start, self._clock.mark()))
+                self._spans.append((_PHASES.get(name, "waits"), owner, start, end))
+            if name == STEP:
+                self._last_end = end
 
     def _sums(self) -> list[float]:
-        """This window's seconds by :data:`FIELDS`: ``busy`` = step − waits; each phase's time less
-        the waits inside it; ``outside`` = busy − the phases' busy time (data, metrics)."""
+        """This window's seconds by :data:`FIELDS`: ``step`` = the step-to-step cycles (each step
+        and the time since the one before ended); ``busy`` = step − waits; each phase's time less
+        the waits inside it; ``outside`` = busy − the phases' busy time (data, metrics, between
+        steps)."""
         if isinstance(self._clock, _CudaClock) and self._spans:
             self._spans[-1][3].synchronize()
         span = dict.fromkeys(("step", "forward", "backward", "optimizer", "waits"), 0.0)
@@ -136,7 +149,11 @@ class StragglerDetector:
             return []
         mine = torch.tensor(self._sums(), dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in self.nodes]
+        start = self._clock.mark()
         dist.all_gather(every, mine)
+        # waiting for the other ranks here is a wait of the next cycle, like any collective's
+        with self._lock:
+            self._spans.append(("waits", "step", start, self._clock.mark()))
         return self.judge(torch.stack(every).tolist())
 
     def judge(self, table: list[list[float]]) -> list[Straggler]:
