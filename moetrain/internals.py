@@ -4,7 +4,15 @@ Private attributes change with every torch release. Each one moetrain needs is w
 function or class named for what it does, with what it stands for; nothing else in the package
 touches a private attribute of torch or submitit (``tests/test_internals.py`` scans the source
 tree and fails on one, and checks that each internal below still exists, naming the torch version
-when one is gone). Checked on torch 2.11 and 2.13 (:data:`CHECKED_TORCH`) and submitit 1.5.
+when one is gone). Checked on torch 2.11, 2.13 and 2.14.1 (:data:`CHECKED_TORCH`: the whole suite
+run on each, docs/development.md) and submitit 1.5.
+
+torch 2.15 (October 2026; not installable on the project's machines, read from its release notes
+and source against each wrapper below): ``PipelineStage.fwd_cache`` is gone (replaced by
+``_forward_chunk_states``), so :func:`stage_keeps_outputs` is False there and ``ep_overlap`` with
+pp > 1 is refused at config time; its pipeline stages also finalize FSDP's backward themselves,
+which :func:`gate_post_backward` has not been run against. The other wrappers' names are present
+in 2.15 as in 2.14.
 
 Not wrapped, being used as public by torchao and TorchTitan: ``torch._scaled_mm`` (fp8 GEMMs),
 ``torch.distributed._functional_collectives`` (the differentiable all-to-all) and the private aten
@@ -31,7 +39,7 @@ __all__ = ["Action", "CHECKED_TORCH", "FORWARD", "FULL_BACKWARD", "OVERLAP_F_B",
            "keep_local_job", "local_shape_and_offset", "missing", "queue_backward_callback", "record_cuda_memory_history",
            "dump_cuda_memory_snapshot", "render_submission", "stage_keeps_outputs"]
 
-CHECKED_TORCH = ("2.11", "2.13")
+CHECKED_TORCH = ("2.11", "2.13", "2.14")
 
 # -- DeviceMesh, DTensor ---------------------------------------------------------------------
 
@@ -39,7 +47,7 @@ CHECKED_TORCH = ("2.11", "2.13")
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over all the ranks of the (multi-dimensional, sliced) ``mesh``, registered
     under ``name`` on its root mesh so that ``root[name]`` finds it (``DeviceMesh._flatten``, as
-    TorchTitan uses it; no public equivalent in torch 2.13)."""
+    TorchTitan uses it; no public equivalent in torch 2.11-2.15)."""
     return mesh._flatten(name)
 
 
@@ -47,7 +55,7 @@ def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, .
     """The 1-D ``mesh`` (a flattened axis) viewed as ``sizes`` (outer first) with axes ``names``,
     on the same root mesh, so that FSDP2 composes it with tensor-parallel DTensors
     (``DeviceMesh._unflatten``; HSDP's (replicate, shard) mesh; no public equivalent in torch
-    2.13). Collective: it creates a process group per new axis."""
+    2.11-2.15). Collective: it creates a process group per new axis."""
     return mesh._unflatten(0, sizes, names)
 
 
@@ -88,7 +96,7 @@ def fsdp_replicate(modules: nn.Module | list[nn.Module], mesh: DeviceMesh, mp_po
 
 def _param_groups(module: nn.Module) -> list[Any]:
     state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13, 2.14
     if groups is not None:
         return list(groups)
     if not hasattr(state, "_fsdp_param_group"):  # torch 2.11
