@@ -92,6 +92,10 @@ def summary_lines(report: dict[str, Any], prof: ClusterProfile) -> list[str]:
                 out.append(f"  note: the GEMMs took {floor['measured_s']:.3g} s, at or below the memory-bound floor "
                            f"{floor['floor_s']:.3g} s at the measured copy rate {floor['copy_gb_s']:.3g} GB/s; "
                            f"the rate above is fitted from their compute alone")
+    if "tasks_per_node" in report:
+        t = report["tasks_per_node"]
+        out.append(f"  note: the job ran {t['job']} task(s) per node where the base profile has "
+                   f"{t['base_gpus_per_node']} GPUs: the profile describes nodes of {t['job']}")
     if "k_sweep" in report:
         row("short-K loss k0 (elements of K)", report["k_sweep"]["k0"], report["k_sweep"]["base_k0"], "")
     if "attention" in report:

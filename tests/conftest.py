@@ -129,6 +129,12 @@ def pytest_collection_modifyitems(config, items):
     items[:] = slurm + rest
 
 
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
 def pytest_addoption(parser):
     parser.addoption("--timings", metavar="PATH",
                      help="write each test's setup, call and teardown seconds and its kind (slurm, hugging-face, "
@@ -147,6 +153,17 @@ def pytest_configure(config):
 def pytest_runtest_setup(item):
     if item.config.getoption("timings"):
         timings.mark_start(item)
+    config = item.config
+    # Under --dist loadgroup pytest-xdist keeps a group on one worker through the group in the node
+    # id; with pytest 9.2 it no longer puts it there (pytest-xdist issue 1386), and the SLURM tests
+    # would share the dev cluster from two workers at once and fail at random: fail them with the
+    # fix instead. (A worker's own "dist" option is "no"; pytest-xdist sets "loadgroup" for it.)
+    if (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)
+            and item.get_closest_marker("slurm") and not item.nodeid.endswith("@slurm")):
+        pytest.fail(f"pytest-xdist {_version('pytest-xdist')} with pytest {pytest.__version__} does not keep "
+                    f"the SLURM tests on one worker (its --dist loadgroup groups nothing): they would share the "
+                    f"dev cluster from several workers at once. Fix: pip install 'pytest<9.2' (pyproject.toml's "
+                    f"test extra), or run with -n 0", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -214,6 +214,25 @@ def test_gemms_at_the_memory_floor_are_recorded_and_said_to_be():
     assert not any("memory-bound floor" in line for line in summary_lines(report, clean))
 
 
+def test_a_job_with_fewer_tasks_per_node_gives_a_profile_of_such_nodes():
+    """A calibration job of 1 task per node on a base profile of 2 GPUs per node (dp2 × ep2 on 2
+    nodes × 1 task of the dev cluster) measured what one task gets with the node to itself: the
+    profile describes nodes of 1, so a plan of that layout counts 2 GPUs on 2 nodes (with the
+    base's 2 it counted 4 and found no layout). A job that filled the nodes changes nothing."""
+    from moetrain.planner.search import Planner
+
+    cfg, shape, lay, mem = _demo()
+    base = load_profile("dev-emulated")
+    assert base.gpus_per_node == 2
+    measured = {**_synthetic(base, shape, lay, mem, TimingAssumptions()), "collectives": {}}
+    one, report = calibrated_profile(base, {**measured, "meta": {"tasks_per_node": 1}}, shape, lay, mem)
+    assert (one.gpus_per_node, one.nvswitch_domain_gpus, one.rails_per_node) == (1, 1, 1)
+    assert report["tasks_per_node"] == {"job": 1, "base_gpus_per_node": 2}
+    assert Planner(shape, one, 2, cfg.train.global_batch_size).world == 2
+    full, report = calibrated_profile(base, {**measured, "meta": {"tasks_per_node": 2}}, shape, lay, mem)
+    assert (full.gpus_per_node, full.nvswitch_domain_gpus) == (2, 2) and "tasks_per_node" not in report
+
+
 def test_a_measured_rate_above_the_base_peak_raises_the_peak():
     cfg, shape, lay, mem = _demo()
     base = load_profile("cpu-local")

@@ -29,6 +29,10 @@ the ranks contend for the node as they do in training) and what it sets:
    (what the software spends beyond its GEMMs, attention and memory traffic: host overheads,
    unfused kernels, the dispatch's bookkeeping).
 
+The profile describes the nodes as the job ran them: where the job ran fewer (or more) tasks per
+node than the base profile's ``gpus_per_node``, the calibrated profile has that many GPUs per node
+(each per-GPU figure is what one task got with that many on its node).
+
 Where a measured rate exceeds what the base profile calls peak (a CPU profile's made-up peak),
 the peak is raised to it and the efficiency set to 1: the product, which is what the planner
 uses, is the measurement either way. Terms nothing here measures (memory size, the SM count,
@@ -425,6 +429,14 @@ def calibrated_profile(base: "ClusterProfile", measured: dict[str, Any], shape: 
     if coll:
         changes["collective_gb_s"] = coll
     meta = dict(measured.get("meta", {}))
+    tpn = int(meta.get("tasks_per_node") or base.gpus_per_node)
+    if tpn != base.gpus_per_node:
+        # Every per-GPU figure above is what one of the job's tasks got with tpn tasks on its node
+        # (a node link shared by tpn, or each its own): the profile describes the nodes as the job
+        # ran them, so that a plan at the job's layout counts the bandwidth its tasks measured.
+        changes.update(gpus_per_node=tpn, nvswitch_domain_gpus=tpn * base.domain_nodes,
+                       rails_per_node=min(base.rails_per_node, tpn))
+        report["tasks_per_node"] = {"job": tpn, "base_gpus_per_node": base.gpus_per_node}
     changes["calibration"] = {**meta, "base_profile": base.name, "terms": sorted(k for k in changes
                                                                                  if k != "calibration")}
     prof = dataclasses.replace(base, name=name or f"{base.name}-calibrated", path=None,
