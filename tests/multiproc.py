@@ -39,8 +39,7 @@ def free_port() -> int:
     Raises RuntimeError when the slice has no free port."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     base = 10000 + 1000 * (int(worker) % 10 if worker.isdigit() else 0)
-    rng = random.Random()
-    for port in rng.sample(range(base, base + 1000), 1000):
+    for port in random.sample(range(base, base + 1000), 1000):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -111,7 +111,6 @@ def test_every_wrapped_internal_is_still_there():
                       f"lacks internals moetrain/internals.py wraps: {gone}")
 
 
-
 def test_a_torch_whose_pipeline_stages_keep_no_outputs_refuses_ep_overlap_with_pp(tmp_path, monkeypatch):
     """torch 2.15 dropped the stages' ``fwd_cache`` (moetrain/internals.py): ep_overlap with pp > 1
     is refused by the config, before anything starts, naming the field and the fix; ep_overlap at
