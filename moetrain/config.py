@@ -1348,6 +1348,8 @@ def planned_device_type(cfg: Config) -> str:
     local run on a machine with CUDA and a backend other than gloo), else ``cpu``."""
     if cfg.launch.cluster == "slurm":
         return "cuda" if cfg.launch.gpus_per_node > 0 else "cpu"
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):
+        return "cpu"  # no NVIDIA, ROCm or WSL GPU driver here: torch (1-2 s to import) cannot find one
     import torch
 
     return "cuda" if torch.cuda.is_available() and cfg.parallel.backend != "gloo" else "cpu"

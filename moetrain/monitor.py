@@ -37,7 +37,6 @@ import yaml
 from moetrain.train.environment import (RANK_IDENTITY, read_environment, read_rank_environments,
                                         summarize_environment)
 from moetrain.train.metrics import format_duration
-from moetrain.train.profile import phase_table, render_phase_table
 from moetrain.train.records import read_events, read_heartbeats, read_json, read_jsonl
 
 
@@ -513,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {wrote}")
         return 0
     if args.profile:
+        # Here, not at the top: it imports torch, which submit and a plain monitor do without.
+        from moetrain.train.profile import phase_table, render_phase_table
+
         try:
             rows = phase_table(run_dir)
         except ValueError as e:

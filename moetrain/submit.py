@@ -39,7 +39,6 @@ from moetrain.launch.allocation import Allocation, StepJob, check_allocation, cu
 from moetrain.monitor import collect, register_job, slurm_job_queued
 from moetrain.train.metrics import check_sinks_installed, format_duration
 from moetrain.train.records import Diagnosis, append_event, diagnose, read_failures
-from moetrain.internals import keep_local_job
 from moetrain.utils import atomic_write
 
 
@@ -382,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.detach:
             if cfg.launch.cluster == "local":
                 # A local job is cancelled when its handle is garbage-collected; keep it running.
+                from moetrain.internals import keep_local_job  # imports torch: only where used
+
                 keep_local_job(job)
                 print("detached; the run goes on (a local run is restarted after a failure only by a "
                       "command that follows it)", flush=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from moetrain.config import Config, check_supported, field_error
 from moetrain.data.sources import resolve_vocab
-from moetrain.train.weights import check_init_from
 
 
 def check_node_limited(cfg: Config) -> None:
@@ -58,7 +57,10 @@ def preflight(cfg: Config, *, live: bool = True) -> Config:
     check_supported(cfg)
     check_node_limited(cfg)
     cfg = resolve_vocab(cfg)
-    check_init_from(cfg)
+    if cfg.checkpoint.init_from is not None:
+        from moetrain.train.weights import check_init_from  # imports torch: only a run that needs it
+
+        check_init_from(cfg)
     if cfg.launch.container is not None:
         from moetrain.launch.container import check_mounted
 

@@ -40,7 +40,6 @@ import yaml
 from submitit.slurm.slurm import SlurmExecutor
 
 from moetrain.config import Config, field_error
-from moetrain.internals import render_submission
 from moetrain.launch.container import task_launch
 from moetrain.utils import check_sbatch_safe
 
@@ -415,4 +414,6 @@ def render_batch_script(cfg: Config, folder: str | Path, *, job_name: str | None
     params = slurm_executor_params(cfg, job_name=name)
     executor = _RenderOnlySlurmExecutor(folder, max_num_timeout=cfg.launch.max_restarts,
                                         python=task_launch(cfg).python_str)
+    from moetrain.internals import render_submission  # imports torch: not at the CLI's start
+
     return render_submission(executor, params)
