@@ -20,6 +20,8 @@ from moetrain.launch.allocation import Allocation, current_allocation, step_scri
 from moetrain.launch.container import PODMAN_ENV_PATTERNS, task_launch
 from moetrain.launch.slurm import render_batch_script
 
+from conftest import tiny_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -260,21 +262,23 @@ def test_submit_explain_prints_each_layer(layers3, tmp_path):
     assert bad.returncode == 2 and "--explain 'launch.nope': no such key" in bad.stderr
 
 
-def test_submit_checks_a_local_config_without_importing_torch(tmp_path):
+def test_submit_checks_a_local_config_without_importing_torch(tiny_shards, tmp_path):
     # The launching process only reads, checks and submits (the ranks import torch): on a machine
     # without a GPU driver its dry run and --help start in a fraction of a second, not the 1-3 s
     # that importing torch, FSDP and dynamo costs.
     if any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):
         pytest.skip("a GPU driver is present: the planned device is asked of torch")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(to_dict(tiny_config(tiny_shards, tmp_path / "run", parallel={"dp": 2, "ep": 2}))))
     check = ("import runpy, sys\n"
-             "sys.argv = ['submit', '--config', 'configs/demo-moe.yaml', '--dry-run', '--set', 'launch.setup=[]',"
-             f" '--set', 'run.dir={tmp_path / 'run'}']\n"
+             f"sys.argv = ['submit', '--config', {str(config)!r}, '--dry-run']\n"
              "try:\n    runpy.run_module('moetrain.submit', run_name='__main__')\n"
              "except SystemExit as e:\n    assert not e.code, e.code\n"
              "assert 'torch' not in sys.modules, 'the dry run imported torch'\n")
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "launch:" in out.stdout
+    assert "parallel:" in out.stdout
+
 
 @pytest.mark.slow
 def test_submit_inside_an_allocation_checks_it_and_shows_the_step(tiny_shards, tmp_path):

@@ -194,6 +194,26 @@ def test_node_limited_routing_shortens_the_exposed_all_to_all():
     assert step_time(own, lay, 64, H100, places).breakdown["ep_comm"] == pytest.approx(a)
 
 
+def test_gradient_reduction_does_not_hide_behind_all_to_alls_on_its_own_link():
+    # dp = ep = 16 over 2 nodes of 8, a slow network. The gradient all-reduce (across the nodes)
+    # hides behind a micro-batch's backward less its all-to-alls where they cross the same link:
+    # with the ep groups inside a node (nvlink) that is nearly the whole backward; with them across
+    # the nodes, the backward grows by its network all-to-alls (a2a_b) and the hidden part does not.
+    shape = _moe(layers=4, hidden=1024, heads=8, kv_heads=8, ffn=4096, experts=16, top_k=2, expert_ffn=512,
+                 seq_len=1024)
+    lay = Layout(tp=1, pp=1, dp=16, ep=16, mbs=1)
+    profile = dataclasses.replace(H100, rail_gb_s=0.05, spine_gb_s=0.05)
+    net, node = AxisPlace(16, "rail", 8), AxisPlace(16, "nvlink", 8)
+    inside = step_time(shape, lay, 16, profile, _places(dp_cp=net, edp_tp=net, ep=node))
+    across = step_time(shape, lay, 16, profile, _places(dp_cp=net, edp_tp=net, ep=net))
+    exposed_inside, exposed_across = inside.breakdown["dp_comm_exposed"], across.breakdown["dp_comm_exposed"]
+    assert exposed_inside > 0  # the reduction outlasts the window, so the window's size shows
+    a2a_b = across.t_b - inside.t_b  # the network all-to-alls less the nvlink ones, per backward
+    assert a2a_b > 0.1 * across.t_b
+    # Hidden behind them (a window of the whole backward), the exposed part would shrink by a2a_b.
+    assert exposed_inside <= exposed_across <= exposed_inside + 0.05 * a2a_b
+
+
 def test_fp8_dispatch_sends_the_forward_dispatch_in_a_bit_over_half_the_bytes():
     shape = _moe(experts=64, top_k=8)
     fp8 = dataclasses.replace(shape, dispatch_fp8=True)

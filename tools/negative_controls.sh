@@ -65,4 +65,10 @@ control plan-vocabulary moetrain/plan.py \
     "cfg, vocab_unknown = vocab_for_planning(load_config(args.config, args.sets))" \
     "cfg, vocab_unknown = load_config(args.config, args.sets), 'model.vocab_size is null'" \
     "tests/test_planner.py::test_plan_takes_a_null_vocabulary_from_the_data_as_the_run_does"
+control dp-window-shared-link moetrain/planner/timing.py \
+    "shares_link = lay.ep > 1 and" "shares_link = False and" \
+    "tests/test_planner_moe.py::test_gradient_reduction_does_not_hide_behind_all_to_alls_on_its_own_link"
+control submit-imports-torch moetrain/config.py \
+    'if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):' 'if False:' \
+    "tests/test_layered_config.py::test_submit_checks_a_local_config_without_importing_torch"
 exit $bad

@@ -638,17 +638,25 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         if axis in hsdp:
             rs += comm_time("all_reduce", p * mem.grad_bytes / hsdp[axis], places[f"{axis}_replicate"], prof)[0]
         ag += comm_time("all_gather", p * mem.param_bytes, shard, prof)[0]
-    window_b = t_b if ta.overlap_grad_reduce else 0.0
-    window_f = t_f if ta.overlap_grad_reduce else 0.0
+    # The reductions hide behind a micro-batch's compute, not behind other traffic on their own
+    # link: where the expert all-to-alls cross the same off-node tier as the data-parallel group,
+    # that link carries them for ep_f / ep_b of every forward / backward, and the gradients queue
+    # behind them.
+    dp_tier = places["dp_cp"].tier
+    shares_link = lay.ep > 1 and dp_tier != "nvlink" and places["ep"].tier == dp_tier
+    busy_f, busy_b = (acc.get("ep_f", 0.0), acc.get("ep_b", 0.0)) if shares_link else (0.0, 0.0)
+    free_f, free_b = max(0.0, t_f - busy_f), max(0.0, t_b - busy_b)
+    window_b = free_b if ta.overlap_grad_reduce else 0.0
+    window_f = free_f if ta.overlap_grad_reduce else 0.0
     if z <= 1:
         dp_exposed = max(0.0, rs - window_b) + max(0.0, ag - window_f)
         dp_hidden = min(rs, window_b) + min(ag, window_f)
     elif z == 2:
-        dp_exposed = m * max(0.0, rs - t_b) + max(0.0, ag - t_f)
-        dp_hidden = m * min(rs, t_b) + min(ag, t_f)
+        dp_exposed = m * max(0.0, rs - free_b) + max(0.0, ag - free_f)
+        dp_hidden = m * min(rs, free_b) + min(ag, free_f)
     else:
-        dp_exposed = m * (max(0.0, ag - t_f) + max(0.0, ag + rs - t_b))
-        dp_hidden = m * (min(ag, t_f) + min(ag + rs, t_b))
+        dp_exposed = m * (max(0.0, ag - free_f) + max(0.0, ag + rs - free_b))
+        dp_hidden = m * (min(ag, free_f) + min(ag + rs, free_b))
     cp_hidden = m * n_layers * (min(t_cp, core_f) + min(2 * t_cp, core_b)) if lay.cp > 1 else 0.0
     ep_hidden_step = m * acc.get("n_moe", 0.0) * ep_hidden
     tp_hidden_step = m * acc.get("tp_hidden", 0.0)
