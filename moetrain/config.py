@@ -1788,10 +1788,6 @@ def _check_data(cfg: Config, device: str | None) -> None:
     if data.reset_position_ids and not data.document_mask:
         raise field_error("data.reset_position_ids", True, "positions restart per document only with document masking",
                           "set data.document_mask=true as well, or reset_position_ids=false")
-    if data.loss_mask and cfg.model.mtp_depth:
-        raise field_error("data.loss_mask", True, f"not supported with model.mtp_depth = {cfg.model.mtp_depth} yet "
-                          "(the MTP modules read their input tokens from the masked targets)",
-                          "set model.mtp_depth=0 for fine-tuning with a loss mask, or data.loss_mask=false")
 
 
 def _check_checkpoint(cfg: Config, device: str | None) -> None:

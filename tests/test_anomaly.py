@@ -48,6 +48,24 @@ def test_a_spike_is_flagged_against_the_window_of_accepted_losses():
     assert flags(guard, 1.0)["spike"] == 0
 
 
+def test_the_window_round_trips_in_order_and_shrinks_to_its_latest_losses():
+    guard = AnomalyGuard(AnomalyConfig(on_spike="skip", spike_z=4.0, window=3), torch.device("cpu"))
+    assert guard.state_dict() == {"losses": []}
+    for loss in (5.0, 5.1, 4.9, 5.2, 5.0):  # the ring wraps: the latest three, oldest first
+        flags(guard, loss)
+    assert guard.state_dict() == {"losses": [4.9, 5.2, 5.0]}
+    again = AnomalyGuard(AnomalyConfig(on_spike="skip", spike_z=4.0, window=3), torch.device("cpu"))
+    again.load_state_dict(guard.state_dict())
+    for loss in (5.1, 9.0, 4.95):  # the same decisions as the guard it came from (z: the sums in another order)
+        a, b = flags(again, loss), flags(guard, loss)
+        assert a["z"] == pytest.approx(b["z"], rel=1e-12) and {**a, "z": 0} == {**b, "z": 0}
+    short = AnomalyGuard(AnomalyConfig(on_spike="skip", window=2), torch.device("cpu"))
+    short.load_state_dict({"losses": [4.9, 5.2, 5.0]})
+    assert short.state_dict() == {"losses": [5.2, 5.0]}
+    with pytest.raises(ValueError, match="non-finite"):
+        short.load_state_dict({"losses": [5.0, math.nan]})
+
+
 def test_non_finite_values_skip_whatever_the_spike_policy_and_never_enter_the_window():
     for on_spike in ("off", "warn"):
         guard = AnomalyGuard(AnomalyConfig(on_spike=on_spike, window=2), torch.device("cpu"))
@@ -80,14 +98,14 @@ def test_gated_step_leaves_parameters_moments_and_step_count_when_skipped():
 
 def anomaly_run(rank: int, world: int, data: str, run_dir: str, parallel: dict, anomaly: dict,
                 inject: dict[int, float], steps: int = 8, checkpoint_every: int = 0, only_rank: int | None = None,
-                ) -> dict:
+                resume: bool = False) -> dict:
     """Train ``steps`` steps; the first time step s of ``inject`` runs, the output head's logits
     is multiplied by ``inject[s]`` (NaN, or a large factor) on every rank, or on ``only_rank``. Returns the losses
     of every step run, the snapshots of parameters and AdamW step counts taken before each step
     (as (step, snapshot) in order), the outcome and the events."""
     cfg = tiny_config(data, run_dir, parallel=parallel,
                       train={"steps": steps, "grad_clip": 1.0, "anomaly": anomaly},
-                      checkpoint={"every": checkpoint_every, "keep": 4, "resume": False})
+                      checkpoint={"every": checkpoint_every, "keep": 4, "resume": resume})
     trainer = Trainer(cfg)
     head = trainer.model_parts[-1].output
     hooks: list = []
@@ -182,6 +200,18 @@ def test_a_spike_is_skipped_and_a_clean_run_has_none(tiny_shards, tmp_path):
     assert [(e["step"], e["anomaly"], e["action"]) for e in out["events"]] == [(7, "spike", "skip")], out["losses"][5:]
     snaps = dict((s[0], s) for s in out["snapshots"])
     assert same_state(snaps[7], snaps[8])
+
+
+def test_a_spike_on_the_first_step_after_a_restart_is_caught(tiny_shards, tmp_path):
+    # The window (4 accepted losses) is in the step-6 checkpoint: the resumed run checks step 7
+    # against steps 3-6, where a window that started empty could not check it before step 11.
+    anomaly = {"on_spike": "skip", "spike_z": 6.0, "window": 4}
+    run_dir = str(tmp_path / "run")
+    first = run_distributed(anomaly_run, 1, str(tiny_shards), run_dir, {}, anomaly, {}, 6, 6)[0]
+    assert first["outcome"] == "done" and first["events"] == []
+    resumed = run_distributed(anomaly_run, 1, str(tiny_shards), run_dir, {}, anomaly, {7: 1000.0}, 8, 6, None, True)[0]
+    assert [s for s, _ in resumed["losses"]] == [7, 8]
+    assert [(e["step"], e["anomaly"], e["action"]) for e in resumed["events"]] == [(7, "spike", "skip")]
 
 
 def test_max_skips_stops_the_run_naming_the_steps(tiny_shards, tmp_path):

@@ -276,11 +276,6 @@ def test_unsupported_backends_are_refused(sections, device, field, tmp_path):
         check_supported(cfg, device)
 
 
-def test_loss_mask_is_refused_with_multi_token_prediction(tmp_path):
-    with pytest.raises(ConfigError, match="data.loss_mask.*mtp_depth"):
-        tiny_config(tmp_path, tmp_path, data={"loss_mask": True}, model={"mtp_depth": 1})
-
-
 def test_reset_positions_need_the_mask(tmp_path):
     with pytest.raises(ConfigError, match="data.reset_position_ids"):
         tiny_config(tmp_path, tmp_path, data={"reset_position_ids": True})

@@ -375,16 +375,16 @@ def test_the_loss_is_the_mean_over_the_trained_tokens_of_the_global_batch(chat_d
     assert abs(r["mean_of_means"] - r["manual"]) > 1e-4
 
 
-def train_masked(rank: int, world: int, data: str, run_dir: str, parallel: dict) -> dict:
+def train_masked(rank: int, world: int, data: str, run_dir: str, parallel: dict, model: dict | None = None) -> dict:
     from moetrain.train.trainer import Trainer
 
-    cfg = tiny_config(data, run_dir, parallel=parallel, model={"seq_len": SEQ, "vocab_size": 408},
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"seq_len": SEQ, "vocab_size": 408, **(model or {})},
                       data={"loss_mask": True, "document_mask": True, "val_batches": 2},
                       train={"steps": STEPS, "grad_clip": 0.5, "val_every": STEPS})
     trainer = Trainer(cfg, write_files=False)
     results, grads = steps_with_first_grads(trainer, STEPS)
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
-            "val": trainer.evaluate()[0]}
+            "val": trainer.evaluate()[0], "mtp": [r.extra.get("mtp_loss") for r in results]}
 
 
 REFERENCE: dict = {}
@@ -416,6 +416,68 @@ def test_masked_fine_tuning_equals_one_process_in_every_layout(layout, chat_data
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
     if parallel.get("dp", 1) == 1:  # the validation batches are split over dp: comparable at dp = 1
         assert abs(results[0]["val"] - ref["val"]) <= 1e-5 * ref["val"]
+
+
+def test_multi_token_prediction_targets_follow_the_mask_and_its_inputs_do_not():
+    from moetrain.model.loss import model_loss
+    from moetrain.model.transformer import future_tokens
+
+    nxt = torch.tensor([[11, 12, 13, 14, 15]])
+    masked = torch.tensor([[11, IGNORE_INDEX, 13, 14, IGNORE_INDEX]])  # t_2 and t_5 not trained
+    f = future_tokens(masked, 2, nxt)
+    assert f[0].T.tolist() == [[11, -100, 13, 14, -100],    # the main head's targets
+                               [-100, 13, 14, -100, -100],  # module 1's: a token 2 ahead, where the mask trains it
+                               [13, 14, -100, -100, -100],  # module 2's: 3 ahead
+                               [11, 12, 13, 14, 15],        # what module 1 embeds: t_{i+1}, masked or not
+                               [12, 13, 14, 15, -100]]      # module 2: t_{i+2}
+    # Each depth's loss is its trained targets' summed cross-entropy over its divisor.
+    logits = torch.randn(1, 5, 3, 20)
+    divisor = torch.tensor([3.0, 2.0, 2.0], dtype=torch.float64)
+    _, lm, mtp = model_loss(logits, f, 1.0, divisor)
+    ce = [F.cross_entropy(logits[0, :, k], f[0, :, k], ignore_index=IGNORE_INDEX, reduction="sum") for k in range(3)]
+    assert float(lm) == pytest.approx(float(ce[0]) / 3, rel=1e-6)
+    assert float(mtp) == pytest.approx((float(ce[1]) / 2 + float(ce[2]) / 2) / 2, rel=1e-6)
+
+
+def test_the_modules_embed_the_unmasked_tokens(tmp_path):
+    # Masking a target changes what is scored, never what an MTP module reads: the logits are the
+    # ones of the same tokens without a mask.
+    from moetrain.model.init import init_weights
+    from moetrain.model.transformer import Transformer, future_tokens
+
+    cfg = tiny_config(tmp_path, tmp_path, model={"mtp_depth": 2, "vocab_size": 64, "seq_len": 8})
+    model = Transformer(cfg.model, cfg.moe).train()
+    init_weights(model, 0, 0.02, cfg.model.layers)
+    for moe in model.moe_layers().values():
+        moe.begin_step(1)
+    tokens = torch.randint(0, 64, (2, 9))
+    inputs, nxt = tokens[:, :-1], tokens[:, 1:]
+    masked = nxt.masked_fill(torch.arange(8) % 3 == 1, IGNORE_INDEX)
+    with torch.no_grad():
+        assert torch.equal(model(inputs, future=future_tokens(masked, 2, nxt)), model(inputs, future=future_tokens(nxt, 2)))
+
+
+MTP = {"mtp_depth": 1, "mtp_loss_coef": 0.3}
+
+
+@pytest.mark.slow(fast=["dp2-ep2"])
+@pytest.mark.parametrize("layout", ["dp2-ep2", "pp2"])
+def test_multi_token_prediction_with_a_loss_mask_equals_one_process(layout, chat_data, tmp_path):
+    if "mtp" not in REFERENCE:
+        REFERENCE["mtp"] = run_distributed(train_masked, 1, str(chat_data["shards"]), str(tmp_path / "ref"), {}, MTP)[0]
+    ref = REFERENCE["mtp"]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
+    assert all(m is not None and m > 0 for m in ref["mtp"]), "the MTP loss must be logged"
+    parallel = {"dp2-ep2": {"dp": 2, "ep": 2}, "pp2": {"pp": 2}}[layout]
+    world = parallel.get("pp", 1) * parallel.get("dp", 1)
+    results = run_distributed(train_masked, world, str(chat_data["shards"]), str(tmp_path / "run"), parallel, MTP)
+    got = {"losses": results[-1]["losses"], "grads": {}}
+    for r in results:
+        got["grads"].update(r["grads"])
+    assert_matches(got, ref)
+    for step, (a, b, x, y) in enumerate(zip(results[-1]["norms"], ref["norms"], results[-1]["mtp"], ref["mtp"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+        assert abs(x - y) <= 1e-5 * abs(y), f"step {step}: MTP loss {x} vs single-process {y}"
 
 
 # -- the demo's chat data, through tokenize → train → export ----------------------------------------

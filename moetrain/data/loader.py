@@ -46,12 +46,16 @@ class MicroBatch:
     [micro_batch, seq_len] int64 (whole samples, never cut). loss_divisor: with a loss mask, the
     divisor of this micro-batch's summed token losses (a device scalar set by the trainer: the
     trained tokens of the whole global batch over micro-batches × dp × cp, so that the mean over
-    them is the mean over every trained token); None: the mean over the micro-batch's tokens."""
+    them is the mean over every trained token; with multi-token prediction one per depth, [1 + D]);
+    None: the mean over the micro-batch's tokens. next_tokens: with a loss mask, the next token of
+    every position unmasked, [micro_batch, seq_len] int64 (what multi-token prediction's modules
+    embed, :func:`moetrain.model.transformer.future_tokens`); None: ``targets`` are unmasked."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     doc_ids: torch.Tensor | None = None
     loss_divisor: torch.Tensor | None = None
+    next_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -230,15 +234,18 @@ def _micro_batches(picks: list[tuple[TokenShards, int]], seq_len: int, micro_bat
     """Samples (their split and index) → micro-batches of (inputs, targets[, doc_ids])."""
     tokens = torch.from_numpy(np.stack([shards.sample(i, seq_len) for shards, i in picks]))
     targets = tokens[:, 1:]
+    nexts: list = [None] * len(picks)
     if loss_mask:
         trained = np.stack([shards.sample_loss_mask(i, seq_len)[1:] for shards, i in picks])
+        nexts = [t.contiguous() for t in targets.split(micro_batch)]
         targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE_INDEX)
     inputs, targets = tokens[:, :-1].split(micro_batch), targets.split(micro_batch)
     docs: list = [None] * len(inputs)
     if document_mask:
         doc_ids = np.stack([shards.sample_document_ids(i, seq_len)[:-1] for shards, i in picks])
         docs = list(torch.from_numpy(doc_ids).split(micro_batch))
-    return [MicroBatch(i.contiguous(), t.contiguous(), d) for i, t, d in zip(inputs, targets, docs)]
+    return [MicroBatch(i.contiguous(), t.contiguous(), d, next_tokens=n)
+            for i, t, d, n in zip(inputs, targets, docs, nexts)]
 
 
 def validation_batches(shards: TokenShards, seq_len: int, micro_batch: int, batches: int,

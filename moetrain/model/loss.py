@@ -25,18 +25,27 @@ def model_loss(logits: torch.Tensor, targets: torch.Tensor, mtp_coef: float = 0.
 
     Without multi-token prediction: logits [B, S, V], targets [B, S]; the objective is
     :func:`lm_loss`. With it (DeepSeek-V3 §2.2, eq. 24-25): logits [B, S, 1 + D, V] and targets
-    [B, S, 1 + D] (:func:`moetrain.model.transformer.future_tokens`); the LM loss is module 0's,
-    module k's loss is the cross-entropy summed over the positions that have a token k + 1 ahead,
-    divided by all B·S positions (so that it adds up the same however a sample is split over
-    ranks; by ``divisor`` when given, as the LM loss), and the objective is LM + ``mtp_coef`` ·
-    mean over k of them.
+    [B, S, 1 + 2D] (:func:`moetrain.model.transformer.future_tokens`; channels 0 … D are the
+    targets); the LM loss is module 0's, module k's loss is the cross-entropy summed over the
+    positions whose target k + 1 ahead is trained, divided by all B·S positions (so that it adds
+    up the same however a sample is split over ranks) or by ``divisor`` when given: a scalar for
+    every module, or [1 + D], one per depth (with a loss mask, each depth's trained targets, as
+    Megatron-Core divides each MTP depth's loss by its own mask), and the objective is LM +
+    ``mtp_coef`` · mean over k of them.
     """
     if logits.dim() == 3:  # no MTP (also a model in eval mode given MTP targets: module 0's)
-        lm = lm_loss(logits, targets if targets.dim() == 2 else targets[..., 0], divisor)
+        lm = lm_loss(logits, targets if targets.dim() == 2 else targets[..., 0],
+                     divisor if divisor is None or divisor.dim() == 0 else divisor[0])
         return lm, lm, None
-    lm = lm_loss(logits[:, :, 0], targets[..., 0], divisor)
-    B, S, K = targets.shape
+    B, S, K = logits.shape[:3]
+
+    def div(k: int) -> torch.Tensor | float:
+        if divisor is None:
+            return B * S
+        return divisor if divisor.dim() == 0 else divisor[k]
+
+    lm = lm_loss(logits[:, :, 0], targets[..., 0], None if divisor is None else div(0))
     per = [F.cross_entropy(logits[:, :, k].flatten(0, 1), targets[..., k].flatten(), ignore_index=-100,
-                           reduction="sum") / (B * S if divisor is None else divisor) for k in range(1, K)]
+                           reduction="sum") / div(k) for k in range(1, K)]
     mtp = torch.stack(per).mean()
     return lm + mtp_coef * mtp, lm, mtp

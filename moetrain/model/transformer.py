@@ -188,7 +188,7 @@ class Transformer(nn.Module):
     def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, V] (fp32); with multi-token prediction, in training and given ``future``
-        ([B, S, 1 + mtp_depth] int64, :func:`future_tokens`), [B, S, 1 + mtp_depth, V]: the main
+        ([B, S, 1 + 2·mtp_depth] int64, :func:`future_tokens`), [B, S, 1 + mtp_depth, V]: the main
         head's and every MTP module's logits (:func:`moetrain.model.loss.model_loss`)."""
         h = self.tok_embeddings(tokens_or_h) if self.embeds_input else tokens_or_h
         S = h.shape[1]
@@ -211,17 +211,27 @@ class Transformer(nn.Module):
             return logits
         # Module k sees the previous module's hidden state and the embedding of the token k ahead
         # (ids beyond the sample, -100, embed as token 0: their predictions are not scored).
-        out = [logits]
+        out, depth = [logits], len(self.mtp)
         for k, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self.tok_embeddings(future[..., k - 1].clamp(min=0)), cos, sin, doc)
+            h = module(h, self.tok_embeddings(future[..., depth + k].clamp(min=0)), cos, sin, doc)
             out.append(self.output(h).float())
         return torch.stack(out, dim=2)
 
 
-def future_tokens(targets_BS: torch.Tensor, depth: int) -> torch.Tensor:
-    """[B, S, 1 + depth] int64: the target of position i and the next ``depth`` tokens after it
-    (t_{i+1}, …, t_{i+1+depth}), −100 (ignored) where they lie beyond the sample. Built on whole
-    samples (before context parallelism splits them)."""
+def future_tokens(targets_BS: torch.Tensor, depth: int, next_tokens_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S, 1 + 2·depth] int64 for multi-token prediction, built on whole samples (before
+    context parallelism splits them). Channels 0 … depth: the targets of position i, of the main
+    head and of each module k (t_{i+1}, …, t_{i+1+depth}), −100 (ignored) where the loss mask
+    excludes them (``targets_BS`` [B, S] carries it) or they lie beyond the sample: module k's
+    target is trained where the mask trains that token. Channels depth + k (k = 1 … depth): the
+    token module k embeds at position i, t_{i+k}, never masked (``next_tokens_BS`` [B, S], the
+    unmasked next tokens; None: ``targets_BS`` has no mask), −100 beyond the sample (DeepSeek-V3
+    §2.2)."""
     B, S = targets_BS.shape
-    padded = torch.cat([targets_BS, targets_BS.new_full((B, depth), -100)], dim=1)
-    return torch.stack([padded[:, j:j + S] for j in range(depth + 1)], dim=-1)
+    nxt = targets_BS if next_tokens_BS is None else next_tokens_BS
+
+    def shifted(t: torch.Tensor, j: int) -> torch.Tensor:
+        return torch.cat([t[:, j:], t.new_full((B, j), -100)], dim=1)
+
+    return torch.stack([shifted(targets_BS, j) for j in range(depth + 1)]
+                       + [shifted(nxt, k - 1) for k in range(1, depth + 1)], dim=-1)

@@ -360,7 +360,7 @@ class PipelineRunner:
 
     def _batch(self, micro_batches: list[MicroBatch]) -> tuple[tuple, torch.Tensor | None, dict]:
         """Step arguments: the [n·B, S] inputs where stage 0 lives, the [n·B, S] targets (or
-        [n·B, S, 1 + mtp_depth] with the MTP targets) where the last stage lives, and then also
+        [n·B, S, 1 + 2·mtp_depth] with the MTP targets and inputs) where the last stage lives, and then also
         the keyword argument ``future`` for its MTP modules; with document masking, the keyword
         argument ``doc_ids`` ([n·B, S_full]) on every stage: the schedule cuts keyword arguments
         into micro-batches and hands them to every stage, as every stage's attention needs them."""

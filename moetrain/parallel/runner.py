@@ -92,7 +92,7 @@ class SingleStageRunner:
         self.before_micro_batch: Callable[[int, int], None] | None = None
 
     def _loss(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(objective, LM loss, MTP loss or None); ``mb.targets`` [B, S, 1 + D] carries the MTP
+        """(objective, LM loss, MTP loss or None); ``mb.targets`` [B, S, 1 + 2D] carries the MTP
         targets (:func:`moetrain.model.transformer.future_tokens`)."""
         with phase(FORWARD):
             doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None

@@ -17,6 +17,8 @@ so that a window of near-equal losses does not flag rounding noise.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moetrain.config import AnomalyConfig
@@ -28,7 +30,9 @@ FLAGS = ("nonfinite", "spike", "skip", "z")
 
 
 class AnomalyGuard:
-    """The device side of ``train.anomaly`` for one run attempt (the window starts empty)."""
+    """The device side of ``train.anomaly``. The window of accepted losses travels with the
+    checkpoints (:meth:`state_dict`), so a run resumed or rolled back checks spikes from its first
+    step against the losses before it."""
 
     def __init__(self, cfg: AnomalyConfig, device: torch.device):
         self.cfg = cfg
@@ -56,6 +60,26 @@ class AnomalyGuard:
         self._losses.index_copy_(0, slot, torch.where(skip, self._losses.index_select(0, slot), loss.view(1)))
         self._count += (~skip).to(torch.int64)
         return torch.stack([nonfinite.to(torch.float64), spike.to(torch.float64), skip.to(torch.float64), z])
+
+    def state_dict(self) -> dict:
+        """``{"losses": [...]}``: the window's accepted losses, oldest first (at most ``window``).
+        Reads the device once (a checkpoint's, never a step's)."""
+        count, w = int(self._count.item()), self.cfg.window
+        ring = self._losses.tolist()
+        n = min(count, w)
+        start = count % w if count >= w else 0
+        return {"losses": [ring[(start + i) % w] for i in range(n)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue with the window of :meth:`state_dict` (its latest ``window`` losses when the
+        window is shorter now). Raises ValueError on a malformed state."""
+        losses = [float(x) for x in state.get("losses", [])][-self.cfg.window:]
+        if not all(math.isfinite(x) for x in losses):
+            raise ValueError(f"the anomaly window holds a non-finite loss: {losses}")
+        self._losses.zero_()
+        if losses:
+            self._losses[:len(losses)] = torch.tensor(losses, dtype=torch.float64)
+        self._count.fill_(len(losses))
 
 
 def gated_step(optimizers: list[torch.optim.Optimizer], skip: torch.Tensor) -> None:

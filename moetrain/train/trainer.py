@@ -264,6 +264,8 @@ class Trainer:
             _, path = found
             state = self.checkpointer.load(path, self.model_parts, self.optimizers)
             self.step = int(state["step"])
+            if "anomaly" in state:  # checkpoints of older versions start the window empty
+                self.anomaly.load_state_dict(state["anomaly"])
             blend_change = self.loader.load_state_dict(state)
             self._check_schedule(state.get("lr_schedule"), path)
             if blend_change is not None and self.ps.is_logging_rank:
@@ -307,7 +309,8 @@ class Trainer:
         (:meth:`moetrain.train.checkpoint.Checkpointer.save`)."""
         p = self.cfg.parallel
         layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "etp": p.etp, "zero_stage": p.zero_stage}
-        train_state = {"step": self.step, **self.loader.state_dict(), "lr_schedule": schedule_fields(self.cfg.train)}
+        train_state = {"step": self.step, **self.loader.state_dict(), "lr_schedule": schedule_fields(self.cfg.train),
+                       "anomaly": self.anomaly.state_dict()}
         return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout,
                                       wait=wait or not self.cfg.checkpoint.async_)
 
@@ -318,8 +321,9 @@ class Trainer:
         parallelism its two sequence chunks (:func:`moetrain.parallel.context.cp_shard`) of the
         inputs and targets (document ids stay whole: ring attention needs the other chunks'); on
         CUDA copied from pinned memory without waiting. ``mtp``: the targets become
-        [B, S, 1 + mtp_depth] (:func:`moetrain.model.transformer.future_tokens`), built on whole
-        samples before the split."""
+        [B, S, 1 + 2·mtp_depth] (:func:`moetrain.model.transformer.future_tokens`: the targets of
+        every depth, then the unmasked tokens the MTP modules embed), built on whole samples
+        before the split."""
         cp_rank, cp = self.ps.coord(CP), self.ps.size(CP)
         cuda = self.device.type == "cuda"
 
@@ -332,7 +336,7 @@ class Trainer:
         for mb in micro_batches:
             inputs, targets = mb.inputs, mb.targets
             if mtp:
-                targets = future_tokens(targets, self.cfg.model.mtp_depth)
+                targets = future_tokens(targets, self.cfg.model.mtp_depth, mb.next_tokens)
             if cp > 1:
                 inputs, targets = cp_shard(inputs, cp_rank, cp, 1), cp_shard(targets, cp_rank, cp, 1)
             out.append(MicroBatch(move(inputs), move(targets), move(mb.doc_ids)))
@@ -358,19 +362,24 @@ class Trainer:
         all ranks' micro-batches (their local counts summed over dp × cp: each cp rank holds its
         own chunks of the sequence) and ``n`` the micro-batches per rank; averaging over
         micro-batches and dp × cp then gives ``sum / N`` (Megatron-Core's per-token loss, its
-        ``calculate_per_token_loss``). One all-reduce of a device scalar; no host read. Without
-        the loss mask the micro-batches are returned as they are."""
+        ``calculate_per_token_loss``). With multi-token prediction one divisor per depth, [1 + D]
+        (each depth's own trained targets). One all-reduce of a device tensor; no host read.
+        Without the loss mask the micro-batches are returned as they are."""
         if not self.cfg.data.loss_mask or not micro_batches:
             return micro_batches
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        depths = 1 + self.cfg.model.mtp_depth
+        count = torch.zeros(depths, dtype=torch.float64, device=self.device)
         for mb in micro_batches:
-            count += (mb.targets != IGNORE_INDEX).sum()
+            trained = mb.targets != IGNORE_INDEX
+            count += trained[..., :depths].flatten(0, 1).sum(0) if mb.targets.dim() == 3 else trained.sum()
         if self.ps.size(DP_CP) > 1:
             dist.all_reduce(count, group=self.ps.group(DP_CP))
         divisor = count.clamp(min=1.0) / (len(micro_batches) * self.ps.size(DP_CP))
+        if depths == 1:
+            divisor = divisor[0]
         for mb in micro_batches:
             mb.loss_divisor = divisor
-        self._trained_tokens = count  # read with the step's metrics
+        self._trained_tokens = count[0]  # read with the step's metrics
         return micro_batches
 
     def train_step(self) -> StepResult:
@@ -749,6 +758,8 @@ class Trainer:
         _, path = found
         state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         self.step = int(state["step"])
+        if "anomaly" in state:  # the window as it was at the checkpoint's step
+            self.anomaly.load_state_dict(state["anomaly"])
         if self.ps.is_logging_rank:
             log.warning("step %d: rolled back to %s (step %d); steps %d-%d go on with the data after step %d's batch",
                         step, path, self.step, self.step + 1, step, step)
