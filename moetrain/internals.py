@@ -34,7 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import ScheduleInterleaved1F1B
 from torch.distributed.pipelining import schedules as _schedules
 
-__all__ = ["Action", "CHECKED_TORCH", "FORWARD", "FULL_BACKWARD", "OVERLAP_F_B", "PipelineRuntime", "disable_backward",
+__all__ = ["Action", "CHECKED_TORCH", "FORWARD", "FULL_BACKWARD", "LastStageOutputsUnchecked", "OVERLAP_F_B",
+           "PipelineRuntime", "disable_backward",
            "flatten_mesh", "unflatten_mesh", "foreach_norms", "fsdp_replicate", "gate_post_backward", "interleaved_1f1b_order",
            "keep_local_job", "local_shape_and_offset", "missing", "queue_backward_callback", "record_cuda_memory_history",
            "dump_cuda_memory_snapshot", "render_submission", "stage_keeps_outputs"]
@@ -160,6 +161,20 @@ def stage_keeps_outputs() -> bool:
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
     return "fwd_cache" in _PipelineStageBase.__init__.__code__.co_names
+
+
+class LastStageOutputsUnchecked:
+    """Mixin for a ``PipelineStage``: torch 2.11-2.13 check every forward's outputs against the
+    shapes of the stage's first forward (``_validate_fwd_outputs``; 2.14 no longer does). The last
+    stage's outputs go to the loss, never to a peer, and with multi-token prediction its logits
+    are [B, S, 1 + D, V] in training and [B, S, V] in evaluation: the check is skipped there and
+    kept for every stage that sends its outputs on."""
+
+    def _validate_fwd_outputs(self, outputs: tuple) -> None:
+        if not self.is_last:  # type: ignore[attr-defined]
+            check = getattr(super(), "_validate_fwd_outputs", None)
+            if check is not None:
+                check(outputs)
 
 
 class PipelineRuntime(_schedules._PipelineScheduleRuntime):

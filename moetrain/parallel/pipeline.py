@@ -79,6 +79,7 @@ from moetrain.internals import (
     FULL_BACKWARD,
     OVERLAP_F_B,
     Action,
+    LastStageOutputsUnchecked,
     PipelineRuntime,
     disable_backward,
     interleaved_1f1b_order,
@@ -260,9 +261,11 @@ class MergedPairsSchedule(PipelineRuntime):
         pair.run(lambda at_end: self._backward(bwd, at_end), lambda: self._forward(fwd, ctx))
 
 
-class _Stage(PipelineStage):
+class _Stage(LastStageOutputsUnchecked, PipelineStage):
     """torch's pipeline stage, its forward and backward of a micro-batch marked as
-    :mod:`moetrain.ranges`' forward / backward in profiles (every schedule calls these three)."""
+    :mod:`moetrain.ranges`' forward / backward in profiles (every schedule calls these three); the
+    last stage's logits may change shape between training and evaluation (multi-token
+    prediction: :class:`moetrain.internals.LastStageOutputsUnchecked`)."""
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         with ranges.phase(ranges.FORWARD):

@@ -26,7 +26,9 @@ Phases of one step on the slowest pipeline rank (all times per micro-batch unles
 4. data parallel: the gradient reduce-scatter (all-reduce at ZeRO-0) overlaps with the last
    micro-batch's backward, the parameter all-gather with the next step's first forward
    (Megatron's overlap_grad_reduce / overlap_param_gather); ZeRO-2 reduce-scatters every
-   micro-batch, ZeRO-3 also gathers parameters for every forward and backward.
+   micro-batch, ZeRO-3 also gathers parameters for every forward and backward. Where the expert
+   all-to-alls cross the same off-node tier as the data-parallel group, they hold that link
+   for their share of the forward and backward, and only the rest hides the reduction.
 5. optimizer: Adam reads and writes 30 bytes per local parameter shard at HBM bandwidth; the
    software's passes over the whole gradient buffer (``grad_buffer_bytes`` per local parameter:
    Megatron-Core zeroes, NaN-checks and pre-scales it) likewise.
