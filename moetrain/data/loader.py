@@ -237,7 +237,7 @@ def _micro_batches(picks: list[tuple[TokenShards, int]], seq_len: int, micro_bat
     nexts: list = [None] * len(picks)
     if loss_mask:
         trained = np.stack([shards.sample_loss_mask(i, seq_len)[1:] for shards, i in picks])
-        nexts = [t.contiguous() for t in targets.split(micro_batch)]
+        nexts = list(targets.split(micro_batch))  # views of the unmasked tokens (masked_fill copies)
         targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE_INDEX)
     inputs, targets = tokens[:, :-1].split(micro_batch), targets.split(micro_batch)
     docs: list = [None] * len(inputs)
