@@ -29,6 +29,8 @@ from moetrain.utils import ConfigError, atomic_write, field_error  # the error s
 __all__ = [
     "ConfigError",
     "field_error",
+    "LayoutFacts",
+    "layout_refusal",
     "RunConfig",
     "ModelConfig",
     "MoEConfig",
@@ -1321,6 +1323,259 @@ def pipeline_stage_layers(layers: int, num_stages: int, first: int | None = None
     return [fixed.get(i, per) for i in range(num_stages)]
 
 
+
+@dataclass(frozen=True)
+class LayoutFacts:
+    """A parallel layout (sizes, schedule, ZeRO stage, micro-batch, recomputation) and what of
+    the model, batch and run its rules read: the input of :func:`layout_refusal`, the one set of
+    rules that refuses layouts, which :func:`validate` applies to a config and the planner
+    (:meth:`moetrain.planner.search.Planner.check`) to every layout it evaluates or searches.
+
+    Field names are the config's (``parallel.*``, ``train.*``, ``model.*``, ``moe.*``): a
+    refusal names the field to change. :meth:`from_config` reads them from a config; the
+    planner replaces the layout's fields in it for each candidate."""
+
+    # the layout (parallel.*, train.micro_batch_size)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    virtual_stages: int = 1
+    zero_stage: int = 1
+    pp_schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"
+    dp_shard: int | None = None
+    micro_batch_size: int = 1
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
+    # Also refuse what this version of moetrain cannot run on any device yet (tied embeddings
+    # over pp, ZeRO-3 under zero_bubble, the interleaved schedules' rounds): validate with a
+    # device (submit's check, every rank) and the planner of moetrain.plan.
+    runnable: bool = True
+    # A published run of another framework, planned as it ran: its own split of the layers over
+    # the stages, its own padding of the dense MLP's width to tp, none of moetrain's limits (nor
+    # those of the installed torch).
+    published: bool = False
+    # the model
+    layers: int = 1
+    heads: int = 1
+    kv_heads: int = 1
+    hidden: int = 1
+    ffn_hidden: int = 1
+    dense_layers: bool = True  # some layer has a dense MLP (model.ffn_hidden is split over tp)
+    seq_len: int = 1
+    vocab_size: int | None = None
+    num_experts: int = 0
+    moe_ffn_hidden: int = 0
+    expert_biases: bool = False
+    tie_embeddings: bool = False
+    flex_attention: bool = False  # model.attention_backend = flex
+    # the batch and the run
+    global_batch_size: int = 1
+    ep_overlap: bool = False
+    ep_overlap_split: str = "auto"
+    split_blocker: str | None = None  # why micro-batches cannot be halved whatever the layout
+    compile: bool = False
+    fp8_block: int | None = None  # train.fp8_block with the blockwise fp8 recipe, else None
+    qk_clip: float | None = None
+    profile_ranks: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg: "Config", runnable: bool = True, published: bool = False) -> "LayoutFacts":
+        m, moe, par, tr = cfg.model, cfg.moe, cfg.parallel, cfg.train
+        return cls(runnable=runnable and not published, published=published,
+                   tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, etp=par.etp,
+                   virtual_stages=par.virtual_stages, zero_stage=par.zero_stage, pp_schedule=par.pp_schedule,
+                   sequence_parallel=par.sequence_parallel, activation_checkpointing=par.activation_checkpointing,
+                   dp_shard=par.dp_shard, micro_batch_size=tr.micro_batch_size,
+                   pp_first_stage_layers=par.pp_first_stage_layers, pp_last_stage_layers=par.pp_last_stage_layers,
+                   layers=m.layers, heads=m.heads, kv_heads=m.kv_heads, hidden=m.hidden, ffn_hidden=m.ffn_hidden,
+                   dense_layers=_has_dense_layers(cfg), seq_len=m.seq_len, vocab_size=m.vocab_size,
+                   num_experts=moe.num_experts, moe_ffn_hidden=moe.ffn_hidden,
+                   expert_biases=moe.expert_biases and moe.num_experts > 0, tie_embeddings=m.tie_embeddings,
+                   flex_attention=m.attention_backend == "flex", global_batch_size=tr.global_batch_size,
+                   ep_overlap=par.ep_overlap, ep_overlap_split=par.ep_overlap_split,
+                   split_blocker=_static_split_blocker(cfg), compile=tr.compile,
+                   fp8_block=tr.fp8_block if tr.precision == "fp8" and tr.fp8_recipe == "blockwise" else None,
+                   qk_clip=tr.qk_clip, profile_ranks=tuple(tr.profile.ranks) if tr.profile else ())
+
+
+def _has_dense_layers(cfg: "Config") -> bool:
+    try:
+        return not all(cfg.moe.is_moe_layer(i) for i in range(cfg.model.layers))
+    except (ZeroDivisionError, ValueError):  # moe.every out of bounds: _check_moe names it
+        return True
+
+
+def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
+    """Why this layout cannot run, as ``(field, value, why, fix)`` (:func:`field_error`'s
+    arguments), or None: every rule that refuses a layout for its sizes, schedule, ZeRO stage,
+    micro-batch or recomputation, on any device. ``validate`` raises the first refusal as a
+    :class:`ConfigError`; the planner gives it as the reason a layout is not ranked."""
+    ranks, stages = f.dp * f.cp, f.pp * f.virtual_stages
+    for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch_size", "global_batch_size"):
+        if getattr(f, name) <= 0:
+            section = "train" if name.endswith("batch_size") else "parallel"
+            return f"{section}.{name}", getattr(f, name), "must be positive", "use a value greater than 0"
+    if f.num_experts % f.ep:
+        fit = [d for d in _divisors(f.num_experts) if ranks % d == 0]
+        return ("parallel.ep", f.ep, f"moe.num_experts={f.num_experts} is not divisible by it",
+                f"choose ep among {_nearest(f.ep, fit)}")
+    if not f.num_experts and f.ep != 1:
+        return ("parallel.ep", f.ep, "expert parallelism needs experts but moe.num_experts = 0",
+                "set parallel.ep=1 or give moe.num_experts")
+    if ranks % f.ep:
+        return ("parallel.ep", f.ep, f"ep is carved out of dp × cp = {f.dp} × {f.cp} = {ranks} ranks and must "
+                "divide it", f"choose ep among {_nearest(f.ep, _divisors(ranks))} or raise dp/cp")
+    if f.zero_stage not in (0, 1, 2, 3):
+        return "parallel.zero_stage", f.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3"
+    if f.dp_shard is not None:
+        if f.dp_shard < 1 or ranks % f.dp_shard:
+            return ("parallel.dp_shard", f.dp_shard, f"HSDP shards over groups that must divide dp × cp = {f.dp} × "
+                    f"{f.cp} = {ranks} ranks", f"choose among {_divisors(ranks)} or null (shard over all of them)")
+        if f.zero_stage == 0:
+            return ("parallel.dp_shard", f.dp_shard, "HSDP shards parameters, optimizer states and gradients, but "
+                    "zero_stage 0 replicates them all", "set parallel.zero_stage to 1, 2 or 3, or dp_shard: null")
+    if f.runnable and f.pp > 1 and f.zero_stage == 3 and f.pp_schedule == "zero_bubble":
+        # Measured: with parameters resharded after forward, the weight-gradient half of the split
+        # backward leaves the FSDP-managed gradients of every stage but the first at zero.
+        return ("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' (torch 2.13)",
+                "use zero_stage 1 or 2, or another pp_schedule")
+    if f.heads % f.tp:
+        return ("parallel.tp", f.tp, f"model.heads={f.heads} is not divisible by it",
+                f"choose tp among {_nearest(f.tp, _divisors(f.heads))}")
+    if f.kv_heads % f.tp:
+        return ("parallel.tp", f.tp, f"model.kv_heads={f.kv_heads} is not divisible by it",
+                f"choose tp among {_nearest(f.tp, _divisors(f.kv_heads))} or raise kv_heads")
+    if not f.published and f.ffn_hidden % f.tp and f.dense_layers:
+        return ("model.ffn_hidden", f.ffn_hidden, f"not divisible by parallel.tp = {f.tp} (the dense MLP's width "
+                "is split over tp)", f"use a multiple of {f.tp}")
+    if f.virtual_stages > 1 and f.pp == 1:
+        return ("parallel.virtual_stages", f.virtual_stages, "virtual stages split a pipeline rank's blocks, and "
+                "pp = 1", "set parallel.virtual_stages=1, or pp >= 2")
+    if f.published:
+        if stages > f.layers:
+            return ("parallel.pp", f.pp, f"pp × virtual_stages = {stages} stages for model.layers={f.layers}",
+                    f"choose pp × virtual_stages <= {f.layers}")
+    elif f.pp_first_stage_layers is None and f.pp_last_stage_layers is None:
+        if f.layers % stages:
+            return ("parallel.pp", f.pp, f"model.layers={f.layers} is not divisible by pp × virtual_stages = "
+                    f"{stages}", f"choose pp × virtual_stages among {_nearest(stages, _divisors(f.layers))}, or "
+                    "set parallel.pp_first_stage_layers / pp_last_stage_layers for an uneven split")
+    else:
+        try:
+            pipeline_stage_layers(f.layers, stages, f.pp_first_stage_layers, f.pp_last_stage_layers)
+        except ValueError as e:
+            name = "pp_first_stage_layers" if f.pp_first_stage_layers is not None else "pp_last_stage_layers"
+            return (f"parallel.{name}", getattr(f, name), f"{e} (model.layers={f.layers}, pp × virtual_stages="
+                    f"{stages})", "choose end-stage block counts that leave a multiple of the other stages' count")
+    if f.virtual_stages > 1 and f.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
+        return ("parallel.virtual_stages", f.virtual_stages, f"pp_schedule={f.pp_schedule!r} runs one stage per "
+                "rank", "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
+    if f.etp not in (1, f.tp):
+        return ("parallel.etp", f.etp, f"expert-tensor parallelism splits experts over all tp ranks or none "
+                f"(tp = {f.tp})", f"use etp 1 or {f.tp}")
+    if f.etp > 1 and f.num_experts and f.moe_ffn_hidden % f.etp:
+        return ("parallel.etp", f.etp, f"moe.ffn_hidden={f.moe_ffn_hidden} is not divisible by it",
+                f"use etp=1 or an ffn_hidden that is a multiple of {f.etp}")
+    if f.expert_biases and f.etp > 1:
+        return ("moe.expert_biases", True, f"not supported with parallel.etp = {f.etp} (the output bias would be "
+                "added on every tp rank before their sum)", "use etp: 1")
+    if f.sequence_parallel and f.tp == 1:
+        return ("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
+                "set parallel.sequence_parallel=false or tp >= 2")
+    if (refusal := _ep_overlap_refusal(f)) is not None:
+        return refusal
+    # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence (with etp = 1), with
+    # or without SP.
+    tp_splits_seq = f.tp > 1 and (f.sequence_parallel or (f.num_experts > 0 and f.etp == 1))
+    seq_div = (2 * f.cp if f.cp > 1 else 1) * (f.tp if tp_splits_seq else 1)
+    if f.seq_len % seq_div:
+        what = f"2 × cp ({2 * f.cp})" if f.cp > 1 else ""
+        if tp_splits_seq:
+            why = ("sequence parallelism" if f.sequence_parallel
+                   else "MoE layers (each tp rank routes 1/tp of the sequence)")
+            what = (what + " × " if what else "") + f"tp ({f.tp}) with {why}"
+        return ("model.seq_len", f.seq_len, f"not divisible by {what}", f"use a seq_len that is a multiple of "
+                f"{seq_div}, e.g. {max(seq_div, f.seq_len // seq_div * seq_div)}")
+    if f.vocab_size is not None and f.vocab_size % f.tp:
+        return ("model.vocab_size", f.vocab_size, f"not divisible by tp={f.tp} (vocabulary-parallel embedding)",
+                "pad the vocabulary to a multiple of tp or set vocab_size: null")
+    if f.flex_attention and f.cp > 1:
+        return ("model.attention_backend", "flex", "under context parallelism the ring attention computes "
+                "attention (its kernels are sdpa's and flash-attn's)",
+                "use attention_backend sdpa or flash with cp > 1")
+    if f.runnable and f.tie_embeddings and f.pp > 1:
+        # The tied weight would live on the first and the last stage; summing its two gradients
+        # over pp (Megatron's embedding group) is not implemented.
+        return ("model.tie_embeddings", True, f"not supported with parallel.pp = {f.pp} yet",
+                "set model.tie_embeddings=false or pp=1")
+    if f.global_batch_size % (q := f.micro_batch_size * f.dp):
+        return ("train.global_batch_size", f.global_batch_size, f"not divisible by micro_batch_size × dp = "
+                f"{f.micro_batch_size} × {f.dp} = {q}", f"use a multiple of {q}, e.g. "
+                f"{max(q, f.global_batch_size // q * q)}")
+    n = f.global_batch_size // q
+    if f.pp > 1 and n < f.pp and f.pp_schedule != "gpipe":
+        return ("train.global_batch_size", f.global_batch_size, f"gives {n} micro-batches per step but "
+                f"pp_schedule={f.pp_schedule!r} needs at least pp = {f.pp}", f"use global_batch_size >= {f.pp * q}")
+    # torch's interleaved schedules run n in rounds of n // pp micro-batches (at least one round).
+    rounds = max(1, n // f.pp)
+    if f.runnable and f.pp > 1 and f.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n % rounds:
+        return ("train.global_batch_size", f.global_batch_size, f"gives {n} micro-batches per step; "
+                f"pp_schedule={f.pp_schedule!r} needs a multiple of {rounds} (rounds of n // pp)",
+                f"use a number of micro-batches that is < pp·2 or a multiple of pp, e.g. {f.pp * rounds}")
+    if f.fp8_block is not None and f.tp > 1:
+        # Block scales are taken on each tp rank's shard: the shards must be whole blocks.
+        widths = {"model.hidden": (f.hidden, f.tp), "model.ffn_hidden": (f.ffn_hidden, f.tp)}
+        if f.num_experts and f.etp > 1:
+            widths["moe.ffn_hidden"] = (f.moe_ffn_hidden, f.etp)
+        for name, (width, shards) in widths.items():
+            if width and (width // shards) % f.fp8_block:
+                return ("train.fp8_block", f.fp8_block, f"a tp shard of {name} = {width} is {width // shards} wide, "
+                        "no whole number of blocks", f"use a block that divides {width // shards}")
+    if f.qk_clip is not None and f.cp > 1:
+        return ("train.qk_clip", f.qk_clip, "QK-clip needs each head's largest logit over all its keys, but under "
+                "context parallelism each rank computes the logits of its key blocks inside ring attention and "
+                "they never exist whole", "set parallel.cp=1 or qk_clip: null")
+    world = f.pp * f.dp * f.cp * f.tp
+    if bad := [r for r in f.profile_ranks if not 0 <= r < world]:
+        return ("train.profile.ranks", list(f.profile_ranks), f"rank(s) {bad} outside the world of {world}",
+                f"use ranks in 0..{world - 1}, or [] for every rank")
+    return None
+
+
+def _ep_overlap_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
+    if not f.ep_overlap:
+        if f.ep_overlap_split == "always":
+            return ("parallel.ep_overlap_split", "always", "splits the micro-batches of ep_overlap, which is off",
+                    "set parallel.ep_overlap: true, or parallel.ep_overlap_split: auto")
+        return None
+    if f.ep_overlap_split == "always":
+        if (why := _split_layout_blocker(f.pp, f.micro_batch_size) or f.split_blocker) is not None:
+            return "parallel.ep_overlap_split", "always", why, "set parallel.ep_overlap_split: auto or never"
+    if f.ep == 1:
+        return ("parallel.ep_overlap", True, "there is no expert all-to-all to hide with ep = 1",
+                "set parallel.ep_overlap: false, or ep >= 2")
+    if blocked := ep_overlap_blocker(f.pp, f.pp_schedule, f.zero_stage, f.activation_checkpointing):
+        return ("parallel.ep_overlap", True, *blocked)
+    if not f.published and f.pp > 1:
+        from moetrain.internals import stage_keeps_outputs  # torch's pipelining: only where it matters
+
+        if not stage_keeps_outputs():
+            import torch
+
+            return ("parallel.ep_overlap", True, f"with pp > 1 starts a merged pair's backward from the stage's saved "
+                    f"forward outputs, which torch {torch.__version__}'s pipeline stages no longer keep (fwd_cache, "
+                    f"removed in torch 2.15)", "set parallel.ep_overlap: false with pp > 1, or use torch 2.11-2.14")
+    if f.compile:
+        return ("parallel.ep_overlap", True, "does not run with train.compile (the turn-taking at the all-to-alls is "
+                "Python, a graph break inside every block)", "set train.compile: false, or parallel.ep_overlap: false")
+    return None
+
+
 def validate(cfg: Config, device: str | None = None) -> None:
     """Check every rule, one function per section; raises :class:`ConfigError` on the first violation.
 
@@ -1368,77 +1623,13 @@ def _bounds(cfg: Config, section: str, positive: str = "", non_negative: str = "
 
 
 def _check_parallel(cfg: Config, device: str | None) -> None:
-    m, moe, par = cfg.model, cfg.moe, cfg.parallel
-    _bounds(cfg, "parallel", positive="dp tp pp cp ep virtual_stages")
-    ranks = par.dp * par.cp
-    if moe.num_experts % par.ep:
-        fit = [d for d in _divisors(moe.num_experts) if ranks % d == 0]
-        raise field_error("parallel.ep", par.ep, f"moe.num_experts={moe.num_experts} is not divisible by it",
-                          f"choose ep among {_nearest(par.ep, fit)}")
-    if not moe.num_experts and par.ep != 1:
-        raise field_error("parallel.ep", par.ep, "expert parallelism needs experts but moe.num_experts = 0",
-                          "set parallel.ep=1 or give moe.num_experts")
-    if ranks % par.ep:
-        raise field_error("parallel.ep", par.ep, f"ep is carved out of dp × cp = {par.dp} × {par.cp} = {ranks} ranks "
-                          "and must divide it", f"choose ep among {_nearest(par.ep, _divisors(ranks))} or raise dp/cp")
-    if par.zero_stage not in (0, 1, 2, 3):
-        raise field_error("parallel.zero_stage", par.zero_stage, "not a ZeRO stage", "use 0, 1, 2 or 3")
-    if par.dp_shard is not None:
-        if par.dp_shard < 1 or ranks % par.dp_shard:
-            raise field_error("parallel.dp_shard", par.dp_shard, f"HSDP shards over groups that must divide dp × cp = "
-                              f"{par.dp} × {par.cp} = {ranks} ranks", f"choose among {_divisors(ranks)} or null "
-                              "(shard over all of them)")
-        if par.zero_stage == 0:
-            raise field_error("parallel.dp_shard", par.dp_shard, "HSDP shards parameters, optimizer states and "
-                              "gradients, but zero_stage 0 replicates them all", "set parallel.zero_stage to 1, 2 or "
-                              "3, or dp_shard: null")
-    if device and par.pp > 1 and par.zero_stage == 3 and par.pp_schedule == "zero_bubble":
-        # Measured: with parameters resharded after forward, the weight-gradient half of the split
-        # backward leaves the FSDP-managed gradients of every stage but the first at zero.
-        raise field_error("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' "
-                          "(torch 2.13)", "use zero_stage 1 or 2, or another pp_schedule")
-    if m.heads % par.tp:
-        raise field_error("parallel.tp", par.tp, f"model.heads={m.heads} is not divisible by it",
-                          f"choose tp among {_nearest(par.tp, _divisors(m.heads))}")
-    if m.kv_heads % par.tp:
-        raise field_error("parallel.tp", par.tp, f"model.kv_heads={m.kv_heads} is not divisible by it",
-                          f"choose tp among {_nearest(par.tp, _divisors(m.kv_heads))} or raise kv_heads")
-    if m.ffn_hidden % par.tp and not all(cfg.moe.is_moe_layer(i) for i in range(m.layers)):
-        raise field_error("model.ffn_hidden", m.ffn_hidden, f"not divisible by parallel.tp = {par.tp} (the dense "
-                          "MLP's width is split over tp)", f"use a multiple of {par.tp}")
-    stages = par.pp * par.virtual_stages
-    if par.pp_first_stage_layers is None and par.pp_last_stage_layers is None:
-        if m.layers % stages:
-            raise field_error("parallel.pp", par.pp, f"model.layers={m.layers} is not divisible by pp × "
-                              f"virtual_stages = {stages}", "choose pp × virtual_stages among "
-                              f"{_nearest(stages, _divisors(m.layers))}, or set parallel.pp_first_stage_layers / "
-                              "pp_last_stage_layers for an uneven split")
-    else:
-        try:
-            pipeline_stage_layers(m.layers, stages, par.pp_first_stage_layers, par.pp_last_stage_layers)
-        except ValueError as e:
-            field = "pp_first_stage_layers" if par.pp_first_stage_layers is not None else "pp_last_stage_layers"
-            raise field_error(f"parallel.{field}", getattr(par, field), f"{e} (model.layers={m.layers}, pp × "
-                              f"virtual_stages={stages})", "choose end-stage block counts that leave a multiple of "
-                              "the other stages' count") from None
-    if par.virtual_stages > 1 and par.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
-        raise field_error("parallel.virtual_stages", par.virtual_stages, f"pp_schedule={par.pp_schedule!r} runs one "
-                          "stage per rank", "use pp_schedule interleaved_1f1b or zero_bubble, or virtual_stages=1")
-    if par.etp not in (1, par.tp):
-        raise field_error("parallel.etp", par.etp, f"expert-tensor parallelism splits experts over all tp "
-                          f"ranks or none (tp = {par.tp})", f"use etp 1 or {par.tp}")
-    if par.etp > 1 and moe.num_experts and moe.ffn_hidden % par.etp:
-        raise field_error("parallel.etp", par.etp, f"moe.ffn_hidden={moe.ffn_hidden} is not divisible by it",
-                          f"use etp=1 or an ffn_hidden that is a multiple of {par.etp}")
-    if par.sequence_parallel and par.tp == 1:
-        raise field_error("parallel.sequence_parallel", True, "sequence parallelism needs tp > 1",
-                          "set parallel.sequence_parallel=false or tp >= 2")
-    if par.ep_overlap:
-        _check_ep_overlap(cfg)
-    elif par.ep_overlap_split == "always":
-        raise field_error("parallel.ep_overlap_split", "always", "splits the micro-batches of ep_overlap, which is off",
-                          "set parallel.ep_overlap: true, or parallel.ep_overlap_split: auto")
-    elif par.delay_wgrad_compute:
+    par = cfg.parallel
+    # what the layout rules divide by
+    _bounds(cfg, "model", positive="layers hidden heads kv_heads ffn_hidden seq_len vocab_multiple vocab_size")
+    _bounds(cfg, "train", positive="micro_batch_size global_batch_size")
+    if refusal := layout_refusal(LayoutFacts.from_config(cfg, runnable=device is not None)):
+        raise field_error(*refusal)
+    if par.delay_wgrad_compute and not par.ep_overlap:
         raise field_error("parallel.delay_wgrad_compute", True, "defers weight gradients behind the token "
                           "all-to-alls of ep_overlap's merged pairs, and ep_overlap is off",
                           "set parallel.ep_overlap: true, or parallel.delay_wgrad_compute: false")
@@ -1446,10 +1637,21 @@ def _check_parallel(cfg: Config, device: str | None) -> None:
 
 def _split_blocker(cfg: Config) -> str | None:
     """Why ``parallel.ep_overlap_split`` cannot split this config's micro-batches, or None."""
-    if not cfg.parallel.ep_overlap or cfg.parallel.pp > 1:
+    if not cfg.parallel.ep_overlap:
         return "it splits the micro-batches of ep_overlap at pp = 1"
-    if cfg.train.micro_batch_size % 2:
-        return f"train.micro_batch_size = {cfg.train.micro_batch_size} does not split into two halves"
+    return _split_layout_blocker(cfg.parallel.pp, cfg.train.micro_batch_size) or _static_split_blocker(cfg)
+
+
+def _split_layout_blocker(pp: int, micro_batch_size: int) -> str | None:
+    if pp > 1:
+        return "it splits the micro-batches of ep_overlap at pp = 1"
+    if micro_batch_size % 2:
+        return f"train.micro_batch_size = {micro_batch_size} does not split into two halves"
+    return None
+
+
+def _static_split_blocker(cfg: Config) -> str | None:
+    """What keeps ``parallel.ep_overlap_split`` from halving micro-batches in any layout."""
     if cfg.moe.capacity_factor is not None:
         return "with moe.capacity_factor each half would drop tokens by its own capacity"
     if cfg.model.mtp_depth and not cfg.data.loss_mask:
@@ -1491,34 +1693,8 @@ def ep_overlap_blocker(pp: int, pp_schedule: str, zero_stage: int, activation_ch
     return None
 
 
-def _check_ep_overlap(cfg: Config) -> None:
-    par = cfg.parallel
-    if par.ep_overlap_split == "always" and (why := _split_blocker(cfg)) is not None:
-        raise field_error("parallel.ep_overlap_split", "always", why, "set parallel.ep_overlap_split: auto or never")
-    if par.ep == 1:
-        raise field_error("parallel.ep_overlap", True, "there is no expert all-to-all to hide with ep = 1",
-                          "set parallel.ep_overlap: false, or ep >= 2")
-    if blocked := ep_overlap_blocker(par.pp, par.pp_schedule, par.zero_stage, par.activation_checkpointing):
-        raise field_error("parallel.ep_overlap", True, *blocked)
-    if par.pp > 1:
-        from moetrain.internals import stage_keeps_outputs  # torch's pipelining: only where it matters
-
-        if not stage_keeps_outputs():
-            import torch
-
-            raise field_error("parallel.ep_overlap", True, f"with pp > 1 starts a merged pair's backward from the "
-                              f"stage's saved forward outputs, which torch {torch.__version__}'s pipeline stages no "
-                              f"longer keep (fwd_cache, removed in torch 2.15)",
-                              "set parallel.ep_overlap: false with pp > 1, or use torch 2.11-2.14")
-    if cfg.train.compile:
-        raise field_error("parallel.ep_overlap", True, "does not run with train.compile (the turn-taking at the "
-                          "all-to-alls is Python, a graph break inside every block)",
-                          "set train.compile: false, or parallel.ep_overlap: false")
-
-
 def _check_model(cfg: Config, device: str | None) -> None:
-    m, par = cfg.model, cfg.parallel
-    _bounds(cfg, "model", positive="layers hidden heads kv_heads ffn_hidden seq_len vocab_multiple vocab_size")
+    m = cfg.model
     if m.attention == "mla":
         pass  # MLA's head widths are its own fields (checked below)
     elif m.head_dim is None:
@@ -1565,21 +1741,6 @@ def _check_model(cfg: Config, device: str | None) -> None:
     elif m.heads % m.kv_heads:
         raise field_error("model.kv_heads", m.kv_heads, f"model.heads={m.heads} is not divisible by it (GQA groups)",
                           f"choose kv_heads among {_nearest(m.kv_heads, _divisors(m.heads))}")
-    # Under tp an MoE layer works on a 1/tp slice of the (cp-local) sequence (with etp = 1), with
-    # or without SP.
-    tp_splits_seq = par.tp > 1 and (par.sequence_parallel or (cfg.moe.num_experts > 0 and par.etp == 1))
-    seq_div = (2 * par.cp if par.cp > 1 else 1) * (par.tp if tp_splits_seq else 1)
-    if m.seq_len % seq_div:
-        what = f"2 × cp ({2 * par.cp})" if par.cp > 1 else ""
-        if tp_splits_seq:
-            why = ("sequence parallelism" if par.sequence_parallel
-                   else "MoE layers (each tp rank routes 1/tp of the sequence)")
-            what = (what + " × " if what else "") + f"tp ({par.tp}) with {why}"
-        raise field_error("model.seq_len", m.seq_len, f"not divisible by {what}", f"use a seq_len that is a multiple "
-                          f"of {seq_div}, e.g. {max(seq_div, m.seq_len // seq_div * seq_div)}")
-    if m.vocab_size is not None and m.vocab_size % par.tp:
-        raise field_error("model.vocab_size", m.vocab_size, f"not divisible by tp={par.tp} (vocabulary-parallel "
-                          "embedding)", "pad the vocabulary to a multiple of tp or set vocab_size: null")
     if m.attention_sinks and m.attention_backend != "sdpa":
         raise field_error("model.attention_backend", m.attention_backend, "takes no attention sinks",
                           "use attention_backend sdpa (its blockwise kernel merges the sinks)")
@@ -1600,15 +1761,6 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if device != "cuda":
             raise field_error("model.attention_backend", "flex", "flex_attention has no backward on CPU in torch 2.13",
                               "use attention_backend sdpa on CPU (document masks work there too)")
-        if par.cp > 1:
-            raise field_error("model.attention_backend", "flex", "under context parallelism the ring attention "
-                              "computes attention (its kernels are sdpa's and flash-attn's)",
-                              "use attention_backend sdpa or flash with cp > 1")
-    if m.tie_embeddings and par.pp > 1:
-        # The tied weight would live on the first and the last stage; summing its two gradients
-        # over pp (Megatron's embedding group) is not implemented.
-        raise field_error("model.tie_embeddings", True, f"not supported with parallel.pp = {par.pp} yet",
-                          "set model.tie_embeddings=false or pp=1")
 
 
 def _check_moe(cfg: Config, device: str | None) -> None:
@@ -1654,9 +1806,6 @@ def _check_moe(cfg: Config, device: str | None) -> None:
         if moe.max_nodes_per_token is not None:
             raise field_error("moe.max_nodes_per_token", moe.max_nodes_per_token, "node-limited routing and "
                               "moe.n_group both limit the groups a token may use", "use one of them")
-    if moe.expert_biases and cfg.parallel.etp > 1:
-        raise field_error("moe.expert_biases", True, f"not supported with parallel.etp = {cfg.parallel.etp} (the "
-                          "output bias would be added on every tp rank before their sum)", "use etp: 1")
     if moe.swiglu_limit <= 0:
         raise field_error("moe.swiglu_limit", moe.swiglu_limit, "must be positive", "use e.g. 7.0 (GPT-OSS)")
     # moetrain.model.moe's backends: megablocks and CUDA's grouped GEMM want CUDA and bf16.
@@ -1680,21 +1829,12 @@ def _check_moe(cfg: Config, device: str | None) -> None:
 
 
 def _check_train(cfg: Config, device: str | None) -> None:
-    tr, par = cfg.train, cfg.parallel
+    tr = cfg.train
     _bounds(cfg, "train", positive="steps micro_batch_size global_batch_size lr log_every",
             non_negative="warmup_steps val_every grad_clip min_lr")
     if tr.decay_steps is not None and tr.decay_steps <= tr.warmup_steps:
         raise field_error("train.decay_steps", tr.decay_steps, f"must exceed train.warmup_steps = {tr.warmup_steps}",
                           "use a larger value, or null for train.steps")
-    if tr.global_batch_size % (q := tr.micro_batch_size * par.dp):
-        raise field_error("train.global_batch_size", tr.global_batch_size, f"not divisible by micro_batch_size × "
-                          f"dp = {tr.micro_batch_size} × {par.dp} = {q}",
-                          f"use a multiple of {q}, e.g. {max(q, tr.global_batch_size // q * q)}")
-    n = cfg.grad_accum_steps
-    if par.pp > 1 and n < par.pp and par.pp_schedule != "gpipe":
-        raise field_error("train.global_batch_size", tr.global_batch_size, f"gives {n} micro-batches per step but "
-                          f"pp_schedule={par.pp_schedule!r} needs at least pp = {par.pp}",
-                          f"use global_batch_size >= {par.pp * q}")
     if tr.min_lr > tr.lr:
         raise field_error("train.min_lr", tr.min_lr, f"larger than train.lr={tr.lr}", "use min_lr <= lr")
     if tr.fp8_block < 1:
@@ -1702,23 +1842,6 @@ def _check_train(cfg: Config, device: str | None) -> None:
     if tr.precision == "fp8" and tr.compile:
         raise field_error("train.compile", True, "not proved with train.precision fp8 yet (the fp8 GEMMs' autograd "
                           "function under inductor)", "set train.compile: false, or train.precision: bf16")
-    if tr.precision == "fp8" and tr.fp8_recipe == "blockwise" and par.tp > 1:
-        # Block scales are taken on each tp rank's shard: the shards must be whole blocks.
-        m = cfg.model
-        widths = {"model.hidden": m.hidden, "model.ffn_hidden": m.ffn_hidden}
-        if cfg.moe.num_experts and par.etp > 1:
-            widths["moe.ffn_hidden"] = cfg.moe.ffn_hidden
-        for name, width in widths.items():
-            shards = par.etp if name == "moe.ffn_hidden" else par.tp
-            if width and (width // shards) % tr.fp8_block:
-                raise field_error("train.fp8_block", tr.fp8_block, f"a tp shard of {name} = {width} is {width // shards}"
-                                  f" wide, no whole number of blocks", f"use a block that divides {width // shards}")
-    # torch's interleaved schedules run n in rounds of n // pp micro-batches (at least one round).
-    rounds = max(1, n // par.pp)
-    if device and par.pp > 1 and par.pp_schedule in ("interleaved_1f1b", "zero_bubble") and n % rounds:
-        raise field_error("train.global_batch_size", tr.global_batch_size, f"gives {n} micro-batches per step; "
-                          f"pp_schedule={par.pp_schedule!r} needs a multiple of {rounds} (rounds of n // pp)",
-                          f"use a number of micro-batches that is < pp·2 or a multiple of pp, e.g. {par.pp * rounds}")
     an = tr.anomaly
     if not an.spike_z > 0:
         raise field_error("train.anomaly.spike_z", an.spike_z, "must be positive", "use e.g. 6")
@@ -1735,10 +1858,6 @@ def _check_train(cfg: Config, device: str | None) -> None:
         if not tr.qk_clip > 0:
             raise field_error("train.qk_clip", tr.qk_clip, "a logit threshold must be positive",
                               "use e.g. 100 (Kimi K2), or null to turn QK-clip off")
-        if par.cp > 1:
-            raise field_error("train.qk_clip", tr.qk_clip, "QK-clip needs each head's largest logit over all its "
-                              "keys, but under context parallelism each rank computes the logits of its key blocks "
-                              "inside ring attention and they never exist whole", "set parallel.cp=1 or qk_clip: null")
         if cfg.model.qk_norm != "none":
             raise field_error("train.qk_clip", tr.qk_clip, f"with model.qk_norm={cfg.model.qk_norm!r} the norm "
                               "divides out any scale of W_q / W_k, so clipping cannot bound the logits (and the "
@@ -1751,10 +1870,6 @@ def _check_train(cfg: Config, device: str | None) -> None:
             raise field_error("train.profile.start" if pr.start < 1 else "train.profile.steps",
                               pr.start if pr.start < 1 else pr.steps, "must be at least 1 (steps count from 1)",
                               "use e.g. start: 3, steps: 2")
-        world = par.pp * par.dp * par.cp * par.tp
-        if bad := [r for r in pr.ranks if not 0 <= r < world]:
-            raise field_error("train.profile.ranks", list(pr.ranks), f"rank(s) {bad} outside the world of {world}",
-                              f"use ranks in 0..{world - 1}, or [] for every rank")
     for name, policy in (("on_nan", an.on_nan), ("on_spike", an.on_spike)):
         if policy == "rollback" and not cfg.checkpoint.every:
             raise field_error(f"train.anomaly.{name}", "rollback", "rolls back to the latest checkpoint, and "

@@ -113,8 +113,9 @@ class Status:
     warnings: list[str] = field(default_factory=list)
 
 
-# The events.jsonl kinds shown as "restarts and causes".
-LIFECYCLE_EVENTS = ("stopped", "requeue", "restart", "hang", "checkpoint_skipped", "replanned", "resumed", "gave_up")
+# The events.jsonl kinds shown as "restarts, rollbacks and causes".
+LIFECYCLE_EVENTS = ("stopped", "requeue", "restart", "hang", "checkpoint_skipped", "replanned", "resumed", "gave_up",
+                    "rolled_back")
 
 
 def collect(run_dir: Path, now: float | None = None) -> Status:
@@ -367,7 +368,7 @@ def render(st: Status, now: float | None = None) -> str:
                  + (f" | {format_duration(st.median_step_s)}/step" if st.median_step_s else "")
                  + (f" | eta {format_duration(st.eta_s)}" if st.eta_s is not None else ""))
     if st.restarts:
-        lines.append("restarts and causes:")
+        lines.append("restarts, rollbacks and causes:")
         for e in st.restarts[-10:]:
             detail = e.get("message") or ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "event"))
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['event']}: {detail}")

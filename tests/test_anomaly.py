@@ -98,14 +98,14 @@ def test_gated_step_leaves_parameters_moments_and_step_count_when_skipped():
 
 def anomaly_run(rank: int, world: int, data: str, run_dir: str, parallel: dict, anomaly: dict,
                 inject: dict[int, float], steps: int = 8, checkpoint_every: int = 0, only_rank: int | None = None,
-                resume: bool = False) -> dict:
+                resume: bool = False, metrics: dict | None = None) -> dict:
     """Train ``steps`` steps; the first time step s of ``inject`` runs, the output head's logits
     is multiplied by ``inject[s]`` (NaN, or a large factor) on every rank, or on ``only_rank``. Returns the losses
     of every step run, the snapshots of parameters and AdamW step counts taken before each step
     (as (step, snapshot) in order), the outcome and the events."""
     cfg = tiny_config(data, run_dir, parallel=parallel,
                       train={"steps": steps, "grad_clip": 1.0, "anomaly": anomaly},
-                      checkpoint={"every": checkpoint_every, "keep": 4, "resume": resume})
+                      checkpoint={"every": checkpoint_every, "keep": 4, "resume": resume}, metrics=metrics or {})
     trainer = Trainer(cfg)
     head = trainer.model_parts[-1].output
     hooks: list = []
@@ -190,6 +190,28 @@ def test_rollback_reloads_the_latest_checkpoint_and_skips_its_data(clean, tiny_s
     assert out["losses"][6][1] != clean["losses"][4][1]
     assert [(e["event"], e["step"], e.get("to_step")) for e in out["events"]] == [("anomaly", 6, None),
                                                                                  ("rolled_back", 6, 4)]
+
+
+def test_a_rollback_is_marked_in_tensorboard_and_the_monitor_and_no_step_is_shown_twice(tiny_shards, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moetrain import monitor
+
+    run_dir = tmp_path / "rollback"
+    out = run_distributed(anomaly_run, 1, str(tiny_shards), str(run_dir), {}, {"on_nan": "rollback"},
+                          {6: math.nan}, 8, 4, None, False, {"tensorboard": True})[0]
+    assert [s for s, _ in out["losses"]] == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8]
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    # steps 5-6 ran twice: TensorBoard keeps the re-run's (the losses of the run that went on)
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert [step for step, _ in loss] == list(range(1, 9)), loss
+    final = dict(out["losses"][:4] + out["losses"][6:])
+    assert all(value == pytest.approx(final[step], rel=1e-6) for step, value in loss)
+    assert [(e.step, e.value) for e in acc.Scalars("train/rollback")] == [(4, 6.0)]  # at step 4, from 6
+    text = monitor.render(monitor.collect(run_dir))
+    assert "rollbacks" in text and "rolled_back: " in text and "step=6, to_step=4" in text, text
 
 
 def test_a_spike_is_skipped_and_a_clean_run_has_none(tiny_shards, tmp_path):

@@ -201,12 +201,12 @@ def test_a_model_that_cannot_fit_says_so():
 
 def test_invalid_layout_is_explained():
     planner = Planner.from_config(load_config("configs/mixtral-8x7b.yaml"), H100, 8)
-    with pytest.raises(ValueError, match="tp = 16 does not divide"):
+    with pytest.raises(ValueError, match="model.kv_heads=8 is not divisible by it"):
         planner.evaluate(Layout(tp=16, pp=1, dp=4, mbs=1))  # kv_heads = 8
     with pytest.raises(ValueError, match="64 GPUs"):
         planner.evaluate(Layout(tp=2, pp=1, dp=8, mbs=1))
     empty = Planner.from_config(load_config("configs/mixtral-8x7b.yaml"), load_profile("gb200-nvl72"), 18).search()
-    assert empty.enumerated == 0 and "global batch" in empty.empty_reason
+    assert empty.enumerated == 0 and "train.global_batch_size" in empty.empty_reason
 
 
 def test_layout_spec_parsing():
@@ -360,13 +360,16 @@ def test_megatron_software_facts_cost_what_they_should():
         TimingAssumptions(cross_entropy="chunked")
 
 
-@pytest.mark.parametrize("path", ["configs/mixtral-8x7b.yaml", "configs/deepseek-v3-like.yaml",
-                                  "configs/llama3-70b-like.yaml", "configs/llama3-405b-like.yaml",
-                                  "configs/gpt3-175b.yaml", "configs/megatron2021/gpt-145.6b.yaml"])
-def test_shipped_configs_load_and_fit_their_own_layout(path):
+# The published runs (GPT-3, Megatron 2021) tie their embeddings over pp, which moetrain's trainer
+# does not run: they are planned as those runs, not as runs to submit.
+@pytest.mark.parametrize("path, published", [
+    ("configs/mixtral-8x7b.yaml", False), ("configs/deepseek-v3-like.yaml", False),
+    ("configs/llama3-70b-like.yaml", False), ("configs/llama3-405b-like.yaml", False),
+    ("configs/gpt3-175b.yaml", True), ("configs/megatron2021/gpt-145.6b.yaml", True)])
+def test_shipped_configs_load_and_fit_their_own_layout(path, published):
     cfg = load_config(path)
     prof = load_profile(cfg.launch.profile)
-    plan = Planner.from_config(cfg, prof, cfg.launch.nodes).evaluate(Layout.from_config(cfg))
+    plan = Planner.from_config(cfg, prof, cfg.launch.nodes, published=published).evaluate(Layout.from_config(cfg))
     assert plan.fits and plan.step_s > 0, (path, plan.memory_gib)
 
 
@@ -403,7 +406,7 @@ def test_hsdp_shards_states_over_its_group_and_keeps_the_gathers_on_nvlink():
                    if (c.axis, c.op) == ("dp_cp", "all_gather"))
     assert set(flat_ag.tier_bytes) - {"nvlink"}  # without HSDP they cross the network
     assert "hsdp8" in hsdp.short() and "parallel.dp_shard=8" in hsdp.overrides()
-    assert planner.check(dataclasses.replace(hsdp, zero=0)) == "HSDP (dp_shard) needs ZeRO 1-3"
+    assert "zero_stage 0 replicates them all" in planner.check(dataclasses.replace(hsdp, zero=0))
     assert "must divide" in planner.check(dataclasses.replace(hsdp, dp_shard=48))
 
 

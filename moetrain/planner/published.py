@@ -524,7 +524,7 @@ def _planner(entry: Published) -> Planner:
         planner = Planner(entry.shape, prof, n_nodes, entry.global_batch, allocation=alloc,
                           mem=MemoryAssumptions.for_precision(entry.precision))
     else:
-        planner = Planner.from_config(_config(entry), prof, n_nodes, allocation=alloc)
+        planner = Planner.from_config(_config(entry), prof, n_nodes, allocation=alloc, published=True)
     planner.timing = TimingAssumptions(**entry.software)
     return planner
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from moetrain.config import ep_overlap_blocker
+from moetrain.config import LayoutFacts, layout_refusal
 from moetrain.planner.layout import Layout
 from moetrain.planner.memory import GIB, MemoryAssumptions, MemoryBreakdown, memory_per_gpu
 from moetrain.planner.model import ModelShape
@@ -122,6 +122,15 @@ class SearchResult:
     empty_reason: str | None = None
 
 
+def shape_facts(shape: ModelShape, global_batch: int) -> LayoutFacts:
+    """The layout rules' facts of a model known by its shape alone (a published run): no
+    vocabulary rule (such runs pad it to their tp) and the stage split theirs."""
+    return LayoutFacts(layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, hidden=shape.hidden,
+                       ffn_hidden=shape.ffn, dense_layers=shape.dense_layers > 0, seq_len=shape.seq_len,
+                       num_experts=shape.num_experts, moe_ffn_hidden=shape.expert_ffn,
+                       tie_embeddings=False, global_batch_size=global_batch, published=True)
+
+
 class Planner:
     """Predicts memory and step time of layouts of ``shape`` on ``n_nodes`` nodes of ``profile``.
 
@@ -135,8 +144,13 @@ class Planner:
 
     def __init__(self, shape: ModelShape, profile: ClusterProfile, n_nodes: int, global_batch: int,
                  allocation: Allocation | None = None, gpus_per_node: int | None = None,
-                 mem: MemoryAssumptions = MemoryAssumptions(), timing: TimingAssumptions = TimingAssumptions()):
+                 mem: MemoryAssumptions = MemoryAssumptions(), timing: TimingAssumptions = TimingAssumptions(),
+                 facts: LayoutFacts | None = None):
         self.shape = shape
+        # What the layout rules (moetrain.config.layout_refusal) read besides the layout: the
+        # config's for a planner made from one, else the model shape's with the stage split left
+        # to the framework of a published run.
+        self.facts = facts or shape_facts(shape, global_batch)
         self.profile = profile
         self.gpn = gpus_per_node or profile.gpus_per_node
         self.allocation = allocation or synthetic_allocation(n_nodes, profile)
@@ -150,14 +164,19 @@ class Planner:
 
     @classmethod
     def from_config(cls, cfg: "Config", profile: ClusterProfile, n_nodes: int,
-                    allocation: Allocation | None = None, gpus_per_node: int | None = None) -> "Planner":
+                    allocation: Allocation | None = None, gpus_per_node: int | None = None,
+                    published: bool = False) -> "Planner":
+        """A planner of ``cfg``'s layouts: the layouts this version of moetrain runs (a run to
+        submit), or with ``published`` those of ``cfg`` as another framework's published run
+        (:class:`moetrain.config.LayoutFacts`)."""
         return cls(ModelShape.from_config(cfg), profile, n_nodes, cfg.train.global_batch_size, allocation,
                    gpus_per_node=gpus_per_node,
                    mem=MemoryAssumptions.for_train(cfg.train),
                    timing=TimingAssumptions(ep_overlap="merged_pairs" if cfg.parallel.ep_overlap else "none",
                                             delay_wgrad=cfg.parallel.delay_wgrad_compute,
                                             ep_overlap_split=cfg.parallel.ep_overlap_split,
-                                            optimizer=cfg.train.optimizer))
+                                            optimizer=cfg.train.optimizer),
+                   facts=LayoutFacts.from_config(cfg, published=published))
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
@@ -181,47 +200,30 @@ class Planner:
 
     # -- evaluation --------------------------------------------------------------------------
     def check(self, lay: Layout) -> str | None:
-        """Why ``lay`` is not a valid layout here, or None."""
+        """Why ``lay`` is not a valid layout here, or None: the job's GPU count, the planner-only
+        fields (``ep_fold``, ``recompute_num_layers``), then the rules the config's validation
+        applies (:func:`moetrain.config.layout_refusal`, the one set both use), so a layout the
+        planner ranks is one ``submit`` accepts."""
         s = self.shape
         if lay.world != self.world:
             return f"tp·pp·dp·cp = {lay.world}, but the job has {self.world} GPUs"
-        if s.heads % lay.tp or s.kv_heads % lay.tp:
-            return f"tp = {lay.tp} does not divide heads = {s.heads} and kv_heads = {s.kv_heads}"
-        if lay.pp * lay.vpp > s.layers:
-            return f"pp·vpp = {lay.pp * lay.vpp} stages for {s.layers} layers"
+        ep = lay.ep
         if lay.ep_fold:
             if lay.etp != 1 or lay.tp == 1 or lay.ep % lay.tp or (lay.dp * lay.cp) % (lay.ep // lay.tp) \
                     or not s.is_moe or s.num_experts % lay.ep:
                 return (f"ep_fold: ep = {lay.ep} must be tp = {lay.tp} (> 1, etp = 1) times a divisor of dp·cp = "
                         f"{lay.dp * lay.cp}, and divide the experts ({s.num_experts})")
-        elif (lay.dp * lay.cp) % lay.ep or (s.is_moe and s.num_experts % lay.ep) or (not s.is_moe and lay.ep > 1):
-            return f"ep = {lay.ep} must divide the experts ({s.num_experts}) and dp·cp = {lay.dp * lay.cp}"
-        if lay.etp not in (1, lay.tp) or (lay.etp > 1 and (not s.is_moe or s.expert_ffn % lay.etp)):
-            return (f"etp = {lay.etp}: use 1, or tp = {lay.tp} for an MoE model whose expert width "
-                    f"({s.expert_ffn}) it divides")
-        if self.timing.ep_overlap == "merged_pairs" and (
-                blocked := ep_overlap_blocker(lay.pp, lay.schedule, lay.zero, lay.ac)):
-            return f"parallel.ep_overlap {blocked[0]}"
-        div = 2 * lay.cp if lay.cp > 1 else 1
-        tp_splits = lay.tp > 1 and (lay.sp or s.is_moe)  # as the config's rule: MoE splits by tp too
-        if tp_splits:
-            div *= lay.tp
-        if s.seq_len % div:
-            return f"seq_len = {s.seq_len} does not split over 2·cp{'·tp' if tp_splits else ''} = {div}"
-        if self.global_batch % (lay.mbs * lay.dp):
-            return f"global batch {self.global_batch} is not a multiple of mbs·dp = {lay.mbs * lay.dp}"
-        if lay.dp_shard is not None and ((lay.dp * lay.cp) % lay.dp_shard or lay.zero == 0):
-            return (f"dp_shard = {lay.dp_shard} must divide dp·cp = {lay.dp * lay.cp}" if lay.zero
-                    else "HSDP (dp_shard) needs ZeRO 1-3")
-        m = lay.microbatches(self.global_batch)
-        if lay.pp > 1 and m < lay.pp and lay.schedule != "gpipe":
-            return f"{m} micro-batches cannot fill {lay.pp} pipeline stages"
-        if lay.vpp > 1 and (lay.schedule != "interleaved_1f1b" or m % lay.pp):
-            return "virtual stages need the interleaved schedule and micro-batches divisible by pp"
-        if lay.pp == 1 and lay.vpp > 1:
-            return "virtual stages need pp > 1"
+            ep = lay.ep // lay.tp  # the part of the ep group inside dp × cp
         if lay.recompute_num_layers is not None and (lay.ac != "full" or lay.recompute_num_layers < 1):
             return f"recompute_num_layers = {lay.recompute_num_layers} needs ac = full and at least 1 layer"
+        facts = dataclasses.replace(
+            self.facts, tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=ep, etp=lay.etp, virtual_stages=lay.vpp,
+            zero_stage=lay.zero, pp_schedule=lay.schedule, sequence_parallel=lay.sp, activation_checkpointing=lay.ac,
+            dp_shard=lay.dp_shard, micro_batch_size=lay.mbs, global_batch_size=self.global_batch,
+            ep_overlap=self.timing.ep_overlap == "merged_pairs")
+        if refusal := layout_refusal(facts):
+            field, value, why, _ = refusal
+            return f"{field} = {value!r}: {why}"
         return None
 
     def evaluate(self, lay: Layout, with_time: bool = True) -> Plan:

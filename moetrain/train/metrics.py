@@ -15,6 +15,9 @@ A sink whose package is missing is refused before anything starts, naming the ex
 (:func:`check_sinks_installed`). After a restart the steps after the checkpoint run again:
 ``metrics.jsonl`` is truncated by the trainer, TensorBoard discards the old events from that step
 on (``purge_step``), W&B plots against ``train/step`` so repeated steps overwrite on the chart.
+A rollback inside an attempt (``train.anomaly``: ``rollback``) does the same through
+:meth:`MetricSinks.rewind` and marks where it happened: a ``train/rollback`` scalar at the step
+rolled back to, whose value is the step rolled back from.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def flat_scalars(rec: dict) -> dict[str, float]:
 class Sink(Protocol):
     def write(self, rec: dict) -> None: ...
 
+    def rewind(self, from_step: int, to_step: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -115,6 +120,9 @@ class JsonlSink:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def rewind(self, from_step: int, to_step: int) -> None:
+        pass  # the trainer truncates the file under its fence (truncate_metrics)
+
     def close(self) -> None:
         pass
 
@@ -125,9 +133,21 @@ class TensorBoardSink:
     earlier attempt are discarded by readers (``purge_step``), as those steps run again."""
 
     def __init__(self, log_dir: Path, start_step: int):
+        self.log_dir = log_dir
+        self.writer = self._open(start_step)
+
+    def _open(self, start_step: int) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None, flush_secs=10)
+        return SummaryWriter(str(self.log_dir), purge_step=start_step + 1 if start_step else None, flush_secs=10)
+
+    def rewind(self, from_step: int, to_step: int) -> None:
+        """Steps ``to_step + 1``.. run again: mark the rollback (``train/rollback`` = ``from_step``
+        at ``to_step``) and start a new event file whose ``purge_step`` makes readers drop the
+        first run's events of those steps."""
+        self.writer.add_scalar("train/rollback", from_step, to_step)
+        self.writer.close()
+        self.writer = self._open(to_step)
 
     def write(self, rec: dict) -> None:
         import numpy as np
@@ -165,6 +185,12 @@ class WandbSink:
         for layer, load in rec.get("expert_load", {}).items():
             row[f"expert_load/{layer}/tokens"] = self.wandb.Histogram(load["tokens"])
         self.run.log(row)
+
+    def rewind(self, from_step: int, to_step: int) -> None:
+        """A W&B run keeps every row it was sent: the re-run steps are new rows with the same
+        ``train/step`` (the chart overwrites them), marked by a ``train/rollback`` row (value:
+        the step rolled back from) at ``to_step``."""
+        self.run.log({"train/step": to_step, "train/rollback": from_step})
 
     def close(self) -> None:
         self.run.finish()
@@ -208,6 +234,13 @@ class MetricSinks:
             rec["mfu"] = rec["tflops_per_device"] / self.peak_tflops
         for sink in self.sinks:
             sink.write(rec)
+
+    def rewind(self, from_step: int, to_step: int) -> None:
+        """A rollback from ``from_step`` to the checkpoint of ``to_step``: every sink that keeps
+        what it was sent marks it and drops (TensorBoard) or overwrites (W&B) the steps after
+        ``to_step`` as they run again; metrics.jsonl is truncated by the trainer."""
+        for sink in self.sinks:
+            sink.rewind(from_step, to_step)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -767,6 +767,8 @@ class Trainer:
                 truncate_metrics(self.metrics_path, self.step, self.fence)
                 append_event(self.cfg.run_dir, self.fence, "rolled_back", step=step, to_step=self.step,
                              checkpoint=str(path))
+            if self.sinks is not None:
+                self.sinks.rewind(step, self.step)
 
     def _beat(self, phase: str) -> None:
         if self.heartbeat is not None:
