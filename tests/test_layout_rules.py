@@ -29,9 +29,10 @@ from moetrain.planner.search import Planner
 ROOT = Path(__file__).resolve().parents[1]
 # The architectures the project ships (the published reproductions, GPT-3 and Megatron 2021, are
 # planned as those runs: test_planner.py).
-CONFIGS = ["demo-moe.yaml", "mixtral-8x7b.yaml", "deepseek-v3-like.yaml", "llama3-70b-like.yaml",
-           "finetune-gpt-oss.yaml", "finetune-glm4-moe.yaml", "finetune-qwen3-moe.yaml"]
-DRAWS = 200  # per config: 1,400 layouts in all
+LARGE = ["mixtral-8x7b.yaml", "deepseek-v3-like.yaml", "llama3-70b-like.yaml"]
+CONFIGS = LARGE + ["demo-moe.yaml", "finetune-gpt-oss.yaml", "finetune-glm4-moe.yaml", "finetune-qwen3-moe.yaml"]
+DRAWS = {**{name: 350 for name in LARGE}, "demo-moe.yaml": 100, "finetune-gpt-oss.yaml": 100,
+         "finetune-glm4-moe.yaml": 100, "finetune-qwen3-moe.yaml": 100}  # 1,050 + 400 layouts
 
 
 def draw_layout(rng: random.Random) -> Layout:
@@ -73,7 +74,7 @@ def test_plan_and_submit_agree_on_every_drawn_layout(name):
     moe = bool((data.get("moe") or {}).get("num_experts"))
     seen = {"accepted": 0, "refused": 0}
     fields: set[str] = set()
-    for _ in range(DRAWS):
+    for _ in range(DRAWS[name]):
         lay = draw_layout(rng)
         extra = []
         if moe and rng.random() < 0.3:
@@ -89,7 +90,7 @@ def test_plan_and_submit_agree_on_every_drawn_layout(name):
             fields.add(field)
         seen["accepted" if by_config is None else "refused"] += 1
     # the draws reach both verdicts and several rules
-    assert seen["accepted"] >= 5 and seen["refused"] >= 50 and len(fields) >= 5, (seen, fields)
+    assert seen["accepted"] >= 1 and seen["refused"] >= 25 and len(fields) >= 5, (seen, fields)
 
 
 def test_the_planners_first_layout_is_one_submit_accepts(tmp_path, tiny_shards):
