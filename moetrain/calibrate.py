@@ -11,6 +11,11 @@ layout moves — and writes a profile (``launch.profile`` with the measured term
 Give it to ``moetrain.plan --profile`` or ``launch.profile``. One short job: about a minute on
 this CPU machine, a few on a GPU cluster; progress lines say what it is measuring.
 
+Where it runs, as ``submit`` decides: inside a SLURM allocation (``salloc``, a batch script of
+the user's; ``launch.allocation: auto``) the measuring job is one ``srun`` step of it, no new
+job; under torchrun (``torchrun --nproc-per-node N -m moetrain.calibrate ...``) every process
+it started is a rank of the measuring job and rank 0 writes the profile; otherwise a new job.
+
 Exit status: 0 written, 1 the job failed (the rank's log is named), 2 a bad config or option.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from moetrain.config import ConfigError, load_layers, to_dict
+from moetrain.config import Config, ConfigError, load_layers, to_dict
 from moetrain.data.sources import vocab_for_planning
 from moetrain.launch.slurm import SlurmUnavailableError
 from moetrain.planner.calibration import CalibrationError, calibrated_profile, layer_config
@@ -128,38 +134,43 @@ def main(argv: list[str] | None = None) -> int:
         # The measuring job is one attempt of fixed length: no elastic range, no restarts.
         cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, elastic=None, max_restarts=0,
                                                                   time_min=min(cfg.launch.time_min, 30)))
-        from moetrain.submit import make_executor
+        torchrun = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+        alloc = None
+        if not torchrun and cfg.launch.cluster == "slurm" and cfg.launch.allocation == "auto":
+            from moetrain.launch.allocation import check_allocation, current_allocation
 
+            alloc = current_allocation()
+            if alloc is not None:
+                check_allocation(cfg, alloc)
         folder = cfg.run_dir / "calibrate"
-        executor = make_executor(cfg, folder)
+        executor = None
+        if torchrun:
+            from moetrain.run import fit_to_launcher
+
+            cfg = fit_to_launcher(cfg, int(os.environ["WORLD_SIZE"]),
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+        elif alloc is None:
+            from moetrain.submit import make_executor
+
+            executor = make_executor(cfg, folder)
     except (ConfigError, ProfileError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except SlurmUnavailableError as e:
         print(f"calibrate: cannot submit the measuring job: {e}", file=sys.stderr)
         return 1
-    from moetrain.launch.calibrate import CalibrateJob
-
     command = "python -m moetrain.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
-    job = executor.submit(CalibrateJob(to_dict(cfg), args.seconds, args.collective_budget))
-    print(f"calibrate: job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks on "
-          f"{cfg.launch.nodes} node(s)); logs in {folder}", flush=True)
-    if vocab_unknown:
-        print(f"calibrate: note: {vocab_unknown}: the model is measured at an assumed vocabulary of "
-              f"{ModelShape.from_config(cfg).vocab}; set model.vocab_size to the tokenizer's for a profile of "
-              "this model", flush=True)
-    shown = 0
     start = time.time()
-    while not job.done():
-        shown = _echo(Path(job.paths.stdout), shown)
-        time.sleep(1.0)
-    _echo(Path(job.paths.stdout), shown)
-    try:
-        measured = job.results()[0]
-    except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure
-        print(f"calibrate: the measuring job failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}\n"
-              f"  logs: {folder}", file=sys.stderr)
-        return 1
+    if torchrun:  # every process torchrun started is a rank of the measuring job; rank 0 writes
+        from moetrain.launch.calibrate import measure_under_launcher
+
+        rank, measured = measure_under_launcher(cfg, args.seconds, args.collective_budget)
+        if rank != 0:
+            return 0
+    else:
+        measured = _measure_in_job(cfg, args, folder, alloc, executor, vocab_unknown)
+        if measured is None:
+            return 1
     from moetrain.launch.calibrate import base_profile
 
     base = base_profile(cfg, cuda=measured["meta"]["nccl"] is not None)
@@ -175,6 +186,55 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrate: wrote {args.out} (profile {prof.name!r}, {time.time() - start:.0f} s); use it with "
           f"--set launch.profile={args.out} or python -m moetrain.plan --profile {args.out}", flush=True)
     return 0
+
+
+def _measure_in_job(cfg: Config, args: argparse.Namespace, folder: Path, alloc: Any, executor: Any,
+                    vocab_unknown: str | None) -> dict | None:
+    """Run the measuring job — a new job through ``executor`` (SLURM or local, as ``submit``), or
+    one ``srun`` step of the SLURM allocation ``alloc`` this command runs inside (as ``submit``
+    there) — echo rank 0's progress, and return rank 0's measurements (None: it failed, said)."""
+    if alloc is not None:
+        from moetrain.config import save_config
+        from moetrain.launch.allocation import StepJob, step_script
+
+        folder.mkdir(parents=True, exist_ok=True)
+        resolved, result = folder / "config.yaml", folder / "measurements.pt"
+        save_config(cfg, resolved)
+        result.unlink(missing_ok=True)
+        script = step_script(cfg, alloc, 0, folder, module=[
+            "moetrain.launch.calibrate", "--config", str(resolved), "--out", str(result),
+            "--seconds", str(args.seconds), "--collective-budget", str(args.collective_budget)])
+        job: Any = StepJob(script, alloc.job_id, folder / f"{alloc.job_id}.calibrate_srun.err")
+        stdout = folder / f"{alloc.job_id}.0_0.out"
+        print(f"calibrate: inside SLURM allocation {alloc.job_id}: one srun step of {cfg.world_size} tasks on "
+              f"{cfg.launch.nodes} node(s), no new job; logs in {folder}", flush=True)
+    else:
+        from moetrain.launch.calibrate import CalibrateJob
+
+        job = executor.submit(CalibrateJob(to_dict(cfg), args.seconds, args.collective_budget))
+        stdout = Path(job.paths.stdout)
+        print(f"calibrate: job {job.job_id} ({cfg.launch.cluster}, {cfg.world_size} tasks on "
+              f"{cfg.launch.nodes} node(s)); logs in {folder}", flush=True)
+    if vocab_unknown:
+        print(f"calibrate: note: {vocab_unknown}: the model is measured at an assumed vocabulary of "
+              f"{ModelShape.from_config(cfg).vocab}; set model.vocab_size to the tokenizer's for a profile of "
+              "this model", flush=True)
+    shown = 0
+    while not job.done():
+        shown = _echo(stdout, shown)
+        time.sleep(1.0)
+    _echo(stdout, shown)
+    try:
+        out = job.results()
+        if alloc is None:
+            return out[0]
+        import torch
+
+        return torch.load(result, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - submitit re-raises the task's failure; a step's exit code
+        print(f"calibrate: the measuring job failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}\n"
+              f"  logs: {folder}", file=sys.stderr)
+        return None
 
 
 def _echo(path: Path, shown: int) -> int:

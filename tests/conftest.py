@@ -76,9 +76,10 @@ def tiny_config(data_path: str | Path, run_dir: str | Path, **sections) -> Confi
     return config_from_dict(base)
 
 
-def run_calibrate(cfg: Config, workdir: Path, *args: str, timeout: float = 300):
+def run_calibrate(cfg: Config, workdir: Path, *args: str, timeout: float = 300, launcher: list[str] | None = None):
     """``python -m moetrain.calibrate`` on ``cfg`` (written to ``workdir/c.yaml``) with ``args``,
-    its profile to ``workdir/calibrated.yaml``: (the finished process, the profile's path)."""
+    its profile to ``workdir/calibrated.yaml``: (the finished process, the profile's path).
+    ``launcher``: what starts the module instead of ``python`` (e.g. torchrun's arguments)."""
     import subprocess
     import sys
 
@@ -88,7 +89,8 @@ def run_calibrate(cfg: Config, workdir: Path, *args: str, timeout: float = 300):
 
     path, out = workdir / "c.yaml", workdir / "calibrated.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
-    res = subprocess.run([sys.executable, "-m", "moetrain.calibrate", "--config", str(path), "--out", str(out), *args],
+    res = subprocess.run([*(launcher or [sys.executable]), "-m", "moetrain.calibrate", "--config", str(path),
+                          "--out", str(out), *args],
                          capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1])
     return res, out
 

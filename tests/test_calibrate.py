@@ -323,6 +323,20 @@ def test_calibrate_a_local_job(tmp_path, tiny_shards):
     assert bad.returncode == 2 and "config error:" in bad.stderr and "parallel.ep" in bad.stderr, bad.stderr
 
 
+def test_calibrate_under_torchrun(tmp_path, tiny_shards):
+    """``torchrun -m moetrain.calibrate``: the processes torchrun started are the measuring job's
+    ranks (no job submitted), rank 0 writes the profile, with the world torchrun gave."""
+    cfg = tiny_config(tiny_shards, tmp_path / "run", parallel={"dp": 2, "ep": 2}, launch={"cluster": "local"})
+    res, out = run_calibrate(cfg, tmp_path, "--seconds", "0.05", "--collective-budget", "0.3",
+                             launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc-per-node=2"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "calibrate: job" not in res.stdout and not (tmp_path / "run" / "calibrate").exists()
+    prof = load_profile(out)
+    assert prof.calibration["world_size"] == 2 and prof.gemm_efficiency > 0
+    assert set(prof.collective_gb_s["nvlink"]) >= {"all_reduce", "all_to_all"}
+
+
 def test_an_fp8_config_on_a_device_without_fp8_is_calibrated_in_16_bits():
     """train.precision: fp8 on a device with no FP8 tensor cores (the CPU): the GEMMs are listed
     (not refused for the profile's missing FP8 peak) and fitted as the 16-bit GEMMs they ran as."""

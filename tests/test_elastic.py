@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from moetrain.config import ConfigError, load_layers
+from moetrain.config import ConfigError, load_layers, to_dict
 from moetrain.launch.elastic import GrowWatcher, failed_nodes, missing_nodes_can_start, start_attempt
 from moetrain.launch.preflight import check_elastic
 from moetrain.planner.elastic import ElasticError, replan
@@ -26,6 +29,8 @@ from moetrain.train.records import Diagnosis, read_events
 from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
 from multiproc import run_distributed
 
 STEPS, EVERY = 20, 10
@@ -126,6 +131,21 @@ def test_config_errors_name_the_field(tmp_path, launch, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         tiny_config(tmp_path, tmp_path / "run", parallel={"dp": 4, "ep": 2},
                     checkpoint={"every": 5, "resume": True}, launch=launch)
+
+
+def test_an_elastic_run_inside_an_allocation_is_refused_in_one_line(tiny_shards, tmp_path):
+    # inside salloc the nodes are fixed and a lost node ends the steps: the refusal says so, and
+    # what to do, before anything starts
+    config = tmp_path / "elastic.yaml"
+    config.write_text(yaml.safe_dump(to_dict(elastic_tiny(tiny_shards, tmp_path / "run")), sort_keys=False))
+    env = {**os.environ, "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    res = subprocess.run([sys.executable, "-m", "moetrain.submit", "--config", str(config), "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: launch.elastic = {'min_nodes': 1}: submit runs "
+                                                   "inside SLURM allocation 77"), res.stderr
+    assert "launch.allocation=new" in lines[0]
 
 
 def test_elastic_needs_checkpoints(tmp_path):

@@ -7,7 +7,7 @@ user starts it:
   ran once, the pass-through options are in the script; an option SLURM refuses is caught by
   ``sbatch --test-only`` before anything is submitted;
 * ``submit`` inside ``salloc``: no second job, the ranks run as steps of the allocation, the same
-  losses as the batch job;
+  losses as the batch job; ``moetrain.calibrate`` inside ``salloc`` measures as one step of it;
 * the same run in a podman container (an image built from this machine's files; skipped where
   podman cannot run containers): every rank inside the container, the same losses.
 
@@ -163,6 +163,27 @@ def test_submit_inside_salloc_runs_in_the_allocation(batch, tiny_shards, tmp_pat
     assert [j.split("|") for j in jobs if j.split("|")[1] != "site-batch"] == [[alloc, "my-salloc"]], \
         f"one job, the allocation: {jobs}"
     assert losses(run_dir) == pytest.approx(losses(batch["run_dir"]), rel=1e-5)
+
+
+def test_calibrate_inside_salloc_measures_as_a_step_of_the_allocation(tiny_shards, tmp_path, home):
+    config, run_dir = write_run(tmp_path, tiny_shards, "site-calibrate")
+    out = tmp_path / "calibrated.yaml"
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
+    res = subprocess.run(["salloc", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                          "--job-name=my-calibrate-alloc", sys.executable, "-m", "moetrain.calibrate", "--config",
+                          str(config), "--out", str(out), "--seconds", "0.05", "--collective-budget", "0.5"],
+                         cwd=ROOT, env=env_for(run_dir, home), capture_output=True, text=True, timeout=300)
+    logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted((run_dir / "calibrate").glob("*.err")))
+    assert res.returncode == 0, res.stdout + res.stderr + logs
+    assert "calibrate: inside SLURM allocation" in res.stdout and "no new job" in res.stdout, res.stdout
+    jobs = [j.split("|") for j in sh("sacct", "-X", "-n", "-P", "-S", start, "-o", "JobID,JobName").splitlines()]
+    assert [j for j in jobs if j[1].startswith(("site-", "my-calibrate"))] == [[jobs[-1][0], "my-calibrate-alloc"]], \
+        f"one job, the allocation: {jobs}"
+    from moetrain.topology.cluster import load_profile
+
+    prof = load_profile(out)
+    assert prof.calibration["world_size"] == 4 and prof.calibration["hosts"] == ["n1", "n2"]
+    assert len(prof.collective_gb_s) >= 2, "the collectives inside a node and across the two"
 
 
 def test_failed_attempt_restarts_within_the_allocation(batch, tiny_shards, tmp_path, home):

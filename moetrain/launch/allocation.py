@@ -54,8 +54,18 @@ def check_allocation(cfg: Config, alloc: Allocation) -> None:
     """The run fits the allocation.
 
     Raises:
-        ConfigError: ``launch.nodes`` exceeds the allocation's nodes.
+        ConfigError: ``launch.nodes`` exceeds the allocation's nodes, or the run is elastic
+            (``launch.elastic``), which an allocation cannot be.
     """
+    if cfg.launch.elastic is not None:
+        # An elastic run starts on the nodes the scheduler gives and requeues itself on others
+        # (moetrain.launch.elastic); an allocation's nodes are fixed, a node that fails ends its
+        # steps, and nothing can requeue it.
+        raise field_error("launch.elastic", {"min_nodes": cfg.launch.elastic.min_nodes},
+                          f"submit runs inside SLURM allocation {alloc.job_id}, whose nodes are fixed: a lost node "
+                          "cannot be replaced nor the run requeued on the nodes left",
+                          "remove launch.elastic to run inside the allocation, or run submit outside it (or "
+                          "--set launch.allocation=new) for an elastic batch job")
     if cfg.launch.nodes > alloc.nodes:
         raise field_error("launch.nodes", cfg.launch.nodes, f"submit runs inside SLURM allocation {alloc.job_id}, "
                           f"which has {alloc.nodes} node(s) ({alloc.nodelist})",
@@ -63,10 +73,13 @@ def check_allocation(cfg: Config, alloc: Allocation) -> None:
                           "allocation (or --set launch.allocation=new) to submit a new job")
 
 
-def step_script(cfg: Config, alloc: Allocation, restart: int, log_dir: Path, cwd: Path | None = None) -> str:
+def step_script(cfg: Config, alloc: Allocation, restart: int, log_dir: Path, cwd: Path | None = None,
+                module: list[str] | None = None) -> str:
     """The shell script of one attempt: ``launch.env`` exported, ``launch.setup``, then ``exec
     srun`` of ``python -m moetrain.run`` (in the container when one is configured) on
-    ``<run.dir>/config.yaml``; each rank's output in ``log_dir/<job>.<restart>_<rank>.out``."""
+    ``<run.dir>/config.yaml``; each rank's output in ``log_dir/<job>.<restart>_<rank>.out``.
+    ``module``: another module and its arguments to run in each task instead (the measuring
+    step of ``moetrain.calibrate``)."""
     ln = cfg.launch
     tpn = ln.resolved_tasks_per_node(cfg.world_size)
     launch = task_launch(cfg, cwd)
@@ -78,9 +91,9 @@ def step_script(cfg: Config, alloc: Allocation, restart: int, log_dir: Path, cwd
         srun.append(f"--cpus-per-task={ln.cpus_per_task}")
     if ln.gpus_per_node:
         srun.append(f"--gpus-per-node={ln.gpus_per_node}")
-    run = [*launch.python, "-u", "-m", "moetrain.run", "--config", str(cfg.run_dir / "config.yaml"), "--resolved",
-           "--restart", str(restart), "--job-id", alloc.job_id,
-           "--log", str(log_dir / f"{alloc.job_id}.{restart}_{{rank}}.out")]
+    run = [*launch.python, "-u", "-m", *(module or [
+        "moetrain.run", "--config", str(cfg.run_dir / "config.yaml"), "--resolved", "--restart", str(restart),
+        "--job-id", alloc.job_id, "--log", str(log_dir / f"{alloc.job_id}.{restart}_{{rank}}.out")])]
     lines = ["set -e", *site_setup_lines(cfg),
              "exec " + " ".join(shlex.quote(a) for a in [*srun, *launch.srun_args, *ln.srun_args, *run])]
     return "\n".join(lines) + "\n"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.config import Config, config_from_dict
-from moetrain.launch.job import exit_now, master_port, process_threads
+from moetrain.launch.job import exit_now, master_port, process_threads, rank_env_from_environ
 from moetrain.planner.calibration import (OPS, TIERS, attention_flops, gemm_shapes, k_sweep_shapes, layer_config,
                                           message_sizes)
 from moetrain.planner.layout import Layout
@@ -40,7 +40,8 @@ from moetrain.topology.cluster import ClusterProfile, generic_profile, load_prof
 
 log = logging.getLogger("moetrain.calibrate")
 
-__all__ = ["CalibrateJob", "measure_rank", "base_profile", "tier_groups", "per_call_seconds"]
+__all__ = ["CalibrateJob", "measure_rank", "measure_in_group", "measure_under_launcher", "base_profile", "tier_groups",
+           "per_call_seconds"]
 
 
 def base_profile(cfg: Config, cuda: bool) -> ClusterProfile:
@@ -434,17 +435,68 @@ class CalibrateJob:
         os.environ.update(cfg.launch.env)
         os.environ["MASTER_PORT"] = str(master_port(str(env.job_id), 0))
         denv = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-        threads, _ = process_threads(cfg.launch.cpus_per_task, denv.local_world_size)
-        torch.set_num_threads(threads)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(denv.local_rank)
-            dist.init_process_group("cpu:gloo,cuda:nccl", timeout=_dt.timedelta(minutes=10))
-        else:
-            dist.init_process_group("gloo", timeout=_dt.timedelta(minutes=10))
-        try:
-            out = measure_rank(cfg, self.seconds, self.coll_budget_s)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        out = measure_in_group(cfg, denv.local_rank, denv.local_world_size, self.seconds, self.coll_budget_s)
         atexit.register(exit_now, 0)  # after submitit records the result (gloo may abort at exit)
         return out
+
+
+def measure_in_group(cfg: Config, local_rank: int, local_world: int, seconds: float = 0.5,
+                     coll_budget_s: float = 8.0) -> dict[str, Any]:
+    """Join the process group of the rendezvous variables already exported (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), measure (:func:`measure_rank`) and leave it.
+    Rank 0 returns the measurements, the others ``{}``."""
+    threads, _ = process_threads(cfg.launch.cpus_per_task, local_world)
+    torch.set_num_threads(threads)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=_dt.timedelta(minutes=10))
+    else:
+        dist.init_process_group("gloo", timeout=_dt.timedelta(minutes=10))
+    try:
+        out = measure_rank(cfg, seconds, coll_budget_s)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def measure_under_launcher(cfg: Config, seconds: float = 0.5, coll_budget_s: float = 8.0) -> tuple[int, dict]:
+    """One rank of a measuring job started by torchrun or as an ``srun`` step (the launcher's
+    variables, :func:`moetrain.launch.job.rank_env_from_environ`): returns (rank, what
+    :func:`measure_in_group` returned).
+
+    Raises:
+        LauncherError: neither torchrun's nor an srun step's variables are set.
+    """
+    renv = rank_env_from_environ(0)
+    os.environ.update(cfg.launch.env)
+    return renv.rank, measure_in_group(cfg, renv.local_rank, renv.local_world_size, seconds, coll_budget_s)
+
+
+def step_main(argv: list[str] | None = None) -> int:
+    """``python -m moetrain.launch.calibrate --config RESOLVED.yaml --out RESULT.pt [--seconds S]
+    [--collective-budget B]``: a task of the ``srun`` step ``moetrain.calibrate`` starts inside
+    an allocation; rank 0 writes the measurements to ``--out`` (``torch.save``)."""
+    import argparse
+
+    from moetrain.config import load_config
+    from moetrain.utils import atomic_write
+
+    ap = argparse.ArgumentParser(prog="python -m moetrain.launch.calibrate")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seconds", type=float, default=0.5)
+    ap.add_argument("--collective-budget", type=float, default=8.0)
+    args = ap.parse_args(argv)
+    rank, out = measure_under_launcher(load_config(args.config), args.seconds, args.collective_budget)
+    if rank == 0:
+        import io
+
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        atomic_write(args.out, buf.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(step_main())  # gloo may abort at interpreter exit after the work is done
