@@ -323,6 +323,7 @@ def test_calibrate_a_local_job(tmp_path, tiny_shards):
     assert bad.returncode == 2 and "config error:" in bad.stderr and "parallel.ep" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 def test_calibrate_under_torchrun(tmp_path, tiny_shards):
     """``torchrun -m moetrain.calibrate``: the processes torchrun started are the measuring job's
     ranks (no job submitted), rank 0 writes the profile, with the world torchrun gave."""

@@ -67,7 +67,7 @@ def planner_verdict(data: dict, lay: Layout, extra: list[str]) -> str | None:
     return planner.check(lay)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in LARGE else n for n in CONFIGS])
 def test_plan_and_submit_agree_on_every_drawn_layout(name):
     data = yaml.safe_load((ROOT / "configs" / name).read_text())
     rng = random.Random(name)
