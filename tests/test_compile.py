@@ -1,9 +1,7 @@
 """``train.compile`` (moetrain.parallel.compile): compiled blocks give the eager losses and
-gradients of one process, composed with data + expert parallelism, FSDP (ZeRO-2) and full
-activation recomputation (the recomputed blocks run compiled code too; compiled + recomputed
-without the parallelism is not a case of its own: a fault there fails this one), with context
-parallelism (ring attention), and by region with tensor parallelism, with and without
-recomputation (see moetrain.parallel.compile). Tolerances as in
+gradients, alone with full activation recomputation, composed with data + expert parallelism,
+FSDP (ZeRO-2) and recomputation, with context parallelism (ring attention), and by region with
+tensor parallelism (see moetrain.parallel.compile). Tolerances as in
 test_equivalence (1e-5 relative losses; gradients 1e-5 of each tensor's largest entry): inductor
 fuses elementwise chains and keeps fp32, so only summation orders change.
 
@@ -26,6 +24,13 @@ MOE = {"first_dense": 1}  # block 0 dense, block 1 MoE: both kinds of block comp
 def eager_reference(tiny_shards, tmp_path_factory):
     return run_distributed(train_and_capture, 1, str(tiny_shards), str(tmp_path_factory.mktemp("eager")), {}, {},
                            MOE, MODEL)[0]
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_with_recomputation(eager_reference, tiny_shards, tmp_path):
+    result = run_distributed(train_and_capture, 1, str(tiny_shards), str(tmp_path),
+                             {"activation_checkpointing": "full"}, {"compile": True}, MOE, MODEL, timeout=600)[0]
+    assert_matches(result, eager_reference)
 
 
 @pytest.mark.slow
