@@ -251,7 +251,13 @@ class MoEConfig:
     power-of-two scale per 1 × 128 tile of each row (per row when the hidden size is not a
     multiple of 128), D + D/128 bytes a row against 2·D in bf16 (DeepSeek-V3 §3.3; see
     :mod:`moetrain.model.fp8`). The layer rounds the tokens to it in every layout, one process
-    included, so layouts stay equal; gradients and the combine travel in the compute dtype."""
+    included, so layouts stay equal; gradients and the combine travel in the compute dtype.
+
+    ``route_padding``: ``false`` (the default) keeps the padding that ends packed fine-tuning
+    sequences (``data.loss_mask`` data packed by ``--chat --seq-len``) out of the MoE layers: it
+    is not routed, not dispatched, not computed by the routed experts, and counts in neither the
+    aux and z losses nor the expert loads, so a padded batch trains as the same batch without
+    its padding; ``true`` routes it like any token."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -280,6 +286,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     dispatch_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    route_padding: bool = False
 
     @property
     def shared_hidden(self) -> int:

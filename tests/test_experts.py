@@ -76,3 +76,73 @@ def test_grouped_mm_with_capacity_drops_matches_loop(loop_capacity_reference, ti
     results = run_distributed(train_and_capture, 2, str(tiny_shards), str(tmp_path), {"dp": 2, "ep": 2}, {},
                               {"expert_backend": "grouped_mm", "capacity_factor": 0.5})
     assert_matches(merged(results), loop_capacity_reference)
+
+
+# -- padding is not routed ------------------------------------------------------------------------
+
+PADDED_MOE = {
+    "plain": {},
+    "capacity": {"capacity_factor": 1.0},
+    "gpt-oss": {"expert_biases": True, "router_bias": True, "activation": "clamped_swiglu"},
+    "sigmoid-bias": {"score_function": "sigmoid", "bias_update_rate": 0.001, "shared_experts": 0},
+}
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("moe", list(PADDED_MOE))
+def test_a_padded_sequence_routes_as_the_sequence_without_its_padding(backend, moe, tmp_path):
+    """One process, every expert here: a micro-batch of one sequence whose last 5 tokens are
+    padding gives the loss, gradients, aux and z losses, expert loads and dropped fraction of the
+    sequence cut before them; the routed experts compute the real rows only (``loop``: the rows
+    they receive) and give the padding 0."""
+    import torch.nn.functional as F
+
+    import moetrain.model.moe as moe_module
+    from moetrain.model.init import init_weights
+    from moetrain.model.transformer import Transformer
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, tmp_path, model={"vocab_size": 64, "seq_len": 16},
+                      moe={"expert_backend": backend, **PADDED_MOE[moe]})
+    model = Transformer(cfg.model, cfg.moe).train()
+    init_weights(model, 0, 0.02, cfg.model.layers)
+    for layer in model.moe_layers().values():
+        layer.experts.backend = backend
+    tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(3))
+    real = 11
+    padding = torch.arange(16).unsqueeze(0) >= real
+    rows: list[int] = []
+    loop = moe_module._loop_experts
+
+    def counting(x_ND, *args, **kwargs):
+        rows.append(x_ND.shape[0])
+        return loop(x_ND, *args, **kwargs)
+
+    runs = []
+    for inputs, pad in [(tokens, padding), (tokens[:, :real], None)]:
+        model.zero_grad()
+        rows.clear()
+        for layer in model.moe_layers().values():
+            layer.begin_step(1)
+        moe_module._loop_experts = counting
+        try:
+            logits = model(inputs, padding=pad)
+        finally:
+            moe_module._loop_experts = loop
+        loss = F.cross_entropy(logits[0, :real - 1], tokens[0, 1:real])
+        loss.backward()
+        runs.append({"loss": loss.detach(), "rows": list(rows),
+                     "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     "stats": {k: layer.take_statistics()[0] for k, layer in model.moe_layers().items()}})
+    padded, cut = runs
+    torch.testing.assert_close(padded["loss"], cut["loss"], rtol=1e-6, atol=0)
+    assert padded["grads"].keys() == cut["grads"].keys()
+    for name, g in padded["grads"].items():
+        torch.testing.assert_close(g, cut["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    for layer, stats in padded["stats"].items():
+        for key, value in stats.items():
+            torch.testing.assert_close(value, cut["stats"][layer][key], rtol=1e-6, atol=0, msg=f"{layer} {key}")
+    assert sum(cut["stats"]["0"]["tokens_per_expert"]) <= real * cfg.moe.top_k
+    if backend == "loop":
+        assert padded["rows"] == cut["rows"], "the experts must compute the real rows only"

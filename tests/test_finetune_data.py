@@ -546,3 +546,126 @@ def test_demo_chats_tokenize_train_and_export_with_their_template(tmp_path):
     assert (out / "chat_template.jinja").read_text() == template
     exported = AutoTokenizer.from_pretrained(str(out))
     assert exported.apply_chat_template(record["messages"], tokenize=False) == encoder.template.render(record["messages"])
+
+
+# -- padding is not routed ------------------------------------------------------------------------
+
+
+def test_the_padding_is_the_packers_filler(chat_data):
+    """TokenShards.sample_padding marks the run of pad tokens that ends a packed block: every
+    token of it is the pad id outside the mask, no target from its start on is trained, and over
+    the split it is every padding token the packer wrote."""
+    shards = TokenShards(chat_data["shards"], "train", verify="none")
+    assert shards.pad_id is not None
+    total, padded = 0, 0
+    for i in range(shards.num_samples(SEQ)):
+        pad, tokens, mask = shards.sample_padding(i, SEQ), shards.sample(i, SEQ), shards.sample_loss_mask(i, SEQ)
+        n = int(pad.sum())
+        assert pad[len(pad) - n:].all() and not pad[:len(pad) - n].any()  # a suffix
+        assert (tokens[pad] == shards.pad_id).all() and not mask[pad].any()
+        if n:
+            assert not mask[len(pad) - n:].any()  # nothing after its first token is trained
+            padded += 1
+        total += n
+    assert total == shards.manifest["packed"]["padding_tokens"]["train"]
+    assert 0 < padded < shards.num_samples(SEQ)
+
+
+def _without_padding(micro_batches: list) -> list:
+    """Each sample as a micro-batch of its own, cut before its padding: the batch without its
+    padding (samples of different lengths)."""
+    from moetrain.data.loader import MicroBatch
+
+    out = []
+    for mb in micro_batches:
+        for b in range(mb.inputs.shape[0]):
+            n = int((~mb.padding[b]).sum())
+            s = (slice(b, b + 1), slice(0, n))
+            out.append(MicroBatch(mb.inputs[s], mb.targets[s], None if mb.doc_ids is None else mb.doc_ids[s],
+                                  next_tokens=None if mb.next_tokens is None else mb.next_tokens[s]))
+    return out
+
+
+def train_padded(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict, cut: bool,
+                 domains: list[int] | None = None) -> dict:
+    """20 steps of one sample per micro-batch; ``cut``: the reference, each sample without its
+    padding (one process); ``domains``: the NVLink domain of each rank (dp × ep layouts)."""
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"seq_len": SEQ, "vocab_size": 408}, moe=moe,
+                      data={"loss_mask": True, "document_mask": True},
+                      train={"steps": STEPS, "grad_clip": 0.5, "micro_batch_size": 1})
+    placed = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(), "rank_domains": domains}
+    trainer = Trainer(cfg, write_files=False, **(placed if domains else {}))
+    if cut:
+        next_batch = trainer.loader.next_batch
+        trainer.loader.next_batch = lambda: _without_padding(next_batch())
+    results, grads = steps_with_first_grads(trainer, STEPS)
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
+            "aux": [r.aux_loss for r in results], "z": [r.z_loss for r in results],
+            "loads": [{n: v["tokens"] for n, v in r.extra["expert_load"].items()} for r in results],
+            "padding": sum(int(mb.padding.sum()) for mb in trainer.loader.next_batch() if mb.padding is not None)}
+
+
+PADDED_LAYOUTS = {  # (parallel, moe, NVLink domain of each rank)
+    "dp2-ep2": ({"dp": 2, "ep": 2}, {}, None),
+    "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, {}, None),
+    "pp2-dp2-ep2": ({"pp": 2, "dp": 2, "ep": 2}, {}, None),
+    # Two "nodes" of two ranks: a token goes to each node holding one of its experts, once.
+    "dp4-ep4-hierarchical": ({"dp": 4, "ep": 4}, {"token_dispatcher": "hierarchical"}, [0, 0, 1, 1]),
+    "cp2-ep2": ({"cp": 2, "ep": 2}, {}, None),
+    "dp2-tp2-sp-ep2-etp2": ({"dp": 2, "tp": 2, "ep": 2, "etp": 2, "sequence_parallel": True}, {}, None),
+    "dp2-ep2-overlap": ({"dp": 2, "ep": 2, "ep_overlap": True}, {}, None),
+}
+
+
+def _unpadded_reference(chat_data, tmp_path) -> dict:
+    if "unpadded" not in REFERENCE:
+        REFERENCE["unpadded"] = run_distributed(train_padded, 1, str(chat_data["shards"]), str(tmp_path / "ref"), {},
+                                                {}, True)[0]
+    return REFERENCE["unpadded"]
+
+
+def _assert_same_steps(got: dict, ref: dict) -> None:
+    assert_matches(got, ref)
+    for step in range(STEPS):
+        for key in ("norms", "aux", "z"):
+            a, b = got[key][step], ref[key][step]
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: {key} {a} vs the unpadded batch's {b}"
+        assert got["loads"][step] == ref["loads"][step], f"step {step + 1}: expert loads"
+
+
+@pytest.mark.slow(fast=["dp2-ep2"])
+@pytest.mark.parametrize("layout", list(PADDED_LAYOUTS))
+def test_a_padded_batch_trains_as_the_batch_without_its_padding(layout, chat_data, tmp_path):
+    """Packed data's padding is not routed: the same losses, gradients, grad norms, aux and z
+    losses and expert loads as the unpadded samples (each cut before its padding, one process) —
+    in dp × ep, tp + SP × ep (and etp), pp × dp × ep and cp × ep, with ep_overlap, and through the
+    hierarchical dispatcher, 20 steps."""
+    ref = _unpadded_reference(chat_data, tmp_path)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
+    parallel, moe, domains = PADDED_LAYOUTS[layout]
+    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
+    results = run_distributed(train_padded, world, str(chat_data["shards"]), str(tmp_path / "run"), parallel, moe,
+                              False, domains)
+    got = {**results[-1], "grads": {}, "loads": [{} for _ in range(STEPS)]}
+    for r in results:  # each pipeline stage has its own layers' gradients and loads
+        got["grads"].update(r["grads"])
+        for step, loads in enumerate(r["loads"]):
+            got["loads"][step].update(loads)
+    assert sum(r["padding"] for r in results) > 0, "the batches must hold padding"
+    _assert_same_steps(got, ref)
+
+
+def test_routed_padding_is_not_the_batch_without_it(chat_data, tmp_path):
+    """Negative control: with moe.route_padding the padding is routed like any token, so each
+    layer's loads count it (top_k assignments per padding token) and the losses move away from
+    the unpadded batch's."""
+    ref = _unpadded_reference(chat_data, tmp_path)
+    routed = run_distributed(train_padded, 1, str(chat_data["shards"]), str(tmp_path / "routed"), {},
+                             {"route_padding": True}, False)[0]
+    with pytest.raises(AssertionError):
+        _assert_same_steps({**routed, "grads": routed["grads"]}, ref)
+    padding = (sum(routed["loads"][0]["0"]) - sum(ref["loads"][0]["0"])) // 2
+    assert padding > 0 and sum(routed["loads"][0]["0"]) - sum(ref["loads"][0]["0"]) == 2 * padding
+    assert abs(routed["aux"][0] - ref["aux"][0]) > 1e-4 * ref["aux"][0]

@@ -8,7 +8,9 @@ trainer (``train_step`` + the stop-flag agreement), after a warm-up step:
 * ep = 1, ``grouped_mm`` experts: nothing else;
 * ep = 1, ``loop`` experts: + one per MoE layer per micro-batch (the loop's split sizes);
 * ep > 1, any backend: + one per MoE layer per micro-batch (the all-to-all split sizes), which the
-  loop reuses.
+  loop reuses;
+* the same with packed fine-tuning data, whose padding the MoE layers do not route (its rows stay
+  out of the grouped GEMM and the all-to-all without a read of how many there are).
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
 from multiproc import run_distributed
+import test_finetune_data
+
+chat_data = test_finetune_data.chat_data  # the packed fine-tuning data (a fixture)
 
 PER_STEP = 2
 MOE_LAYERS = 2  # the tiny model: every block is MoE
 
 
-def count_reads(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict) -> dict:
-    cfg = tiny_config(data, run_dir, parallel=parallel, moe=moe)
+def count_reads(rank: int, world: int, data: str, run_dir: str, parallel: dict, moe: dict,
+                packed: bool = False) -> dict:
+    sections = {"model": {"seq_len": 64, "vocab_size": 408}, "data": {"loss_mask": True, "document_mask": True}}
+    cfg = tiny_config(data, run_dir, parallel=parallel, moe=moe, **(sections if packed else {}))
     trainer = Trainer(cfg, write_files=False)
     trainer.train_step()  # warm-up: lazy initialisation (optimizer state, DTensor caches)
     trainer._stop_agreed()
@@ -37,7 +44,8 @@ def count_reads(rank: int, world: int, data: str, run_dir: str, parallel: dict, 
             trainer._stop_agreed()
         counts.append(counter.count)
         stacks = counter.stacks
-    return {"counts": counts, "micro_batches": cfg.grad_accum_steps, "stacks": stacks}
+    padding = sum(int(mb.padding.sum()) for mb in trainer.loader.next_batch() if mb.padding is not None)
+    return {"counts": counts, "micro_batches": cfg.grad_accum_steps, "stacks": stacks, "padding": padding}
 
 
 CASES = [
@@ -51,10 +59,14 @@ CASES = [
 
 @pytest.mark.parametrize("parallel, moe, per_layer", CASES,
                          ids=["1proc-grouped_mm", "1proc-loop", "dp2-ep2-loop", "dp2-ep2-grouped_mm"])
-def test_host_reads_per_step(parallel, moe, per_layer, tiny_shards, tmp_path):
+@pytest.mark.parametrize("data", ["pretraining", "packed"])
+def test_host_reads_per_step(parallel, moe, per_layer, data, tiny_shards, chat_data, tmp_path):
     world = parallel.get("dp", 1)
-    results = run_distributed(count_reads, world, str(tiny_shards), str(tmp_path), parallel, moe)
+    packed = data == "packed"
+    results = run_distributed(count_reads, world, str(chat_data["shards"] if packed else tiny_shards), str(tmp_path),
+                              parallel, moe, packed)
     for rank, r in enumerate(results):
+        assert (r["padding"] > 0) == packed, "the packed data's batches must hold padding the MoE does not route"
         expected = PER_STEP + per_layer * MOE_LAYERS * r["micro_batches"]
         assert r["counts"] == [expected, expected], (
             f"rank {rank}: {r['counts']} host reads per step, expected {expected}; last step's reads:\n"

@@ -19,7 +19,10 @@ Because the global batch does not depend on dp or cp, any layout sees the same s
 same optimizer step as one process does.
 
 With a loss mask (``loss_mask=True``), a target whose token the data does not train (a prompt,
-padding, the first token of a conversation) is :data:`IGNORE_INDEX`, which the loss skips.
+padding, the first token of a conversation) is :data:`IGNORE_INDEX`, which the loss skips. With
+``padding=True`` each micro-batch also says which input tokens are the padding that ends a
+packed sequence (:meth:`~moetrain.data.reader.TokenShards.sample_padding`), which the MoE layers
+do not route.
 """
 
 from __future__ import annotations
@@ -49,13 +52,17 @@ class MicroBatch:
     them is the mean over every trained token; with multi-token prediction one per depth, [1 + D]);
     None: the mean over the micro-batch's tokens. next_tokens: with a loss mask, the next token of
     every position unmasked, [micro_batch, seq_len] int64 (what multi-token prediction's modules
-    embed, :func:`moetrain.model.transformer.future_tokens`); None: ``targets`` are unmasked."""
+    embed, :func:`moetrain.model.transformer.future_tokens`); None: ``targets`` are unmasked.
+    padding: the padding that ends packed sequences, True on its input tokens, [micro_batch,
+    seq_len] bool (whole samples, never cut: the model takes each rank's part); None: not
+    asked for."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     doc_ids: torch.Tensor | None = None
     loss_divisor: torch.Tensor | None = None
     next_tokens: torch.Tensor | None = None
+    padding: torch.Tensor | None = None
 
 
 @dataclass
@@ -79,7 +86,8 @@ class BatchLoader:
             step over all dp ranks. micro_batch: samples per forward. dp_rank, dp_size: this
             rank's slice. seed: the order's seed. shuffle: False visits each source in stored
             order. document_mask: also give each micro-batch its ``doc_ids``. loss_mask: set the
-            targets the data does not train to :data:`IGNORE_INDEX`.
+            targets the data does not train to :data:`IGNORE_INDEX`. padding: give each
+            micro-batch its ``padding`` (when a source is packed; None otherwise).
 
     Raises:
         ValueError: a source with no sample of ``seq_len + 1`` tokens, a blend smaller than one
@@ -88,7 +96,7 @@ class BatchLoader:
 
     def __init__(self, sources: TokenShards | Sequence[DataSource], seq_len: int, global_batch: int, micro_batch: int,
                  dp_rank: int, dp_size: int, seed: int, shuffle: bool = True, document_mask: bool = False,
-                 loss_mask: bool = False):
+                 loss_mask: bool = False, padding: bool = False):
         if global_batch % (micro_batch * dp_size):
             raise ValueError(f"global batch {global_batch} not divisible by micro_batch × dp = {micro_batch * dp_size}")
         if isinstance(sources, TokenShards):
@@ -98,6 +106,7 @@ class BatchLoader:
         self.global_batch, self.micro_batch = global_batch, micro_batch
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
         self.document_mask, self.loss_mask = document_mask, loss_mask
+        self.padding = padding and any(s.shards.pad_id is not None for s in self.sources)
         self.num_samples = {s.name: s.shards.num_samples(seq_len) for s in self.sources}
         for s in self.sources:
             if self.num_samples[s.name] == 0:
@@ -134,7 +143,7 @@ class BatchLoader:
         src, sample = self.order.locate_many(np.arange(start, start + per_rank, dtype=np.int64))
         self.consumed_samples += self.global_batch
         return _micro_batches([(self.sources[i].shards, s) for i, s in zip(src.tolist(), sample.tolist())],
-                              self.seq_len, self.micro_batch, self.document_mask, self.loss_mask)
+                              self.seq_len, self.micro_batch, self.document_mask, self.loss_mask, self.padding)
 
     def new_epochs(self) -> list[tuple[str, int]]:
         """``[(source, epoch)]`` for each source that started a new epoch (0-based) since the
@@ -230,8 +239,8 @@ def describe_blend_change(old: list[dict], new: list[dict], counts: dict[str, in
 
 
 def _micro_batches(picks: list[tuple[TokenShards, int]], seq_len: int, micro_batch: int, document_mask: bool,
-                   loss_mask: bool) -> list[MicroBatch]:
-    """Samples (their split and index) → micro-batches of (inputs, targets[, doc_ids])."""
+                   loss_mask: bool, padding: bool = False) -> list[MicroBatch]:
+    """Samples (their split and index) → micro-batches of (inputs, targets[, doc_ids][, padding])."""
     tokens = torch.from_numpy(np.stack([shards.sample(i, seq_len) for shards, i in picks]))
     targets = tokens[:, 1:]
     nexts: list = [None] * len(picks)
@@ -244,18 +253,23 @@ def _micro_batches(picks: list[tuple[TokenShards, int]], seq_len: int, micro_bat
     if document_mask:
         doc_ids = np.stack([shards.sample_document_ids(i, seq_len)[:-1] for shards, i in picks])
         docs = list(torch.from_numpy(doc_ids).split(micro_batch))
-    return [MicroBatch(i.contiguous(), t.contiguous(), d, next_tokens=n)
-            for i, t, d, n in zip(inputs, targets, docs, nexts)]
+    pads: list = [None] * len(inputs)
+    if padding:
+        pads = list(torch.from_numpy(np.stack([shards.sample_padding(i, seq_len)[:-1] for shards, i in picks]))
+                    .split(micro_batch))
+    return [MicroBatch(i.contiguous(), t.contiguous(), d, next_tokens=n, padding=p)
+            for i, t, d, n, p in zip(inputs, targets, docs, nexts, pads)]
 
 
 def validation_batches(shards: TokenShards, seq_len: int, micro_batch: int, batches: int,
                        dp_rank: int, dp_size: int, document_mask: bool = False,
-                       loss_mask: bool = False) -> list[MicroBatch]:
+                       loss_mask: bool = False, padding: bool = False) -> list[MicroBatch]:
     """The first ``batches × micro_batch × dp_size`` validation samples (capped by the split's
-    size), in order, split over dp ranks: a fixed set, so every evaluation is comparable."""
+    size), in order, split over dp ranks: a fixed set, so every evaluation is comparable.
+    ``padding``: as :class:`BatchLoader`'s."""
     total = min(shards.num_samples(seq_len), batches * micro_batch * dp_size)
     per_rank = total // dp_size // micro_batch * micro_batch
     if per_rank == 0:
         return []
     return _micro_batches([(shards, dp_rank * per_rank + i) for i in range(per_rank)], seq_len, micro_batch,
-                          document_mask, loss_mask)
+                          document_mask, loss_mask, padding and shards.pad_id is not None)

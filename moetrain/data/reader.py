@@ -95,7 +95,7 @@ class TokenShards:
         ``eos_id``, ``bos_id`` (None when the tokenizer adds none): from the manifest.
         ``shards``: this split's manifest entries, in order. ``has_loss_mask``: the shards carry
         a loss mask (``.mask`` files). ``packed_seq_len``: the sequence length packed data was
-        cut for, or None.
+        cut for, or None; ``pad_id``: the id it was padded with, or None.
 
     Raises:
         ShardError: see :func:`verify_shards`.
@@ -118,6 +118,7 @@ class TokenShards:
         self.has_loss_mask: bool = bool(self.manifest.get("loss_mask"))
         packed = self.manifest.get("packed")
         self.packed_seq_len: int | None = int(packed["seq_len"]) if packed else None
+        self.pad_id: int | None = int(packed["pad_id"]) if packed else None
         self._open()
 
     def _open(self) -> None:
@@ -212,6 +213,22 @@ class TokenShards:
         shard = int(np.searchsorted(cum, index, side="right"))
         local = int(index) - (int(cum[shard - 1]) if shard else 0)
         return shard, local * self._stride(seq_len)
+
+    def sample_padding(self, index: int, seq_len: int) -> np.ndarray:
+        """The padding of sample ``index``: bool ``[seq_len + 1]``, True on the run of ``pad_id``
+        tokens outside the loss mask that ends a packed block (the filler the packer adds after
+        its last record, :mod:`moetrain.data.writer`); all False for data that is not packed.
+        No target from the run's first token on is trained, so nothing trained depends on it.
+
+        Raises:
+            IndexError, ValueError: as :meth:`sample`.
+        """
+        if self.pad_id is None:
+            self._locate(index, seq_len)  # the same errors as the other samplers
+            return np.zeros(seq_len + 1, dtype=bool)
+        filler = (self.sample(index, seq_len) == self.pad_id) & ~self.sample_loss_mask(index, seq_len)
+        # The trailing run: a position is padding when it and every position after it are filler.
+        return np.logical_and.accumulate(filler[::-1])[::-1].copy()
 
     def sample_document_ids(self, index: int, seq_len: int) -> np.ndarray:
         """The document of every token of sample ``index``: int64 ``[seq_len + 1]``, 0 for the

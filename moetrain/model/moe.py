@@ -18,8 +18,13 @@ summed on the device in :attr:`MoE.stats_accum`; the trainer reads them once per
 Precision: the router (logits, softmax, top-k) and both losses are fp32 whatever the compute
 dtype; the experts compute in ``compute_dtype``; the weighted sum over the top-k is fp32.
 
+Padding (the trailing filler of packed fine-tuning sequences, :class:`TokenMask`) is not routed:
+its assignments carry the expert id E, one past the last, which no dispatcher sends and no
+expert computes; the losses and the load statistics count the real tokens only, so a padded batch
+trains exactly as the same batch without its padding (``moe.route_padding``).
+
 Host reads (device → host copies; on a GPU each stalls the queue): none on the dropless path with
-the ``grouped_mm`` backend. The ``loop`` backend needs the per-expert row counts on the host (its
+the ``grouped_mm`` backend (padding or not). The ``loop`` backend needs the per-expert row counts on the host (its
 split sizes): one read per layer per micro-batch, or none when the dispatcher already has them
 there (the all-to-all's split sizes, :mod:`moetrain.parallel.expert`). A capacity factor selects
 the kept rows by a boolean mask: one read per layer per micro-batch. Ops that hide a sync on CUDA
@@ -66,14 +71,42 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 @dataclass
+class TokenMask:
+    """Which tokens of a micro-batch are real, not padding: what :meth:`MoE.forward` routes.
+
+    real_BS: [B, S] bool, True for the real tokens among the ones this rank's blocks hold (under
+    context parallelism its chunks of each sequence); ``count_B``: [B] int64, the real tokens of
+    each whole sequence (over every rank that holds a part of it), the length the per-sequence
+    losses normalise by. Built by :meth:`from_padding`."""
+
+    real_BS: torch.Tensor
+    count_B: torch.Tensor
+
+    @classmethod
+    def from_padding(cls, padding_BS: torch.Tensor, positions: torch.Tensor) -> "TokenMask":
+        """padding_BS: [B, S_full] bool over whole samples, True at padding; positions: [S] int64,
+        the global positions of this rank's tokens."""
+        real = ~padding_BS
+        return cls(real[:, positions], real.sum(1))
+
+    def part(self, index: int, parts: int) -> torch.Tensor:
+        """The real-token mask of the ``index``-th of ``parts`` equal pieces of the local sequence
+        (a MoE layer that routes its tensor-parallel rank's piece): [B, S / parts] bool."""
+        return self.real_BS.chunk(parts, dim=1)[index] if parts > 1 else self.real_BS
+
+
+@dataclass
 class DispatchHandle:
     """What a dispatcher's :meth:`~Dispatcher.combine` needs to undo its dispatch. Every
-    dispatcher's handle has ``kept`` and ``host_counts``."""
+    dispatcher's handle has ``kept``, ``host_counts`` and ``padding_rows``."""
 
     order: torch.Tensor  # [N] positions in the flattened T·K assignments, sorted by expert
     num_assignments: int  # T·K
     kept: torch.Tensor | None  # [T·K] bool in sorted order, False where the capacity factor dropped
     host_counts: list[int] | None = None  # rows per local expert, when already on the host
+    # The rows handed to the experts end with padding rows (beyond Σ counts; their assignments
+    # were padding, sorted last): the experts give them 0 and no gradient.
+    padding_rows: bool = False
 
 
 class Dispatcher(Protocol):
@@ -88,9 +121,12 @@ class Dispatcher(Protocol):
         """Rows the dispatches since the last call sent to ranks (in this NVLink domain, in
         others): host integers from the split sizes; the count starts again from zero."""
 
-    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> Any:
-        """Begin the dispatch of x_TD [T, D] by expert_idx_TK [T, K] (int64; ``capacity``: the
-        rows an expert keeps, None for dropless); the rows may still travel when it returns."""
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | torch.Tensor | None,
+              padded: bool = False) -> Any:
+        """Begin the dispatch of x_TD [T, D] by expert_idx_TK [T, K] (int64; the id E marks a
+        padding assignment, which is neither sent nor computed and combines as 0; ``padded``:
+        there may be some; ``capacity``: the rows an expert keeps, an int or a 0-dim device
+        tensor, None for dropless); the rows may still travel when it returns."""
 
     def finish(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """End it: (x_ND rows grouped by local expert, counts_El [El] int64 on the device, the
@@ -115,8 +151,9 @@ class LocalDispatcher:
     def take_rows_sent(self) -> tuple[int, int]:
         return 0, 0  # nothing leaves the rank
 
-    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
-        return permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity)
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | torch.Tensor | None,
+              padded: bool = False) -> tuple:
+        return permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity, padded)
 
     def finish(self, pending: tuple) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         return pending
@@ -138,7 +175,10 @@ class MoEParallel:
       gradient (see :func:`moetrain.parallel.expert.sequence_split`);
     * node-limited routing: ``expert_groups`` (the NVLink domain of each expert's rank) and
       ``max_groups`` (how many of them a token may use), or None;
-    * ``overlap_shared``: the shared experts compute while the routed tokens travel.
+    * ``overlap_shared``: the shared experts compute while the routed tokens travel;
+    * ``token_part``: (index, parts) when the layer routes one of ``parts`` equal pieces of the
+      local sequence (tensor parallelism without expert-tensor parallelism: each tp rank routes
+      its own piece), so that it takes its piece of the :class:`TokenMask`; None: all of it.
     """
 
     dispatcher: Dispatcher
@@ -151,14 +191,19 @@ class MoEParallel:
     # Compute the shared experts while the dispatch is in flight (False: after it, the overlap
     # benchmark's baseline).
     overlap_shared: bool = True
+    token_part: tuple[int, int] | None = None
 
 
-def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int, capacity: int | None
+def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_experts: int,
+                      capacity: int | torch.Tensor | None, padded: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Sort the T·K token-expert assignments by expert (stable, so token order is kept within an
     expert). With ``capacity`` each expert keeps its first ``capacity`` assignments (Switch §2.2
-    drops by position) and the rest are dropped (a boolean selection: one host read). Returns
-    x_ND, counts_E (int64 on the device of ``expert_idx_TK``), handle."""
+    drops by position) and the rest are dropped (a boolean selection: one host read). Padding
+    assignments (id E, ``padded``) sort last: dropped with a capacity, else left as rows after
+    Σ counts (the handle's ``padding_rows``; dropping them would need their number on the host).
+    Returns x_ND, counts_E (int64 on the device of ``expert_idx_TK``, real assignments only),
+    handle."""
     K = expert_idx_TK.shape[1]
     flat = expert_idx_TK.reshape(-1)
     order, counts, kept = sort_by_expert(flat, num_experts, capacity)
@@ -166,35 +211,43 @@ def permute_by_expert(x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, num_exper
         order = order[kept]
         counts = counts.clamp(max=capacity)
     x_ND = x_TD[order // K]
-    return x_ND, counts, DispatchHandle(order=order, num_assignments=flat.numel(), kept=kept)
+    return x_ND, counts, DispatchHandle(order=order, num_assignments=flat.numel(), kept=kept,
+                                        padding_rows=padded and kept is None)
 
 
-def sort_by_expert(flat: torch.Tensor, num_experts: int, capacity: int | None
+def sort_by_expert(flat: torch.Tensor, num_experts: int, capacity: int | torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Assignments flat [T·K] (expert ids) sorted by expert, stably: (order [T·K], counts [E]
-    int64, kept [T·K] bool in sorted order — an expert's first ``capacity`` assignments, Switch
-    §2.2 — or None without a capacity). On the device, no host read."""
+    """Assignments flat [T·K] (expert ids; E: padding, sorted last) sorted by expert, stably:
+    (order [T·K], counts [E] int64 of the real assignments, kept [T·K] bool in sorted order — an
+    expert's first ``capacity`` assignments, Switch §2.2; never a padding one — or None without
+    a capacity). On the device, no host read."""
     order = torch.argsort(flat, stable=True)
-    counts = expert_counts(flat, num_experts)
+    with_padding = expert_counts(flat, num_experts + 1)  # [E + 1]: the last bin counts the padding
+    counts = with_padding[:num_experts]
     if capacity is None:
         return order, counts, None
     # Position of each sorted assignment inside its expert's run.
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(flat.numel(), device=flat.device) - starts.repeat_interleave(counts, output_size=flat.numel())
-    return order, counts, pos < capacity
+    starts = torch.cumsum(with_padding, 0) - with_padding
+    pos = (torch.arange(flat.numel(), device=flat.device)
+           - starts.repeat_interleave(with_padding, output_size=flat.numel()))
+    return order, counts, (pos < capacity) & (flat[order] < num_experts)
 
 
 def expert_counts(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert: expert_idx [...] int64 → [E] int64 on the same device, without a
-    host read (``torch.bincount`` reads the max on CUDA)."""
+    """Assignments per expert: expert_idx [...] int64 in [0, E] → [E] int64 on the same device
+    (id E, a padding assignment, counts nowhere), without a host read (``torch.bincount`` reads
+    the max on CUDA)."""
     flat = expert_idx.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))[:num_experts]
 
 
 def unpermute(y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """Scatter rows back to assignment order; assignments dropped by capacity get zeros."""
+    """Scatter rows back to assignment order; assignments dropped by capacity get zeros, and so
+    do padding ones (sorted last in ``handle.order``: y_ND may stop before them)."""
     out = y_ND.new_zeros(handle.num_assignments, y_ND.shape[-1])
-    return out.index_copy(0, handle.order, y_ND)
+    order = handle.order if y_ND.shape[0] == handle.order.shape[0] else handle.order[:y_ND.shape[0]]
+    return out.index_copy(0, order, y_ND)
 
 
 class GroupedExperts(nn.Module):
@@ -237,10 +290,12 @@ class GroupedExperts(nn.Module):
         self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if biases else None
         self.act = partial(clamped_swiglu, alpha=alpha, limit=limit) if activation == "clamped_swiglu" else swiglu
 
-    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None
-                ) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None,
+                padding_rows: bool = False) -> torch.Tensor:
         """x_ND: rows grouped by local expert, ``counts_El[e]`` rows for expert e ([El] int64 on
-        x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D]."""
+        x's device; ``host_counts``: the same on the host, when the caller has it). → [N, D].
+        ``padding_rows``: x_ND may end with rows beyond Σ counts (padding): they are not
+        computed, their output is 0 and they get no gradient."""
         if self.fp8 is not None and self.backend != "loop":
             raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
         w1, w3, w2 = (local_cast(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
@@ -249,16 +304,33 @@ class GroupedExperts(nn.Module):
         if self.backend == "grouped_mm":
             # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
             offs = torch.cumsum(counts_El, 0, dtype=torch.int32)
+            real_N = None
+            if padding_rows:
+                # grouped_mm skips the rows after offs[-1] and leaves their output (and, in
+                # backward, their input gradient) unwritten: select zeros there, on the device.
+                real_N = (torch.arange(x_ND.shape[0], device=x_ND.device) < offs[-1]).unsqueeze(1)
+                x_ND = torch.where(real_N, x_ND, 0)
             gate, up = wgrad.grouped_mm(x_ND, w1, offs), wgrad.grouped_mm(x_ND, w3, offs)
-            if b1 is not None:  # each row's expert's biases
-                row = torch.repeat_interleave(torch.arange(len(counts_El), device=x_ND.device), counts_El,
-                                              output_size=x_ND.shape[0])
+            if b1 is not None:  # each row's expert's biases (padding rows: the last expert's, unused)
+                experts = torch.arange(len(counts_El), device=x_ND.device)
+                row = torch.repeat_interleave(experts, counts_El, output_size=x_ND.shape[0]) if not padding_rows \
+                    else torch.bucketize(torch.arange(x_ND.shape[0], device=x_ND.device), offs, right=True
+                                         ).clamp(max=len(counts_El) - 1)
                 gate, up = gate + b1[row], up + b3[row]
+            if real_N is not None:
+                # Zeros where the activation runs on padding rows: finite values forward, and no
+                # gradient back from the rows the second GEMM's backward leaves unwritten.
+                gate, up = torch.where(real_N, gate, 0), torch.where(real_N, up, 0)
             out = wgrad.grouped_mm(self.act(gate, up), w2, offs)
-            return out + b2[row] if b2 is not None else out
+            out = out + b2[row] if b2 is not None else out
+            return out if real_N is None else torch.where(real_N, out, 0)
         if self.backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend {self.backend!r}: expected one of {', '.join(EXPERT_BACKENDS)}")
         sizes = host_counts if host_counts is not None else counts_El.tolist()  # the loop's host read
+        rows = sum(sizes)
+        if padding_rows and rows < x_ND.shape[0]:  # compute the real rows; the padding rows give 0
+            out = self.forward(x_ND[:rows], counts_El, sizes)
+            return torch.cat([out, out.new_zeros(x_ND.shape[0] - rows, out.shape[1])])
         if self.backend == "megablocks":
             return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
         return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2, self.fp8)
@@ -415,10 +487,11 @@ class MoE(nn.Module):
         return stats, self.parallel.dispatcher.take_rows_sent()
 
     @torch.no_grad()
-    def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, kept: torch.Tensor | None
-                      ) -> None:
+    def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, kept: torch.Tensor | None,
+                      assignments: torch.Tensor | int) -> None:
+        """``assignments``: the real (not padding) token-expert assignments of ``idx_TK``."""
         dropped = (torch.zeros((), dtype=torch.float64, device=idx_TK.device) if kept is None
-                   else (~kept).sum(dtype=torch.float64) / idx_TK.numel())
+                   else (assignments - kept.sum()).double() / assignments)
         new = {"aux_loss": aux.detach().double(), "z_loss": z.detach().double(),
                "tokens_per_expert": expert_counts(idx_TK, self.num_experts).double(),
                "dropped_fraction": dropped}
@@ -476,7 +549,8 @@ class MoE(nn.Module):
             step = step * (1 - skip.to(step.dtype))
         self.expert_bias.add_(step, alpha=self.bias_update_rate)
 
-    def router_losses(self, logits_BSE: torch.Tensor, probs_BSE: torch.Tensor, idx_BSK: torch.Tensor
+    def router_losses(self, logits_BSE: torch.Tensor, probs_BSE: torch.Tensor, idx_BSK: torch.Tensor,
+                      real_BS: torch.Tensor | None = None, count_B: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Load-balancing loss per sequence and router z-loss.
 
@@ -486,45 +560,77 @@ class MoE(nn.Module):
         its value does not depend on how a batch is split over ranks or micro-batches. Equals 1
         for a perfectly uniform router. z = mean over tokens of logsumexp(logits)² (Zoph et al.
         2022, ST-MoE eq. 5). S is the whole sequence: this rank holds 1 / ``parallel.seq_ranks``
-        of it. Returns (aux, z, counts_BE).
+        of it. With padding (``real_BS`` [B, S] bool, this rank's real tokens; ``count_B`` [B],
+        the real tokens of each whole sequence; padding assignments carry the id E in
+        ``idx_BSK``) both count the real tokens only: S is the sequence's real length and z the
+        mean over the micro-batch's real tokens. Returns (aux, z, counts_BE).
         """
         B, S, E = probs_BSE.shape
         par = self.parallel
-        counts_BE = torch.zeros(B, E, device=idx_BSK.device, dtype=probs_BSE.dtype)
-        counts_BE.scatter_add_(1, idx_BSK.reshape(B, -1), torch.ones_like(idx_BSK.reshape(B, -1), dtype=probs_BSE.dtype))
-        seq_len = S * par.seq_ranks
+        idx = idx_BSK.reshape(B, -1)
+        counts_BE = torch.zeros(B, E + (real_BS is not None), device=idx_BSK.device, dtype=probs_BSE.dtype)
+        counts_BE.scatter_add_(1, idx, torch.ones_like(idx, dtype=probs_BSE.dtype))
+        counts_BE = counts_BE[:, :E]  # the padding column, if any, dropped
         if par.sum_seq_counts is not None:
             counts_BE = par.sum_seq_counts(counts_BE)
-        psum_BE = probs_BSE.sum(1)
-        aux = (counts_BE * psum_BE).sum(-1).mean() * (E / (seq_len * seq_len * self.top_k)) * par.aux_scale
-        z = torch.logsumexp(logits_BSE, dim=-1).pow(2).mean() * par.z_scale
+        lse2_BS = torch.logsumexp(logits_BSE, dim=-1).pow(2)
+        if real_BS is None:
+            seq_len = S * par.seq_ranks
+            psum_BE = probs_BSE.sum(1)
+            aux = (counts_BE * psum_BE).sum(-1).mean() * (E / (seq_len * seq_len * self.top_k)) * par.aux_scale
+            return aux, lse2_BS.mean() * par.z_scale, counts_BE
+        real = real_BS.to(probs_BSE.dtype)
+        psum_BE = (probs_BSE * real.unsqueeze(-1)).sum(1)
+        seq_len_B = count_B.to(probs_BSE.dtype).clamp(min=1)
+        aux = ((counts_BE * psum_BE).sum(-1) / seq_len_B.square()).mean() * (E / self.top_k) * par.aux_scale
+        # This rank's tokens' share of the mean over the real tokens of the whole micro-batch,
+        # scaled as the per-sequence loss is (aux_scale: the gradient reduction divides by cp).
+        z = (lse2_BS * real).sum() / seq_len_B.sum() * par.aux_scale
         return aux, z, counts_BE
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, tokens: TokenMask | None = None) -> torch.Tensor:
+        """x_BSD: [B, S, D] → [B, S, D]. ``tokens``: which tokens are real (None: all); padding
+        is not routed: no expert, no dispatch, no share of the losses or statistics, and the
+        routed experts add 0 to it (the shared experts still compute it)."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(-1, D)
         dispatcher = self.parallel.dispatcher
+        real_BS = count_B = None
+        if tokens is not None:
+            real_BS = tokens.part(*(self.parallel.token_part or (0, 1)))
+            count_B = tokens.count_B
 
         # 1. route (fp32): scores, the top-k choice and its combine weights; the losses.
         logits_TE = self.router(x_TD)
         scores_TE, topk_p_TK, topk_idx_TK = self.route(logits_TE)
+        assignments: torch.Tensor | int = topk_idx_TK.numel()
+        if real_BS is not None:  # padding assignments get the expert id E (none) and weight 0
+            real_T1 = real_BS.reshape(-1, 1)
+            topk_idx_TK = topk_idx_TK.masked_fill(~real_T1, self.num_experts)
+            topk_p_TK = topk_p_TK.masked_fill(~real_T1, 0.0)
+            assignments = real_BS.sum() * self.top_k
         # The balance loss wants a distribution per token: sigmoid scores are normalised first
         # (DeepSeek-V3 eq. 18).
         probs_TE = scores_TE if self.score_function == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-        aux, z, _ = self.router_losses(logits_TE.view(B, S, -1), probs_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1))
+        aux, z, _ = self.router_losses(logits_TE.view(B, S, -1), probs_TE.view(B, S, -1), topk_idx_TK.view(B, S, -1),
+                                       real_BS, count_B)
 
         # 2.-3. permute by expert and dispatch to the ranks holding them.
-        capacity = None
+        capacity: int | torch.Tensor | None = None
         if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts)
-        pending = dispatcher.start(round_trip(x_TD, self.dispatch_wire), topk_idx_TK, capacity)
+            if real_BS is None:
+                capacity = math.ceil(self.capacity_factor * x_TD.shape[0] * self.top_k / self.num_experts)
+            else:  # of the real tokens, on the device (the capacity's selection reads the host anyway)
+                capacity = torch.ceil(real_BS.sum().double() * self.capacity_factor * self.top_k
+                                      / self.num_experts).long()
+        pending = dispatcher.start(round_trip(x_TD, self.dispatch_wire), topk_idx_TK, capacity, real_BS is not None)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).
         shared_TD = self._shared_output(x_TD) if self.shared is not None and self.parallel.overlap_shared else None
         x_ND, counts_El, handle = dispatcher.finish(pending)
 
         # 4. expert compute, rows grouped by local expert.
-        y_ND = self.experts(x_ND, counts_El, handle.host_counts)
+        y_ND = self.experts(x_ND, counts_El, handle.host_counts, padding_rows=handle.padding_rows)
 
         # 5.-6. back to the source rank, in assignment order, weighted (fp32) and summed over k.
         y_TD = dispatcher.combine(y_ND, handle, topk_p_TK)
@@ -532,7 +638,7 @@ class MoE(nn.Module):
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared_output(x_TD))
 
         if not is_recomputing():  # activation recomputation must not count twice
-            self._record_stats(aux, z, topk_idx_TK, handle.kept)
+            self._record_stats(aux, z, topk_idx_TK, handle.kept, assignments)
         total_aux = self.aux_loss_coef * aux + self.z_loss_coef * z
         out = y_TD.view(B, S, D).to(x_BSD.dtype)
         if self.training and total_aux.requires_grad:

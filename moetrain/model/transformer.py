@@ -26,7 +26,7 @@ from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Ll
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
 from moetrain.model.mla import MLAttention
-from moetrain.model.moe import MoE
+from moetrain.model.moe import MoE, TokenMask
 from moetrain.model.recompute import recompute_context
 
 
@@ -66,17 +66,19 @@ class Block(nn.Module):
         self.recompute = False
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: DocumentMask | None = None) -> torch.Tensor:
+                doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
+        """``tokens``: the real (not padding) tokens, which the MoE layer routes (None: all)."""
         if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, doc, use_reentrant=False,
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, doc, tokens, use_reentrant=False,
                                                      context_fn=recompute_context)
-        return self._forward(x_BSD, cos, sin, doc)
+        return self._forward(x_BSD, cos, sin, doc, tokens)
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 doc: DocumentMask | None = None) -> torch.Tensor:
+                 doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
         h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
-        mlp = self.moe if self.moe is not None else self.feed_forward
-        return h + mlp(self.ffn_norm(h))
+        if self.moe is not None:
+            return h + self.moe(self.ffn_norm(h), tokens=tokens)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 def mla_scale(m: ModelConfig) -> float:
@@ -113,9 +115,9 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(m.hidden, m.norm_eps)
 
     def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: DocumentMask | None = None) -> torch.Tensor:
+                doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
-        return self.norm(self.block(x, cos, sin, doc))
+        return self.norm(self.block(x, cos, sin, doc, tokens))
 
 
 class Transformer(nn.Module):
@@ -126,6 +128,10 @@ class Transformer(nn.Module):
     ``doc_ids`` ([B, S_full], optional: the document index of every token of the whole samples,
     see :class:`moetrain.model.attention.DocumentMask`) restricts attention to each token's
     document, and with ``data.reset_position_ids`` restarts RoPE positions at every document.
+    ``padding`` ([B, S_full] bool, optional, whole samples: True at the padding that ends a packed
+    sequence) keeps those tokens out of every MoE layer's routing, losses and statistics
+    (:class:`moetrain.model.moe.TokenMask`); nothing after them in their sequence is trained, so
+    the loss and the gradients are the ones of the sequences without their padding.
     ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` in a pipeline stage that does not
     own them; ``embeds_input`` False: the input is the previous stage's hidden state [B, S, D]
     (the last stage keeps a copy of the embedding for its MTP modules).
@@ -186,7 +192,8 @@ class Transformer(nn.Module):
         return {name: blk.moe for name, blk in self.blocks().items() if blk.moe is not None}
 
     def forward(self, tokens_or_h: torch.Tensor, positions: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, future: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, future: torch.Tensor | None = None,
+                padding: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, V] (fp32); with multi-token prediction, in training and given ``future``
         ([B, S, 1 + 2·mtp_depth] int64, :func:`future_tokens`), [B, S, 1 + mtp_depth, V]: the main
         head's and every MTP module's logits (:func:`moetrain.model.loss.model_loss`)."""
@@ -202,8 +209,9 @@ class Transformer(nn.Module):
         else:
             rope_positions = positions
         cos, sin = rope_cos_sin(rope_positions, self.rotary_dim, self.rope_theta, self.rope_scaling)
+        tokens = TokenMask.from_padding(padding.to(h.device), positions) if padding is not None else None
         for block in self.layers.values():
-            h = block(h, cos, sin, doc)
+            h = block(h, cos, sin, doc, tokens)
         if self.output is None:
             return self.norm(h) if self.norm is not None else h
         logits = self.output(self.norm(h) if self.norm is not None else h).float()
@@ -213,7 +221,7 @@ class Transformer(nn.Module):
         # (ids beyond the sample, -100, embed as token 0: their predictions are not scored).
         out, depth = [logits], len(self.mtp)
         for k, module in enumerate(self.mtp.values(), start=1):
-            h = module(h, self.tok_embeddings(future[..., depth + k].clamp(min=0)), cos, sin, doc)
+            h = module(h, self.tok_embeddings(future[..., depth + k].clamp(min=0)), cos, sin, doc, tokens)
             out.append(self.output(h).float())
         return torch.stack(out, dim=2)
 

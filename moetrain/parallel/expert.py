@@ -72,6 +72,10 @@ class AllToAllHandle:
     def kept(self) -> torch.Tensor | None:
         return self.local.kept
 
+    @property
+    def padding_rows(self) -> bool:
+        return False  # padding never travels: the received rows are all real
+
 
 class AllToAllDispatcher:
     """Dropless token dispatch over the ep group (see the module docstring for the phases);
@@ -96,15 +100,18 @@ class AllToAllDispatcher:
         sent, self.rows_sent = self.rows_sent, [0, 0]
         return sent[0], sent[1]
 
-    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | torch.Tensor | None,
+              padded: bool = False) -> tuple:
         """Phases 1-3; the rows' all-to-all may be left in flight (it is waited for in
-        :meth:`finish`), so the caller can compute meanwhile."""
+        :meth:`finish`), so the caller can compute meanwhile. Padding assignments (id E) sort
+        last and are not sent."""
         # 1. permute by global expert id; rows for ep rank r are contiguous.
-        return self.send_sorted(*permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity))
+        return self.send_sorted(*permute_by_expert(x_TD, expert_idx_TK, self.num_experts, capacity, padded))
 
     def send_sorted(self, x_sorted: torch.Tensor, counts_E: torch.Tensor, local: DispatchHandle) -> tuple:
-        """Phases 2-3 for rows already sorted by expert: x_sorted [N, D] with N = sum(counts_E),
-        counts_E [E] int64 on the device, ``local`` the handle that undoes the sort."""
+        """Phases 2-3 for rows already sorted by expert: x_sorted [N', D] whose first N =
+        sum(counts_E) rows are sent (the rest, padding, stay), counts_E [E] int64 on the device,
+        ``local`` the handle that undoes the sort."""
         P, El = self.ep, self.num_local
         # 2. exchange counts: recv_counts[src, e] = rows src sends to my local expert e. Then the
         #    one host read of this layer: split sizes must be host integers.
@@ -120,6 +127,8 @@ class AllToAllDispatcher:
         self.rows_sent[0] += sum(input_splits) - inter
         self.rows_sent[1] += inter
         host_counts = [sum(recv_PE[r][e] for r in range(P)) for e in range(El)]
+        if x_sorted.shape[0] > sum(input_splits):  # padding rows, sorted last: they stay here
+            x_sorted = x_sorted[:sum(input_splits)]
         # 3. rows to the ranks holding their experts (in flight until used).
         arrive = self.exchange(x_sorted, output_splits, input_splits, self.wire, name=DISPATCH)
         # The regroup permutation (phase 4) needs only the counts: build it while the rows travel.
@@ -163,6 +172,10 @@ class HierarchicalHandle:
     @property
     def host_counts(self) -> list[int]:
         return self.inner.host_counts
+
+    @property
+    def padding_rows(self) -> bool:
+        return False  # padding never travels: the received rows are all real
 
 
 class HierarchicalDispatcher:
@@ -223,15 +236,18 @@ class HierarchicalDispatcher:
         sent, self.rows_sent = self.rows_sent, [0, 0]
         return sent[0], sent[1]
 
-    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | None) -> tuple:
+    def start(self, x_TD: torch.Tensor, expert_idx_TK: torch.Tensor, capacity: int | torch.Tensor | None,
+              padded: bool = False) -> tuple:
         T, K = expert_idx_TK.shape
         N, dev = self.num_rail, x_TD.device
-        valid_TK, kept = torch.ones_like(expert_idx_TK, dtype=torch.bool), None
-        if capacity is not None:  # the same drops as permute_by_expert
+        # Padding assignments (id E) are not valid: a token of padding only is sent nowhere.
+        valid_TK, kept = (expert_idx_TK < self.num_experts if padded
+                          else torch.ones_like(expert_idx_TK, dtype=torch.bool)), None
+        if capacity is not None:  # the same drops as permute_by_expert (never a padding one)
             order, _, kept = sort_by_expert(expert_idx_TK.reshape(-1), self.num_experts, capacity)
             valid_TK = torch.empty_like(kept).index_copy_(0, order, kept).view(T, K)
         # 1. one row per (destination domain, token), domain-major, tokens in order.
-        dom_TK = self.rail_of_expert[expert_idx_TK]
+        dom_TK = self.rail_of_expert[expert_idx_TK.clamp(max=self.num_experts - 1) if padded else expert_idx_TK]
         need_NT = torch.zeros(N, T, dtype=torch.int64, device=dev)
         need_NT.index_put_((dom_TK.reshape(-1), torch.arange(T, device=dev).repeat_interleave(K)),
                            valid_TK.reshape(-1).to(torch.int64), accumulate=True)
@@ -258,7 +274,7 @@ class HierarchicalDispatcher:
         E_dom = self.inner.num_experts
         key = torch.where(ids_recv >= 0, self.local_of_expert[ids_recv.clamp(min=0)], E_dom).reshape(-1)
         order = torch.argsort(key, stable=True)[:recv_slots]
-        counts = expert_counts(key, E_dom + 1)[:E_dom]
+        counts = expert_counts(key, E_dom)  # key E_dom: another domain's slot
         local = DispatchHandle(order=order, num_assignments=key.numel(), kept=None)
         pending = self.inner.send_sorted(arrive()[order // K], counts, local)
         self.rows_sent[0] += sum(self.inner.take_rows_sent())
@@ -325,7 +341,8 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
        :class:`HierarchicalDispatcher` (``hierarchical``) over ep, else the local one, moving its
        rows through exchanges ``make_exchange(group[, flush_wgrad=False])`` makes (the caller
        chooses how transfers wait: :mod:`moetrain.parallel.exchange`);
-    3. a sequence split over cp × tp ranks: :func:`sequence_split`;
+    3. a sequence split over cp × tp ranks: :func:`sequence_split`, and under tp without etp
+       the rank's piece of the sequence (``token_part``: its piece of the padding mask);
     4. node-limited routing (``moe.max_nodes_per_token``): :func:`node_limited_groups`.
 
     Raises:
@@ -337,6 +354,9 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
     domains = [ps.domains[r] for r in ep_ranks] if ps.domains is not None else None
     rail_domain = hierarchical_groups(ps) if ep > 1 and cfg.moe.token_dispatcher == "hierarchical" else None
     split = sequence_split(ps)
+    # Without expert-tensor parallelism each tp rank routes its own piece of the sequence (the tp
+    # plan hands the layer Shard(1) of it): its piece of the real-token mask too.
+    token_part = (ps.coord(TP), ps.size(TP)) if ps.size(TP) > 1 and not etp else None
     wire = fp8.dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
     for moe in moe_layers.values():
         E = moe.num_experts
@@ -360,7 +380,8 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
         groups, max_groups = (None, None)
         if cfg.moe.max_nodes_per_token is not None:
             groups, max_groups = node_limited_groups(moe, ps, cfg.moe.max_nodes_per_token)
-        moe.parallel = MoEParallel(dispatcher, *split, expert_groups=groups, max_groups=max_groups)
+        moe.parallel = MoEParallel(dispatcher, *split, expert_groups=groups, max_groups=max_groups,
+                                   token_part=token_part)
 
 
 def _expert_tensor_parallel(moe: MoE, ps: ParallelState) -> None:

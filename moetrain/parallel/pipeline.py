@@ -365,8 +365,9 @@ class PipelineRunner:
         """Step arguments: the [n·B, S] inputs where stage 0 lives, the [n·B, S] targets (or
         [n·B, S, 1 + 2·mtp_depth] with the MTP targets and inputs) where the last stage lives, and then also
         the keyword argument ``future`` for its MTP modules; with document masking, the keyword
-        argument ``doc_ids`` ([n·B, S_full]) on every stage: the schedule cuts keyword arguments
-        into micro-batches and hands them to every stage, as every stage's attention needs them."""
+        argument ``doc_ids`` ([n·B, S_full]) on every stage, and with a padding mask ``padding``
+        ([n·B, S_full] bool): the schedule cuts keyword arguments into micro-batches and hands them
+        to every stage, as every stage's attention (and MoE layers) need them."""
         sizes = {mb.inputs.shape[0] for mb in micro_batches}
         if len(sizes) != 1:
             # tensor_split would cut unequal micro-batches at other boundaries.
@@ -377,6 +378,8 @@ class PipelineRunner:
         kwargs = {"future": target} if target is not None and target.dim() == 3 else {}
         if micro_batches[0].doc_ids is not None:
             kwargs["doc_ids"] = torch.cat([mb.doc_ids for mb in micro_batches]).to(dev)
+        if micro_batches[0].padding is not None:
+            kwargs["padding"] = torch.cat([mb.padding for mb in micro_batches]).to(dev)
         return args, target, kwargs
 
     def _total(self, values: list[torch.Tensor], n: int) -> torch.Tensor:

@@ -70,7 +70,8 @@ def split_micro_batch(mb: MicroBatch) -> list[MicroBatch]:
         lm_targets = mb.targets if mb.targets.dim() == 2 else mb.targets[..., 0]
         divisor = (lm_targets != IGNORE_INDEX).sum().clamp(min=1)
     h = B // 2
-    return [MicroBatch(mb.inputs[s], mb.targets[s], None if mb.doc_ids is None else mb.doc_ids[s], divisor)
+    return [MicroBatch(mb.inputs[s], mb.targets[s], None if mb.doc_ids is None else mb.doc_ids[s], divisor,
+                       padding=None if mb.padding is None else mb.padding[s])
             for s in (slice(0, h), slice(h, B))]
 
 
@@ -98,7 +99,8 @@ class SingleStageRunner:
             doc_ids = mb.doc_ids.to(self.device) if mb.doc_ids is not None else None
             targets = mb.targets.to(self.device)
             future = targets if targets.dim() == 3 else None
-            logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future)
+            padding = mb.padding.to(self.device) if mb.padding is not None else None
+            logits = self.model(mb.inputs.to(self.device), doc_ids=doc_ids, future=future, padding=padding)
             return model_loss(logits, targets, self.model.model_cfg.mtp_loss_coef, mb.loss_divisor)
 
     def forwards_per_step(self, micro_batches: int) -> int:

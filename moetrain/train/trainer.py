@@ -163,6 +163,9 @@ class Trainer:
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
 
         manifests = self._verify_data()
+        # The padding of packed fine-tuning data is kept out of the MoE layers (moe.route_padding);
+        # only under a loss mask, which leaves every target after it untrained.
+        self._mask_padding = (cfg.data.loss_mask and not cfg.moe.route_padding and bool(self.moe_layers))
         sources = cfg.data.sources()
         # One cache of memory-mapped files for every source and split of this rank.
         maps = MapCache(cfg.data.max_open_maps)
@@ -172,7 +175,8 @@ class Trainer:
                                    for src, m in zip(sources, manifests)],
                                   cfg.model.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                   self.ps.coord(DP), self.ps.size(DP), cfg.run.seed,
-                                  document_mask=cfg.data.document_mask, loss_mask=cfg.data.loss_mask)
+                                  document_mask=cfg.data.document_mask, loss_mask=cfg.data.loss_mask,
+                                  padding=self._mask_padding)
         if self.ps.is_logging_rank and len(sources) > 1:
             sched = self.loader.order.schedule
             log.info("data blend of %d sources, period %d samples: %s", len(sources), sched.period,
@@ -189,7 +193,7 @@ class Trainer:
                 batches = self._to_device(validation_batches(
                     TokenShards(src.path, "val", maps=maps, manifest=m), cfg.model.seq_len, cfg.train.micro_batch_size,
                     cfg.data.val_batches, self.ps.coord(DP), self.ps.size(DP), document_mask=cfg.data.document_mask,
-                    loss_mask=cfg.data.loss_mask))
+                    loss_mask=cfg.data.loss_mask, padding=self._mask_padding))
                 if batches:
                     self.val_batches[src.resolved_name] = self._with_loss_divisor(batches)
                 elif self.ps.is_logging_rank:
@@ -319,7 +323,8 @@ class Trainer:
     def _to_device(self, micro_batches: list[MicroBatch], mtp: bool = False) -> list[MicroBatch]:
         """This rank's part of the micro-batches on the training device: under context
         parallelism its two sequence chunks (:func:`moetrain.parallel.context.cp_shard`) of the
-        inputs and targets (document ids stay whole: ring attention needs the other chunks'); on
+        inputs and targets (document ids and the padding mask stay whole: ring attention needs the
+        other chunks', the MoE layers the whole sequences' real lengths); on
         CUDA copied from pinned memory without waiting. ``mtp``: the targets become
         [B, S, 1 + 2·mtp_depth] (:func:`moetrain.model.transformer.future_tokens`: the targets of
         every depth, then the unmasked tokens the MTP modules embed), built on whole samples
@@ -339,7 +344,7 @@ class Trainer:
                 targets = future_tokens(targets, self.cfg.model.mtp_depth, mb.next_tokens)
             if cp > 1:
                 inputs, targets = cp_shard(inputs, cp_rank, cp, 1), cp_shard(targets, cp_rank, cp, 1)
-            out.append(MicroBatch(move(inputs), move(targets), move(mb.doc_ids)))
+            out.append(MicroBatch(move(inputs), move(targets), move(mb.doc_ids), padding=move(mb.padding)))
         return out
 
     def _announce_epochs(self) -> None:
