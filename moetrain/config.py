@@ -135,7 +135,24 @@ class ModelConfig:
       hidden state and the embedding of the token k ahead, through one block of the model's kind;
       they share the embedding and the output head with the model. Their mean loss, weighted by
       ``mtp_loss_coef``, adds to the objective and is logged as ``mtp_loss``; validation and
-      exports to architectures without MTP leave them out."""
+      exports to architectures without MTP leave them out.
+
+    Hybrid models (Qwen3-Next; :mod:`moetrain.model.gated_deltanet`):
+
+    * ``layer_types``: each block's token mixer, Hugging Face's names — ``full_attention`` (the
+      attention above) or ``linear_attention`` (gated DeltaNet, Yang et al. 2024); empty: every
+      block ``full_attention``. Its length is ``layers``.
+    * the gated-DeltaNet layers' shape, Hugging Face's names: ``linear_num_key_heads`` (query /
+      key heads), ``linear_num_value_heads`` (value heads, a multiple of the key heads),
+      ``linear_key_head_dim``, ``linear_value_head_dim`` (widths per head), ``linear_conv_kernel_dim``
+      (the causal depthwise convolution's width, tokens), ``linear_chunk_size`` (tokens per chunk
+      of the chunked delta rule: memory [chunk²] per head against the sequential steps between
+      chunks; 64 as flash-linear-attention).
+    * ``attention_output_gate``: the attention's output is scaled per channel by sigmoid of a
+      gate that the query projection also produces (its rows interleaved per head: [q_h; gate_h];
+      Qwen3-Next's gated attention).
+    * ``zero_centered_norm``: every RMSNorm of the blocks, the final norm and the q/k norms scale
+      by (1 + weight), the weight starting at 0 (Qwen3-Next's ``Qwen3NextRMSNorm``)."""
 
     layers: int = 4
     hidden: int = 256
@@ -176,6 +193,24 @@ class ModelConfig:
     v_head_dim: int = 128
     mtp_depth: int = 0
     mtp_loss_coef: float = 0.3
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 8
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64
+    attention_output_gate: bool = False
+    zero_centered_norm: bool = False
+
+    def layer_type(self, layer: int) -> str:
+        """Block ``layer``'s token mixer: ``full_attention`` or ``linear_attention``."""
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def linear_attention(self) -> bool:
+        """Some block mixes its tokens with gated DeltaNet."""
+        return "linear_attention" in self.layer_types
 
     @property
     def resolved_head_dim(self) -> int:
@@ -1380,6 +1415,7 @@ class LayoutFacts:
     expert_biases: bool = False
     tie_embeddings: bool = False
     flex_attention: bool = False  # model.attention_backend = flex
+    linear_attention: bool = False  # some block is gated DeltaNet (model.layer_types)
     # the batch and the run
     global_batch_size: int = 1
     ep_overlap: bool = False
@@ -1403,7 +1439,8 @@ class LayoutFacts:
                    dense_layers=_has_dense_layers(cfg), seq_len=m.seq_len, vocab_size=m.vocab_size,
                    num_experts=moe.num_experts, moe_ffn_hidden=moe.ffn_hidden,
                    expert_biases=moe.expert_biases and moe.num_experts > 0, tie_embeddings=m.tie_embeddings,
-                   flex_attention=m.attention_backend == "flex", global_batch_size=tr.global_batch_size,
+                   flex_attention=m.attention_backend == "flex", linear_attention=m.linear_attention,
+                   global_batch_size=tr.global_batch_size,
                    ep_overlap=par.ep_overlap, ep_overlap_split=par.ep_overlap_split,
                    split_blocker=_static_split_blocker(cfg), compile=tr.compile,
                    fp8_block=tr.fp8_block if tr.precision == "fp8" and tr.fp8_recipe == "blockwise" else None,
@@ -1451,6 +1488,14 @@ def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
         # backward leaves the FSDP-managed gradients of every stage but the first at zero.
         return ("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' (torch 2.13)",
                 "use zero_stage 1 or 2, or another pp_schedule")
+    if f.linear_attention and not f.published:
+        # The gated-DeltaNet layers keep their heads and their sequence whole on each rank.
+        if f.tp > 1:
+            return ("parallel.tp", f.tp, "the gated-DeltaNet layers (model.layer_types linear_attention) do not split "
+                    "their heads over tp yet", "use tp=1 (dp, ep, pp and ZeRO compose with them)")
+        if f.cp > 1:
+            return ("parallel.cp", f.cp, "the gated-DeltaNet layers (model.layer_types linear_attention) do not pass "
+                    "their state across cp ranks yet", "use cp=1 (dp, ep, pp and ZeRO compose with them)")
     if f.heads % f.tp:
         return ("parallel.tp", f.tp, f"model.heads={f.heads} is not divisible by it",
                 f"choose tp among {_nearest(f.tp, _divisors(f.heads))}")
@@ -1733,6 +1778,24 @@ def _check_model(cfg: Config, device: str | None) -> None:
     if m.sliding_window is not None and m.sliding_window < 1:
         raise field_error("model.sliding_window", m.sliding_window, "must be at least 1", "use null or e.g. 128")
     _bounds(cfg, "model", positive="window_every", non_negative="mtp_depth mtp_loss_coef")
+    if m.layer_types:
+        if len(m.layer_types) != m.layers:
+            raise field_error("model.layer_types", list(m.layer_types), f"gives {len(m.layer_types)} blocks, "
+                              f"model.layers is {m.layers}", "give one entry per block, or [] for full attention")
+        bad = sorted(set(m.layer_types) - {"full_attention", "linear_attention"})
+        if bad:
+            raise field_error("model.layer_types", bad[0], "is not a token mixer moetrain has",
+                              "use full_attention or linear_attention (gated DeltaNet)")
+    if m.linear_attention:
+        _bounds(cfg, "model", positive="linear_num_key_heads linear_num_value_heads linear_key_head_dim "
+                                       "linear_value_head_dim linear_conv_kernel_dim linear_chunk_size")
+        if m.linear_num_value_heads % m.linear_num_key_heads:
+            raise field_error("model.linear_num_value_heads", m.linear_num_value_heads, "is not a multiple of "
+                              f"model.linear_num_key_heads={m.linear_num_key_heads} (each query/key head serves "
+                              "whole value heads)", "use a multiple of it (Qwen3-Next: 16 key, 32 value heads)")
+        if m.mtp_depth:
+            raise field_error("model.mtp_depth", m.mtp_depth, "multi-token prediction is not built for hybrid models "
+                              "(Qwen3-Next's MTP layer differs from DeepSeek-V3's)", "set model.mtp_depth=0")
     if m.attention == "mla":
         _bounds(cfg, "model", positive="kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim q_lora_rank")
         if m.qk_rope_head_dim % 2:

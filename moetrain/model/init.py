@@ -2,8 +2,9 @@
 
 Each parameter (and each expert of a stacked expert tensor) draws from its own generator seeded
 by ``(seed, name)``, so a rank that holds only some experts, or a pipeline stage that holds only
-some blocks, gets exactly the values the single-process model has. Norm weights start at 1,
-biases at 0.
+some blocks, gets exactly the values the single-process model has. Norm weights start at 1
+(0 where the norm scales by 1 + weight), biases at 0. Gated DeltaNet: A = exp(A_log) uniform in
+[1, 16], dt_bias 1 (Qwen3-Next's), the convolution normal with std kernel^−½.
 Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
 """
 
@@ -15,6 +16,7 @@ import zlib
 import torch
 from torch import nn
 
+from moetrain.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from moetrain.model.layers import Attention, RMSNorm
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import GroupedExperts, MoE
@@ -42,7 +44,15 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
     for mod_name, module in model.named_modules():
         full = f"{prefix}{mod_name}"
         if isinstance(module, RMSNorm):
+            module.weight.fill_(0.0 if module.zero_centered else 1.0)
+        elif isinstance(module, GatedRMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, GatedDeltaNet):
+            a = torch.empty(module.num_v_heads).uniform_(1.0, 16.0, generator=_generator(seed, f"{full}.A_log"))
+            _fill(module.A_log, a.log())
+            module.dt_bias.fill_(1.0)
+            w = module.conv1d.weight
+            _fill(w, _normal(w.shape, w.shape[-1] ** -0.5, seed, f"{full}.conv1d.weight"))
         elif isinstance(module, MoE) and module.expert_bias is not None:
             module.expert_bias.zero_()  # aux-loss-free balancing starts unbiased
         elif isinstance(module, GroupedExperts):
@@ -64,7 +74,7 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             module.sinks.zero_()  # no mass on the sink to begin with beyond e^0 (GPT-OSS trains them)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             leaf = mod_name.rsplit(".", 1)[-1]
-            s = out_std if leaf in ("wo", "w2") else std
+            s = out_std if leaf in ("wo", "w2", "out_proj") else std
             _fill_normal(module.weight, s, seed, f"{full}.weight")
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
@@ -92,14 +102,19 @@ def local_piece(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 
 
 def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:
+    _fill(p, _normal(p.shape, std, seed, name))
+
+
+def _fill(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Parameter ``p`` ← the single-process model's values ``full`` (this rank's piece of them)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(p, DTensor):
-        full = _normal(p.shape, std, seed, name).to(p.dtype)
+        full = full.to(p.dtype)
         # src_data_rank=None: every rank holds the same full tensor, so each takes its piece
         # locally instead of receiving it from rank 0.
         shard = distribute_tensor(full.to(p.device_mesh.device_type), p.device_mesh, p.placements,
                                   src_data_rank=None)
         p.to_local().copy_(shard.to_local())
     else:
-        p.copy_(_normal(p.shape, std, seed, name).to(p.dtype))
+        p.copy_(full.to(p.dtype))

@@ -78,19 +78,26 @@ class Embedding(nn.Embedding):
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019). x: [..., D] → [..., D] in x's dtype;
     the statistics and the scaling are computed in fp32 whatever the compute dtype (the weight
-    itself is the compute-dtype copy, as FSDP's mixed precision gives it)."""
+    itself is the compute-dtype copy, as FSDP's mixed precision gives it). ``zero_centered``:
+    the scale is 1 + weight, the weight starting at 0 (Qwen3-Next; ``model.zero_centered_norm``)."""
 
     compute_dtype: torch.dtype | None = None
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def scale(self) -> torch.Tensor:
+        """The fp32 factor the normalised values are multiplied by: weight, or 1 + weight."""
+        w = cast(self.weight, self.compute_dtype).float()
+        return 1.0 + w if self.zero_centered else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * cast(self.weight, self.compute_dtype).float()).to(x.dtype)
+        return (xf * self.scale()).to(x.dtype)
 
 
 def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
@@ -235,8 +242,8 @@ class QKNorm(RMSNorm):
       (:class:`QKNormParallel`, None in one process) says which, and sums the statistic.
     """
 
-    def __init__(self, width: int, eps: float, per_head: bool):
-        super().__init__(width, eps)
+    def __init__(self, width: int, eps: float, per_head: bool, zero_centered: bool = False):
+        super().__init__(width, eps, zero_centered)
         self.per_head = per_head
         self.parallel: QKNormParallel | None = None
 
@@ -245,12 +252,12 @@ class QKNorm(RMSNorm):
             return super().forward(x)
         xf = x.float()
         sum_sq = xf.pow(2).sum((-2, -1), keepdim=True)
-        w = cast(self.weight, self.compute_dtype)
+        w = self.scale()
         if self.parallel is not None:
             sum_sq = self.parallel.sum_over_ranks(sum_sq)
             w = w.narrow(0, *self.parallel.rows)
         xf = xf * torch.rsqrt(sum_sq / self.weight.shape[0] + self.eps)
-        return (xf * w.float().view(x.shape[-2:])).to(x.dtype)
+        return (xf * w.view(x.shape[-2:])).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -262,14 +269,18 @@ class Attention(nn.Module):
     context parallelism. ``qkv_bias``: biases on wq/wk/wv; ``out_bias``: on wo. ``qk_norm``:
     ``none``, ``head`` or ``projection`` (:class:`QKNorm`, ``model.qk_norm``). ``sinks``: one
     learned logit per head joining the softmax. ``window``: a sliding window of that many keys.
+    ``output_gate``: ``wq`` also gives each head a gate, its rows [q_h; gate_h] per head, and the
+    attention output is multiplied by sigmoid(gate) before ``wo`` (Qwen3-Next's gated attention).
+    ``zero_centered_norm``: the q/k norms scale by 1 + weight.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
                  qk_norm: str = "none", norm_eps: float = 1e-5, out_bias: bool = False, sinks: bool = False,
-                 window: int | None = None):
+                 window: int | None = None, output_gate: bool = False, zero_centered_norm: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.wq = Linear(dim, n_heads * head_dim, bias=qkv_bias)
+        self.output_gate = output_gate
+        self.wq = Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = Linear(n_heads * head_dim, dim, bias=out_bias)
@@ -277,8 +288,9 @@ class Attention(nn.Module):
         self.k_norm: QKNorm | None = None
         if qk_norm != "none":
             per_head = qk_norm == "head"
-            self.q_norm = QKNorm(head_dim if per_head else n_heads * head_dim, norm_eps, per_head)
-            self.k_norm = QKNorm(head_dim if per_head else n_kv_heads * head_dim, norm_eps, per_head)
+            self.q_norm = QKNorm(head_dim if per_head else n_heads * head_dim, norm_eps, per_head, zero_centered_norm)
+            self.k_norm = QKNorm(head_dim if per_head else n_kv_heads * head_dim, norm_eps, per_head,
+                                 zero_centered_norm)
         self.sinks = nn.Parameter(torch.empty(n_heads)) if sinks else None
         self.window = window
         self.kernel: AttentionKernel = sdpa_attention
@@ -296,10 +308,13 @@ class Attention(nn.Module):
                 doc: DocumentMask | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         # -1 heads: under tensor parallelism the projections hold a slice of the heads.
-        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        q = self.wq(x_BSD).view(B, S, -1, self.head_dim * (2 if self.output_gate else 1))
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
-        return self.wo(self.core(q, k, v, cos, sin, doc))
+        if not self.output_gate:
+            return self.wo(self.core(q, k, v, cos, sin, doc))
+        q, gate = q.split(self.head_dim, dim=-1)
+        return self.wo(self.core(q, k, v, cos, sin, doc) * torch.sigmoid(gate.reshape(B, S, -1)))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              doc: DocumentMask | None = None) -> torch.Tensor:

@@ -25,29 +25,39 @@ from moetrain.model.attention import DocumentMask, attention_kernel, positions_i
 from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
+from moetrain.model.gated_deltanet import GatedDeltaNet
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE, TokenMask
 from moetrain.model.recompute import recompute_context
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE."""
+    """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE.
+    ``attention`` is the block's token mixer: attention (GQA or MLA), or gated DeltaNet where
+    ``model.layer_types`` says ``linear_attention``."""
 
     def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
         self.layer = layer
-        self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
+        zc = m.zero_centered_norm
+        self.attention_norm = RMSNorm(m.hidden, m.norm_eps, zc)
         window = m.window_of(layer)
-        self.attention: Attention | MLAttention
-        if m.attention == "mla":
+        self.attention: Attention | MLAttention | GatedDeltaNet
+        if m.layer_type(layer) == "linear_attention":
+            self.attention = GatedDeltaNet(m.hidden, m.linear_num_key_heads, m.linear_num_value_heads,
+                                           m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim,
+                                           m.norm_eps, m.linear_chunk_size)
+        elif m.attention == "mla":
             self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
                                          m.qk_rope_head_dim, m.v_head_dim, mla_scale(m), m.norm_eps, window,
                                          m.attention_sinks)
         else:
             self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
-                                       m.norm_eps, m.attention_out_bias, m.attention_sinks, window)
-        self.attention.kernel = attention_kernel(m.attention_backend)
-        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
+                                       m.norm_eps, m.attention_out_bias, m.attention_sinks, window,
+                                       m.attention_output_gate, zc)
+        if not isinstance(self.attention, GatedDeltaNet):
+            self.attention.kernel = attention_kernel(m.attention_backend)
+        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, zc)
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
         if moe.is_moe_layer(layer):
@@ -75,7 +85,10 @@ class Block(nn.Module):
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
+        if isinstance(self.attention, GatedDeltaNet):  # no positions: its state orders the tokens
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), None if doc is None else doc.doc_ids)
+        else:
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
         if self.moe is not None:
             return h + self.moe(self.ffn_norm(h), tokens=tokens)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -158,7 +171,7 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = Embedding(m.vocab_size, m.hidden)
         self.embeds_input = True
         self.layers = nn.ModuleDict({str(i): Block(m, moe, i, dispatch_wire) for i in range(m.layers)})
-        self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps, m.zero_centered_norm)
         self.output: nn.Linear | None = Linear(m.hidden, m.vocab_size, bias=False)
         # The head's weight gets several gradient terms (the MTP heads, a tied embedding): computed
         # at once, so they add up in the order they do without delay_wgrad_compute.

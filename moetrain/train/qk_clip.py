@@ -88,8 +88,11 @@ def _clip_gqa(m: Attention, gamma: torch.Tensor) -> None:
     group = m.n_heads // m.n_kv_heads
     key = gamma.view(m.n_kv_heads, group).amin(dim=1).sqrt()  # [n_kv_heads]
     query = gamma / key.repeat_interleave(group)
-    for linear, rows in ((m.wq, query), (m.wk, key)):
-        _scale_rows(linear, rows.repeat_interleave(m.head_dim))
+    q_rows = query.repeat_interleave(m.head_dim)
+    if m.output_gate:  # wq's rows per head are [q_h; gate_h]: the gate's rows stay
+        q_rows = torch.stack([q_rows.view(-1, m.head_dim), torch.ones_like(q_rows).view(-1, m.head_dim)], 1)
+    _scale_rows(m.wq, q_rows.reshape(-1))
+    _scale_rows(m.wk, key.repeat_interleave(m.head_dim))
 
 
 def _clip_mla(m: MLAttention, gamma: torch.Tensor) -> None:

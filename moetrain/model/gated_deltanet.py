@@ -1,0 +1,245 @@
+"""Gated DeltaNet: linear attention with the gated delta rule (Yang, Kautz & Hatamizadeh 2024,
+"Gated Delta Networks: Improving Mamba2 with Delta Rule", ICLR 2025), as Qwen3-Next's linear
+attention layers compute it.
+
+Shape legend: B batch, S sequence, D hidden, Hk query/key heads, Hv value heads (a multiple of
+Hk: each query/key head serves Hv / Hk consecutive value heads), Dk key head dim, Dv value head
+dim, C chunk length.
+
+The recurrence, per value head, with a state S_t ∈ R^{Dk×Dv} (paper §3, eq. 10):
+
+    S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,      o_t = S_tᵀ q_t
+
+with α_t = exp(g_t) ∈ (0, 1] the gate (decay) and β_t ∈ (0, 1) the write strength; q and k are
+L2-normalised and q is scaled by Dk^−½. Two paths compute it:
+
+* :func:`recurrent_gated_delta_rule` — token by token, the definition (the reference the tests
+  hold the chunked path to);
+* :func:`chunk_gated_delta_rule` — chunks of C tokens (paper §3.3, the WY representation of
+  DeltaNet, Yang et al. 2024 §3): inside a chunk, with A_i = Π_{j≤i} α_j (relative to the chunk's
+  start) and Γ_ij = A_i / A_j, the per-token corrections δ solve one unit-lower-triangular
+  system, δ = (I + tril₋₁(diag(β) (K Kᵀ ⊙ Γ)))⁻¹ diag(β) (V − diag(A) K S₀), so the chunk's
+  output O = diag(A) Q S₀ + (Q Kᵀ ⊙ Γ ⊙ causal) δ and its last state S_C = A_C S₀ +
+  (K ⊙ A_C / A)ᵀ δ are matmuls; the state passes from chunk to chunk. This is what runs on CPU
+  (pure PyTorch, fp32 inside).
+
+The layer (:class:`GatedDeltaNet`, Qwen3-Next's ``Qwen3NextGatedDeltaNet`` with its parameter
+layout, so checkpoints convert by name): projections of q, k, v and the output gate z
+(``in_proj_qkvz``, grouped by key head) and of b, a (``in_proj_ba``); a causal depthwise
+convolution of width ``conv_kernel`` over q, k, v, then SiLU; β = σ(b); g = −exp(A_log) ·
+softplus(a + dt_bias) (the decay's discretisation as in Mamba-2); the delta rule; an RMSNorm of
+each head's output gated by SiLU(z) (``norm``), and ``out_proj``.
+
+Packed documents: with document ids the state and the convolution window start afresh at every
+document (each document is computed alone, as flash-linear-attention's variable-length kernels
+take ``cu_seqlens``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.layers import Linear, cast
+
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2_normalize"]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim (flash-linear-attention's and Qwen3-Next's form:
+    eps inside the root, on the sum)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """[B, S, H*, *] inputs → fp32 [B, Hv, S, *]: q/k repeated over the value heads they serve,
+    L2-normalised, q scaled by Dk^−½."""
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv % Hk:
+        raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
+    if Hv != Hk:
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    q, k = l2_normalize(q), l2_normalize(k)
+    q = q * q.shape[-1] ** -0.5
+    return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token (the module docstring's recurrence).
+
+    q, k: [B, S, Hk, Dk]; v: [B, S, Hv, Dv]; g: [B, S, Hv] log decays (≤ 0); beta: [B, S, Hv];
+    initial_state: [B, Hv, Dk, Dv] or None (zeros). Returns (o [B, S, Hv, Dv] in v's dtype, final
+    state [B, Hv, Dk, Dv] fp32). q and k are L2-normalised here.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, S, Dk = k.shape
+    state = (torch.zeros(B, H, Dk, v.shape[-1], device=v.device) if initial_state is None
+             else initial_state.float())
+    out = []
+    for t in range(S):
+        state = state * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]
+        delta = beta[:, :, t, None] * (v[:, :, t] - (k_t.unsqueeze(-1) * state).sum(-2))
+        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        out.append((q[:, :, t].unsqueeze(-1) * state).sum(-2))
+    return torch.stack(out, dim=2).transpose(1, 2).to(dtype), state
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           chunk_size: int = 64, initial_state: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule in chunks of ``chunk_size`` tokens (the module docstring's WY form);
+    the same arguments and results as :func:`recurrent_gated_delta_rule`, equal to it within
+    fp32 rounding. The last chunk may be shorter (it is padded with g = 0, β = 0 tokens, which
+    change neither the outputs nor the state).
+
+    Raises:
+        ValueError: value heads not a multiple of key heads.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, S, Dk = k.shape
+    Dv, C = v.shape[-1], chunk_size
+    pad = (-S) % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (S + pad) // C
+    q, k, v = (x.view(B, H, n, C, -1) for x in (q, k, v))
+    g, beta = g.view(B, H, n, C), beta.view(B, H, n, C)
+
+    log_a = g.cumsum(-1)  # log A_i, from the chunk's start
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # Γ_ij = A_i / A_j for j ≤ i (exponent ≤ 0), 0 above the diagonal (masked before exp).
+    gamma = (log_a.unsqueeze(-1) - log_a.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    kk = k @ k.transpose(-1, -2)
+    system = (beta.unsqueeze(-1) * kk * gamma).tril(-1) + torch.eye(C, device=q.device)
+    a = log_a.exp().unsqueeze(-1)  # A_i
+    # δ = U − W S₀ for every chunk at once: U = T β V, W = T β A K with T = system⁻¹.
+    rhs = torch.cat([beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * a * k], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solved[..., :Dv], solved[..., Dv:]
+    attn = (q @ k.transpose(-1, -2)) * gamma  # causal, diagonal included
+    q_a = q * a
+    k_last = k * (log_a[..., -1:] - log_a).exp().unsqueeze(-1)  # k_j A_C / A_j
+    a_last = log_a[..., -1].exp()[..., None, None]
+
+    state = torch.zeros(B, H, Dk, Dv, device=v.device) if initial_state is None else initial_state.float()
+    out = []
+    for c in range(n):
+        delta = u[:, :, c] - w[:, :, c] @ state
+        out.append(q_a[:, :, c] @ state + attn[:, :, c] @ delta)
+        state = a_last[:, :, c] * state + k_last[:, :, c].transpose(-1, -2) @ delta
+    o = torch.stack(out, dim=2).reshape(B, H, n * C, Dv)[:, :, :S]
+    return o.transpose(1, 2).to(dtype), state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output, scaled by SiLU of the gate (Qwen3-Next's
+    ``Qwen3NextRMSNormGated``; flash-linear-attention's ``FusedRMSNormGated``): x, z: [..., Dv] →
+    [..., Dv] in x's dtype; the statistics in fp32, the weight [Dv] shared by the heads."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = cast(self.weight, self.compute_dtype)
+        return ((w * xf.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's gated-DeltaNet token mixer (module docstring). x: [B, S, D] → [B, S, D].
+
+    Args:
+        dim: D. num_k_heads, num_v_heads: Hk, Hv (HF ``linear_num_key_heads`` /
+        ``linear_num_value_heads``; Hv a multiple of Hk). head_k_dim, head_v_dim: Dk, Dv
+        (``linear_key_head_dim`` / ``linear_value_head_dim``). conv_kernel: the causal depthwise
+        convolution's width (``linear_conv_kernel_dim``). norm_eps: the gated norm's epsilon.
+        chunk_size: C of :func:`chunk_gated_delta_rule`.
+
+    Parameters (HF names): ``in_proj_qkvz`` [Hk·(2Dk + 2·Hv/Hk·Dv), D], rows grouped by key head
+    (q, k, v, z of its value heads); ``in_proj_ba`` [2·Hv, D], grouped likewise (b, a);
+    ``conv1d.weight`` [2·Hk·Dk + Hv·Dv, 1, conv_kernel] over the channels (all q, all k, all v);
+    ``A_log``, ``dt_bias`` [Hv]; ``norm.weight`` [Dv]; ``out_proj`` [D, Hv·Dv].
+
+    Raises:
+        ValueError: Hv not a multiple of Hk.
+    """
+
+    def __init__(self, dim: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads {num_v_heads} is not a multiple of linear_num_key_heads "
+                             f"{num_k_heads}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.chunk_size = chunk_size
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.in_proj_qkvz = Linear(dim, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = Linear(dim, 2 * num_v_heads, bias=False)
+        channels = 2 * key_dim + value_dim
+        self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=False)
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = Linear(value_dim, dim, bias=False)
+        # The delta rule's implementation (chunk_gated_delta_rule's signature).
+        self.rule = chunk_gated_delta_rule
+
+    compute_dtype: torch.dtype | None = None
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """The projections, grouped by key head, → q, k [B, S, Hk, Dk], v, z [B, S, Hv, Dv], b, a
+        [B, S, Hv]."""
+        B, S = qkvz.shape[:2]
+        Hk, Dk, Dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        q, k, v, z = qkvz.view(B, S, Hk, -1).split([Dk, Dk, r * Dv, r * Dv], dim=-1)
+        b, a = ba.view(B, S, Hk, 2 * r).split([r, r], dim=-1)
+        return (q, k, v.reshape(B, S, -1, Dv), z.reshape(B, S, -1, Dv), b.reshape(B, S, -1), a.reshape(B, S, -1))
+
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+             ) -> torch.Tensor:
+        """One stretch of tokens that shares a state (a sequence, or one document of it): the
+        convolution, the gates and the delta rule. → o [B, S, Hv, Dv]."""
+        B, S = q.shape[:2]
+        qkv = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        w = cast(self.conv1d.weight, self.compute_dtype)
+        # Causal depthwise convolution: left-pad by width − 1, so position t sees t − width + 1 … t.
+        qkv = F.silu(F.conv1d(F.pad(qkv.transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w,
+                              groups=w.shape[0])).transpose(1, 2)
+        kd = self.num_k_heads * self.head_k_dim
+        q, k, v = qkv.split([kd, kd, qkv.shape[-1] - 2 * kd], dim=-1)
+        beta = torch.sigmoid(b.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o, _ = self.rule(q.reshape(B, S, -1, self.head_k_dim), k.reshape(B, S, -1, self.head_k_dim),
+                         v.reshape(B, S, -1, self.head_v_dim), g, beta, self.chunk_size)
+        return o
+
+    def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc_ids``: [B, S] document index of each token (non-decreasing along S), or None:
+        the state starts afresh at every document."""
+        B, S, _ = x_BSD.shape
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x_BSD), self.in_proj_ba(x_BSD))
+        if doc_ids is None:
+            o = self._mix(q, k, v, b, a)
+        else:
+            rows = []
+            for i in range(B):  # each document alone (its lengths are read on the host)
+                lengths = torch.unique_consecutive(doc_ids[i], return_counts=True)[1].tolist()
+                parts = zip(*(t[i:i + 1].split(lengths, dim=1) for t in (q, k, v, b, a)))
+                rows.append(torch.cat([self._mix(*p) for p in parts], dim=1))
+            o = torch.cat(rows)
+        o = self.norm(o, z.to(o.dtype))
+        return self.out_proj(o.reshape(B, S, -1))

@@ -1,0 +1,143 @@
+"""Gated DeltaNet (moetrain/model/gated_deltanet.py): the chunked delta rule against the
+recurrent form it computes and against transformers' own torch paths; the layer against
+Qwen3-Next's; packed documents against each document alone; and a hybrid model (gated DeltaNet and
+gated attention blocks, Qwen3-Next's) trained in dp × ep, pp × dp × ep and ZeRO-3 with full
+recomputation equal to one process over 20 steps (tests/test_architectures.py's tolerances).
+Layouts the layer cannot take yet (tp, cp) are refused naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import ConfigError
+from moetrain.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+from conftest import tiny_config
+from multiproc import run_distributed
+from test_equivalence import assert_matches, steps_with_first_grads
+
+B, S, HK, HV, DK, DV = 2, 37, 2, 4, 8, 6  # S not a multiple of the chunk: the last chunk is short
+
+
+def _inputs(seed: int = 0, requires_grad: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = [torch.randn(B, S, HK, DK, generator=g), torch.randn(B, S, HK, DK, generator=g),
+         torch.randn(B, S, HV, DV, generator=g), -2 * torch.rand(B, S, HV, generator=g),
+         torch.rand(B, S, HV, generator=g), torch.randn(B, HV, DK, DV, generator=g)]
+    return [t.requires_grad_(requires_grad) for t in x]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+def test_the_chunked_rule_is_the_recurrence(chunk):
+    q, k, v, g, beta, s0 = _inputs(requires_grad=True)
+    runs = []
+    for rule in (recurrent_gated_delta_rule, lambda *a: chunk_gated_delta_rule(*a[:5], chunk, a[5])):
+        o, state = rule(q, k, v, g, beta, s0)
+        (o.pow(2).sum() + state.pow(2).sum()).backward()
+        runs.append([o.detach(), state.detach()] + [t.grad.clone() for t in (q, k, v, g, beta, s0)])
+        for t in (q, k, v, g, beta, s0):
+            t.grad = None
+    for name, a, b in zip(["o", "state", "dq", "dk", "dv", "dg", "dbeta", "ds0"], *runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_rules_equal_transformers_torch_paths():
+    tf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, g, beta, s0 = _inputs(1)
+    o, state = chunk_gated_delta_rule(q, k, v, g, beta, 16, s0)
+    for fn, kw in ((tf.torch_chunk_gated_delta_rule, {"chunk_size": 16}), (tf.torch_recurrent_gated_delta_rule, {})):
+        o_hf, s_hf = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+        torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, s_hf, rtol=1e-5, atol=1e-5)
+
+
+def _layer() -> GatedDeltaNet:
+    layer = GatedDeltaNet(32, HK, HV, DK, DV, conv_kernel=4, norm_eps=1e-6, chunk_size=16)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return layer
+
+
+def test_the_layer_equals_qwen3_nexts():
+    tf = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    cfg = tf.Qwen3NextConfig(hidden_size=32, linear_num_key_heads=HK, linear_num_value_heads=HV,
+                             linear_key_head_dim=DK, linear_value_head_dim=DV, linear_conv_kernel_dim=4,
+                             num_hidden_layers=1, layer_types=["linear_attention"])
+    ours = _layer()
+    theirs = Qwen3NextGatedDeltaNet(cfg, 0)
+    theirs.load_state_dict(ours.state_dict())  # the same names and shapes
+    x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_documents_restart_the_state_and_the_convolution():
+    layer = _layer()
+    x = torch.randn(2, S, 32, generator=torch.Generator().manual_seed(4))
+    docs = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [0] * S])
+    together = layer(x, docs)
+    alone = torch.cat([layer(x[:1, :10]), layer(x[:1, 10:30]), layer(x[:1, 30:])], dim=1)
+    torch.testing.assert_close(together[:1], alone, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(together[1:], layer(x[1:]), rtol=0, atol=0)
+    # Without the document ids the later documents read the earlier ones' state.
+    assert (layer(x[:1]) - alone).abs().max() > 1e-3
+
+
+# -- a Qwen3-Next-like hybrid in every layout it takes ------------------------------------------
+
+STEPS = 20
+HYBRID = {
+    "model": {"layers": 2, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+              "linear_chunk_size": 8, "attention_output_gate": True, "zero_centered_norm": True, "qk_norm": "head",
+              "partial_rotary_factor": 0.5, "vocab_size": 260},
+    "moe": {"num_experts": 4, "top_k": 2, "shared_experts": 1, "shared_expert_gate": True},
+}
+
+
+def train_hybrid(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict) -> dict:
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(data, run_dir, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"], data=data_section,
+                      train={"steps": STEPS, "grad_clip": 0.5})
+    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
+
+
+HYBRID_LAYOUTS = {
+    "dp2-ep2": ({"dp": 2, "ep": 2}, False),
+    "pp2-dp2-ep2-docs": ({"pp": 2, "dp": 2, "ep": 2}, True),
+    "dp2-ep2-zero3-full-recompute": ({"dp": 2, "ep": 2, "zero_stage": 3, "activation_checkpointing": "full"}, False),
+}
+_REFERENCES: dict = {}
+
+
+@pytest.mark.slow(fast=["dp2-ep2"])
+@pytest.mark.parametrize("layout", list(HYBRID_LAYOUTS))
+def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_shards, tmp_path):
+    parallel, docs = HYBRID_LAYOUTS[layout]
+    shards, data_section = (short_doc_shards, {"document_mask": True}) if docs else (tiny_shards, {})
+    if docs not in _REFERENCES:
+        _REFERENCES[docs] = run_distributed(train_hybrid, 1, str(shards), str(tmp_path / "ref"), {}, data_section)[0]
+    ref = _REFERENCES[docs]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
+    assert max(ref["norms"]) > 0.5, "the test must clip"
+    assert any(".attention.A_log" in n for n in ref["grads"]), "a gated-DeltaNet block must train"
+    world = parallel.get("pp", 1) * parallel.get("dp", 1)
+    results = run_distributed(train_hybrid, world, str(shards), str(tmp_path / "run"), parallel, data_section)
+    got = {"losses": results[-1]["losses"], "grads": {}}
+    for r in results:
+        got["grads"].update(r["grads"])
+    assert_matches(got, ref)
+    for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+
+
+@pytest.mark.parametrize("parallel, field", [({"tp": 2, "dp": 1}, "parallel.tp"), ({"cp": 2}, "parallel.cp")])
+def test_layouts_the_layer_cannot_take_are_refused_by_field(parallel, field, tmp_path):
+    with pytest.raises(ConfigError, match=rf"{field} = 2: the gated-DeltaNet layers"):
+        tiny_config(tmp_path, tmp_path, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"])
