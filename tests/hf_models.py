@@ -13,7 +13,8 @@ OLMoE the q/k norm over the whole projection; Llama dense blocks and Llama 3.1 R
 three of its frequency bands; DeepSeek-V3 MLA, YaRN with mscale, group-limited sigmoid routing
 with the score-correction bias (randomised: it is zero in transformers' init), shared experts;
 GLM-4.5 partial rotary, q/k/v bias and q/k norm; GPT-OSS sinks, a sliding window, biases, the
-clamped SwiGLU and YaRN.
+clamped SwiGLU and YaRN; Qwen3-Next gated-DeltaNet and gated-attention blocks, zero-centred norms,
+partial rotary, a gated shared expert and a dense block.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
-ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss")
+ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next")
 
 
 def hf_config(arch: str, **over):
@@ -72,6 +73,14 @@ def hf_config(arch: str, **over):
         # Sinks, a 4-token window on block 0 (of 16 tokens), biases everywhere, clamped SwiGLU, YaRN.
         cls, kw = tf.GptOssConfig, dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                         head_dim=8, sliding_window=4)
+    elif arch == "qwen3_next":
+        # Blocks: gated DeltaNet (dense MLP), gated attention, gated DeltaNet, gated attention; a
+        # quarter of each head rotated; two value heads per key head.
+        cls, kw = tf.Qwen3NextConfig, dict(
+            num_hidden_layers=4, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=20,
+            num_experts=4, num_experts_per_tok=2, head_dim=16, mlp_only_layers=[0], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})

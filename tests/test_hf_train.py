@@ -43,6 +43,8 @@ SECOND = {"deepseek_v3": {"cp": 2, "ep": 2}, "glm4_moe": {"pp": 2, "dp": 2, "ep"
 
 
 def layouts(arch: str) -> dict[str, dict]:
+    if arch == "qwen3_next":  # its gated-DeltaNet blocks take neither tp nor cp yet
+        return {"dp2-ep2": {"dp": 2, "ep": 2}, "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2}}
     if arch in SECOND:
         second = SECOND[arch]
         return {"dp2-tp2-sp-ep2": {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
@@ -154,7 +156,10 @@ def test_train_then_export_matches_transformers(arch, layout, runs):
         hf_logits = model(runs["tokens"]).logits
     ours = runs["reloaded"][case]
     err = ((ours - hf_logits).abs().max() / hf_logits.abs().max()).item()
-    assert err <= 1e-5, f"exported logits differ from moetrain's by {err:.2e}"
+    # Qwen3-Next: the chunked delta rule sums in another order than transformers' torch path
+    # (tests/test_hf_convert.py's GRAD_TOL); measured 1.04e-5 after training.
+    tol = 3e-5 if arch == "qwen3_next" else 1e-5
+    assert err <= tol, f"exported logits differ from moetrain's by {err:.2e}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -23,6 +23,10 @@ GptOssForCausalLM           gpt_oss      attention sinks; sliding window on alte
                                          q/k/v/o biases; router bias; expert biases; clamped SwiGLU
                                          (swiglu_alpha, swiglu_limit); YaRN; MXFP4 experts dequantized on
                                          import (bf16, exact)
+Qwen3NextForCausalLM        qwen3_next   hybrid: gated DeltaNet (``linear_attention``) and gated attention
+                                         (``full_attention``) blocks from layer_types, the linear_* shapes;
+                                         zero-centred RMSNorms; per-head q/k norm; partial rotary; a gated
+                                         shared expert; dense blocks from decoder_sparse_step / mlp_only_layers
 ==========================  ===========  ====================================================================
 
 All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention
@@ -115,9 +119,13 @@ GLM4_MOE = Architecture("Glm4MoeForCausalLM", "glm4_moe", DEEPSEEK_MOE, _COMMON 
 GPT_OSS = Architecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_MOE, _COMMON | {
     "num_local_experts", "num_experts_per_tok", "attention_bias", "layer_types", "sliding_window", "swiglu_alpha",
     "swiglu_limit", "quantization_config"}, default_theta=150000.0)
+QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", "qwen3_next", QWEN_MOE, _COMMON | {
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "layer_types", "attention_bias", "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval"})
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
-                                                                     DEEPSEEK_V3, GLM4_MOE, GPT_OSS)}
+                                                                     DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT)}
 
 
 def _supported() -> str:
@@ -183,7 +191,7 @@ def _read_rope(r: _Reader) -> dict:
     theta = float(params.pop("rope_theta", r.get("rope_theta", r.arch.default_theta)))
     kind = params.pop("rope_type", params.pop("type", "default"))
     partial = params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and r.arch is not GLM4_MOE:
+    if partial != 1.0 and r.arch not in (GLM4_MOE, QWEN3_NEXT):
         raise r.refuse("partial_rotary_factor", partial, f"{r.arch.name} rotates whole heads in moetrain's mapping")
     out: dict[str, Any] = {"rope_theta": theta}
     if partial != 1.0:
@@ -267,6 +275,8 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         r.expect("router_jitter_noise", lambda v: not v, 0.0, "router jitter noise is not implemented")
         moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0)
+    elif arch is QWEN3_NEXT:
+        _read_qwen3_next(r, model, moe)
     elif arch in (QWEN3_MOE, QWEN2_MOE):
         r.expect("use_sliding_window", lambda v: not v, False, "sliding-window attention is not implemented")
         types = r.get("layer_types", None) or []
@@ -336,6 +346,33 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
     return arch, model, moe
 
 
+def _read_qwen3_next(r: _Reader, model: dict, moe: dict) -> None:
+    """Qwen3-Next: the blocks' token mixers from ``layer_types`` (or every
+    ``full_attention_interval``-th block full attention), the gated-DeltaNet shapes, gated
+    attention with per-head q/k norm, zero-centred norms, and Qwen2-MoE's gated shared expert."""
+    r.expect("attention_bias", lambda v: not v, False, "q/k/v/o biases are not part of Qwen3-Next's mapping")
+    layers = model["layers"]
+    types = r.get("layer_types", None)
+    if types is None:
+        interval = r.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise r.refuse("layer_types", types, "needs one full_attention or linear_attention entry per block")
+    num_experts = r.get("num_experts")
+    shared = r.expect("shared_expert_intermediate_size", lambda v: v > 0, None,
+                      "Qwen3-Next without a shared expert is not a layout moetrain maps")
+    model.update(layer_types=list(types), linear_num_key_heads=r.get("linear_num_key_heads"),
+                 linear_num_value_heads=r.get("linear_num_value_heads"),
+                 linear_key_head_dim=r.get("linear_key_head_dim"), linear_value_head_dim=r.get("linear_value_head_dim"),
+                 linear_conv_kernel_dim=r.get("linear_conv_kernel_dim"), attention_output_gate=True,
+                 zero_centered_norm=True, qk_norm="head")
+    if r.get("head_dim", None) is not None:
+        model["head_dim"] = r.get("head_dim")
+    moe.update(num_experts=num_experts, top_k=r.get("num_experts_per_tok"), ffn_hidden=r.get("moe_intermediate_size"),
+               norm_topk_prob=bool(r.get("norm_topk_prob", True)), shared_experts=1, shared_ffn_hidden=shared,
+               shared_expert_gate=True, **_moe_layer_pattern(r, layers, num_experts))
+
+
 def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> None:
     """DeepSeek-V3's (and GLM-4.5's) MoE: sigmoid scores with the score-correction bias,
     group-limited top-k, routed scaling, shared experts of n_shared_experts × the routed width,
@@ -358,12 +395,15 @@ def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> No
 
 
 def choose_architecture(cfg: Config) -> Architecture:
-    """The architecture a moetrain model exports to when none is asked for: MLA → DeepSeek-V3;
+    """The architecture a moetrain model exports to when none is asked for: gated DeltaNet, gated
+    attention or zero-centred norms → Qwen3-Next; MLA → DeepSeek-V3;
     sinks or expert biases → GPT-OSS; a routing bias, fixed expert groups or partial rotary →
     GLM-4.5; dense → Llama;
     per-head q/k norm → Qwen3-MoE; projection q/k norm → OLMoE; gated shared experts or q/k/v bias
     → Qwen2-MoE; otherwise Mixtral."""
     m, moe = cfg.model, cfg.moe
+    if m.linear_attention or m.attention_output_gate or m.zero_centered_norm:
+        return QWEN3_NEXT
     if m.attention == "mla":
         return DEEPSEEK_V3
     if m.attention_sinks or moe.expert_biases:
@@ -402,7 +442,12 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         if not ok:
             raise _refuse_ours(arch, field, value, why)
 
-    deepseek_like, gpt_oss = arch in (DEEPSEEK_V3, GLM4_MOE), arch is GPT_OSS
+    deepseek_like, gpt_oss, next_ = arch in (DEEPSEEK_V3, GLM4_MOE), arch is GPT_OSS, arch is QWEN3_NEXT
+    need("model.layer_types", list(m.layer_types), not m.linear_attention or next_, "has no gated-DeltaNet layers")
+    need("model.attention_output_gate", m.attention_output_gate, m.attention_output_gate == next_,
+         "gates its attention output" if next_ else "has no attention output gate")
+    need("model.zero_centered_norm", m.zero_centered_norm, m.zero_centered_norm == next_,
+         "scales its norms by 1 + weight" if next_ else "scales its norms by their weight")
     need("model.attention", m.attention, (m.attention == "mla") == (arch is DEEPSEEK_V3),
          "has multi-head latent attention" if arch is DEEPSEEK_V3 else "has grouped-query attention, not MLA")
     need("model.qkv_bias", m.qkv_bias, m.qkv_bias if gpt_oss else not m.qkv_bias or arch in (QWEN2_MOE, GLM4_MOE),
@@ -412,7 +457,8 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     need("model.attention_sinks", m.attention_sinks, m.attention_sinks == gpt_oss,
          "has attention sinks" if gpt_oss else "has no attention sinks")
     need("model.sliding_window", m.sliding_window, m.sliding_window is None or gpt_oss, "has no sliding window")
-    need("model.partial_rotary_factor", m.partial_rotary_factor, m.partial_rotary_factor == 1.0 or arch is GLM4_MOE,
+    need("model.partial_rotary_factor", m.partial_rotary_factor,
+         m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT),
          "rotates whole heads")
     need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like,
          "has no multi-token prediction (leave it out: export with model.mtp_depth=0 in the config)")
@@ -435,7 +481,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         need("moe.score_function", moe.score_function, moe.score_function == "softmax", "scores with a softmax")
         need("moe.routed_scaling_factor", moe.routed_scaling_factor, moe.routed_scaling_factor == 1.0,
              "does not scale the routed output")
-    qk = {QWEN3_MOE: "head", OLMOE: "projection"}.get(arch, "none")
+    qk = {QWEN3_MOE: "head", OLMOE: "projection", QWEN3_NEXT: "head"}.get(arch, "none")
     if arch is GLM4_MOE:
         need("model.qk_norm", m.qk_norm, m.qk_norm in ("none", "head"), "has q/k norm 'head' or none")
     else:
@@ -444,7 +490,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         need("moe.num_experts", moe.num_experts, moe.num_experts == 0, "is dense")
     else:
         need("moe.num_experts", moe.num_experts, moe.num_experts > 0, "is a mixture of experts")
-        if arch is QWEN2_MOE:
+        if arch in (QWEN2_MOE, QWEN3_NEXT):
             need("moe.shared_experts", moe.shared_experts, moe.shared_experts > 0 and moe.shared_expert_gate,
                  "has one shared expert with a sigmoid gate (set moe.shared_expert_gate)")
         elif not deepseek_like:
@@ -495,11 +541,20 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     elif arch is OLMOE:
         out.update(num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, norm_topk_prob=moe.norm_topk_prob,
                    clip_qkv=None, attention_bias=False)
-    elif arch in (QWEN3_MOE, QWEN2_MOE):
+    elif arch in (QWEN3_MOE, QWEN2_MOE, QWEN3_NEXT):
         out.pop("num_local_experts", None)
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden,
-                   norm_topk_prob=moe.norm_topk_prob, use_sliding_window=False)
-        out.pop("layer_types", None)
+                   norm_topk_prob=moe.norm_topk_prob)
+        if next_:
+            out.update(layer_types=[m.layer_type(i) for i in range(m.layers)], head_dim=m.resolved_head_dim,
+                       linear_num_key_heads=m.linear_num_key_heads, linear_num_value_heads=m.linear_num_value_heads,
+                       linear_key_head_dim=m.linear_key_head_dim, linear_value_head_dim=m.linear_value_head_dim,
+                       linear_conv_kernel_dim=m.linear_conv_kernel_dim, attention_bias=False,
+                       shared_expert_intermediate_size=moe.shared_hidden)
+            out.pop("full_attention_interval", None)
+        else:
+            out["use_sliding_window"] = False
+            out.pop("layer_types", None)
         # Keep the base's dense/MoE keys when they give the same blocks; else spell the dense ones out.
         out.setdefault("decoder_sparse_step", 1)
         out.setdefault("mlp_only_layers", [])
@@ -507,7 +562,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
             out.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(m.layers) if not moe.is_moe_layer(i)])
         if arch is QWEN3_MOE:
             out["attention_bias"] = False
-        else:
+        elif arch is QWEN2_MOE:
             out.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_hidden)
     elif deepseek_like:
         for k in ("num_local_experts", "num_experts"):

@@ -19,8 +19,10 @@ occur:
   adding a second RoPE layout to the model keeps one RoPE path (and the ring attention's) and lets
   the permutation be checked bit-exactly by a round trip;
   Only a head's rotary rows are permuted: all of them, the first ``partial_rotary_factor`` of
-  them (GLM-4.5), or the last ``qk_rope_head_dim`` of an MLA query head; none where the HF
-  checkpoint itself rotates interleaved pairs (DeepSeek's ``rope_interleave: true``);
+  them (GLM-4.5, Qwen3-Next), or the last ``qk_rope_head_dim`` of an MLA query head; none where the
+  HF checkpoint itself rotates interleaved pairs (DeepSeek's ``rope_interleave: true``). A gated
+  query projection (Qwen3-Next: [q_h; gate_h] per head) is a "head" of 2·Dh rows whose rotary
+  rows are its query's;
 * ``experts`` — moetrain stacks the experts: w1, w3 [E, D, F] and w2 [E, F, D] (x @ w); HF keeps
   one [F, D] (w1/gate_proj, w3/up_proj) or [D, F] (w2/down_proj) matrix per expert (x @ wᵀ): expert
   e of moetrain's tensor is HF's e-th matrix transposed. Expert order is kept: moetrain expert e is
@@ -231,7 +233,15 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
     at = f"{hf}.self_attn"
     rope = "copy" if rope_interleaved else "rope"
     maps = [TensorMap(f"{ours}.attention_norm.weight", f"{hf}.input_layernorm.weight", "copy", (D,))]
-    if m.attention == "mla":
+    if m.layer_type(layer) == "linear_attention":  # gated DeltaNet: the same names and layout
+        la, mix = f"{hf}.linear_attn", f"{ours}.attention"
+        Hk, Hv, Dk, Dv = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+        channels = 2 * Hk * Dk + Hv * Dv
+        for name, shape in (("in_proj_qkvz.weight", (2 * Hk * Dk + 2 * Hv * Dv, D)), ("in_proj_ba.weight", (2 * Hv, D)),
+                            ("conv1d.weight", (channels, 1, m.linear_conv_kernel_dim)), ("A_log", (Hv,)),
+                            ("dt_bias", (Hv,)), ("norm.weight", (Dv,)), ("out_proj.weight", (D, Hv * Dv))):
+            maps.append(TensorMap(f"{mix}.{name}", f"{la}.{name}", "copy", shape))
+    elif m.attention == "mla":
         dn, dr, dv, ckv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         q_rows = (H * (dn + dr), m.q_lora_rank or D)
         if m.q_lora_rank is None:
@@ -251,7 +261,9 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
                  TensorMap(f"{ours}.attention.wo.weight", f"{at}.o_proj.weight", "copy", (D, H * dv))]
     else:
         rot = (0, m.rotary_dim) if m.rotary_dim != Dh else None
-        maps += [TensorMap(f"{ours}.attention.wq.weight", f"{at}.q_proj.weight", rope, (H * Dh, D), H, rot),
+        q_rows = H * Dh * (2 if m.attention_output_gate else 1)
+        q_rot = rot if rot is not None or not m.attention_output_gate else (0, Dh)
+        maps += [TensorMap(f"{ours}.attention.wq.weight", f"{at}.q_proj.weight", rope, (q_rows, D), H, q_rot),
                  TensorMap(f"{ours}.attention.wk.weight", f"{at}.k_proj.weight", rope, (G * Dh, D), G, rot),
                  TensorMap(f"{ours}.attention.wv.weight", f"{at}.v_proj.weight", "copy", (G * Dh, D))]
         if m.qkv_bias:
