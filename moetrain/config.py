@@ -1416,6 +1416,7 @@ class LayoutFacts:
     tie_embeddings: bool = False
     flex_attention: bool = False  # model.attention_backend = flex
     linear_attention: bool = False  # some block is gated DeltaNet (model.layer_types)
+    linear_num_key_heads: int = 1
     # the batch and the run
     global_batch_size: int = 1
     ep_overlap: bool = False
@@ -1440,6 +1441,7 @@ class LayoutFacts:
                    num_experts=moe.num_experts, moe_ffn_hidden=moe.ffn_hidden,
                    expert_biases=moe.expert_biases and moe.num_experts > 0, tie_embeddings=m.tie_embeddings,
                    flex_attention=m.attention_backend == "flex", linear_attention=m.linear_attention,
+                   linear_num_key_heads=m.linear_num_key_heads,
                    global_batch_size=tr.global_batch_size,
                    ep_overlap=par.ep_overlap, ep_overlap_split=par.ep_overlap_split,
                    split_blocker=_static_split_blocker(cfg), compile=tr.compile,
@@ -1493,9 +1495,10 @@ def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
         if f.tp > 1:
             return ("parallel.tp", f.tp, "the gated-DeltaNet layers (model.layer_types linear_attention) do not split "
                     "their heads over tp yet", "use tp=1 (dp, ep, pp and ZeRO compose with them)")
-        if f.cp > 1:
-            return ("parallel.cp", f.cp, "the gated-DeltaNet layers (model.layer_types linear_attention) do not pass "
-                    "their state across cp ranks yet", "use cp=1 (dp, ep, pp and ZeRO compose with them)")
+        if f.linear_num_key_heads % f.cp:
+            return ("parallel.cp", f.cp, f"the gated-DeltaNet layers split their model.linear_num_key_heads="
+                    f"{f.linear_num_key_heads} over the cp ranks (each rank runs the whole sequence of some heads), "
+                    "and it does not divide them", f"choose cp among {_nearest(f.cp, _divisors(f.linear_num_key_heads))}")
     if f.heads % f.tp:
         return ("parallel.tp", f.tp, f"model.heads={f.heads} is not divisible by it",
                 f"choose tp among {_nearest(f.tp, _divisors(f.heads))}")

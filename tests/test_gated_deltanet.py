@@ -1,9 +1,10 @@
 """Gated DeltaNet (moetrain/model/gated_deltanet.py): the chunked delta rule against the
 recurrent form it computes and against transformers' own torch paths; the layer against
 Qwen3-Next's; packed documents against each document alone; and a hybrid model (gated DeltaNet and
-gated attention blocks, Qwen3-Next's) trained in dp × ep, pp × dp × ep and ZeRO-3 with full
-recomputation equal to one process over 20 steps (tests/test_architectures.py's tolerances).
-Layouts the layer cannot take yet (tp, cp) are refused naming the field."""
+gated attention blocks, Qwen3-Next's) trained in dp × ep, pp × dp × ep, ZeRO-3 with full
+recomputation and context parallel (with and without documents) equal to one process over 20
+steps (tests/test_architectures.py's tolerances). Layouts the layer cannot take (tp; cp not
+dividing its key heads) are refused naming the field."""
 
 from __future__ import annotations
 
@@ -112,6 +113,9 @@ HYBRID_LAYOUTS = {
     "dp2-ep2": ({"dp": 2, "ep": 2}, False),
     "pp2-dp2-ep2-docs": ({"pp": 2, "dp": 2, "ep": 2}, True),
     "dp2-ep2-zero3-full-recompute": ({"dp": 2, "ep": 2, "zero_stage": 3, "activation_checkpointing": "full"}, False),
+    # Context parallel: each cp rank runs the whole sequence of one of the two key heads.
+    "cp2-ep2": ({"cp": 2, "ep": 2}, False),
+    "cp2-dp2-ep2-docs": ({"cp": 2, "dp": 2, "ep": 2}, True),
 }
 _REFERENCES: dict = {}
 
@@ -127,7 +131,7 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any(".attention.A_log" in n for n in ref["grads"]), "a gated-DeltaNet block must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1)
+    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1)
     results = run_distributed(train_hybrid, world, str(shards), str(tmp_path / "run"), parallel, data_section)
     got = {"losses": results[-1]["losses"], "grads": {}}
     for r in results:
@@ -137,7 +141,10 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
 
 
-@pytest.mark.parametrize("parallel, field", [({"tp": 2, "dp": 1}, "parallel.tp"), ({"cp": 2}, "parallel.cp")])
-def test_layouts_the_layer_cannot_take_are_refused_by_field(parallel, field, tmp_path):
-    with pytest.raises(ConfigError, match=rf"{field} = 2: the gated-DeltaNet layers"):
+@pytest.mark.parametrize("parallel, field, why", [
+    ({"tp": 2}, "parallel.tp = 2", "do not split their heads over tp"),
+    ({"cp": 4}, "parallel.cp = 4", r"model.linear_num_key_heads=2 over the cp ranks"),
+])
+def test_layouts_the_layer_cannot_take_are_refused_by_field(parallel, field, why, tmp_path):
+    with pytest.raises(ConfigError, match=rf"{field}: the gated-DeltaNet layers .*{why}"):
         tiny_config(tmp_path, tmp_path, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"])

@@ -33,9 +33,20 @@ each head's output gated by SiLU(z) (``norm``), and ``out_proj``.
 Packed documents: with document ids the state and the convolution window start afresh at every
 document (each document is computed alone, as flash-linear-attention's variable-length kernels
 take ``cu_seqlens``).
+
+Context parallelism (``context``, set by :func:`moetrain.parallel.context.apply_context_parallel`):
+the projections run on this rank's tokens; what the convolution and the delta rule read (q, k,
+v, b, a) is exchanged by an all-to-all so that each cp rank holds the whole sequence of 1/cp of
+the key heads (and their value heads), the recurrence runs there unchanged, and a second
+all-to-all returns each token's output heads to the rank that holds the token (Ulysses' head
+exchange, Jacobs et al. 2023, as Megatron-Core's gated DeltaNet does under cp). Per layer and
+micro-batch that is 2·(cp − 1)/cp of the tokens' q, k, v, b, a and outputs in each direction of
+the forward, the same in backward; no state passes between ranks.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -197,49 +208,84 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(value_dim, dim, bias=False)
         # The delta rule's implementation (chunk_gated_delta_rule's signature).
         self.rule = chunk_gated_delta_rule
+        # Context parallelism: exchanges tokens for heads (module docstring); None in one process.
+        self.context: HeadExchange | None = None
 
     compute_dtype: torch.dtype | None = None
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """The projections, grouped by key head, → q, k [B, S, Hk, Dk], v, z [B, S, Hv, Dv], b, a
-        [B, S, Hv]."""
-        B, S = qkvz.shape[:2]
-        Hk, Dk, Dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
-        q, k, v, z = qkvz.view(B, S, Hk, -1).split([Dk, Dk, r * Dv, r * Dv], dim=-1)
-        b, a = ba.view(B, S, Hk, 2 * r).split([r, r], dim=-1)
-        return (q, k, v.reshape(B, S, -1, Dv), z.reshape(B, S, -1, Dv), b.reshape(B, S, -1), a.reshape(B, S, -1))
-
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor
-             ) -> torch.Tensor:
-        """One stretch of tokens that shares a state (a sequence, or one document of it): the
-        convolution, the gates and the delta rule. → o [B, S, Hv, Dv]."""
-        B, S = q.shape[:2]
+    def _mix(self, mixed: torch.Tensor, first_head: int) -> torch.Tensor:
+        """One stretch of tokens that shares a state (a sequence, or one document of it) of key
+        heads ``first_head`` …: ``mixed`` [B, S, hk, 2·Dk + r·Dv + 2·r] holds each key head's q,
+        k and the v, b, a of its r value heads; the convolution, the gates and the delta rule. →
+        o [B, S, hk·r, Dv]."""
+        B, S, hk, _ = mixed.shape
+        Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        q, k, v, b, a = mixed.split([Dk, Dk, r * Dv, r, r], dim=-1)
         qkv = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
         w = cast(self.conv1d.weight, self.compute_dtype)
+        A_log, dt_bias = self.A_log, self.dt_bias
+        if hk != self.num_k_heads:  # some of the heads: their channels of the convolution, their decays
+            w = w[self._channels(first_head, hk)]
+            A_log, dt_bias = A_log.narrow(0, first_head * r, hk * r), dt_bias.narrow(0, first_head * r, hk * r)
         # Causal depthwise convolution: left-pad by width − 1, so position t sees t − width + 1 … t.
         qkv = F.silu(F.conv1d(F.pad(qkv.transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w,
                               groups=w.shape[0])).transpose(1, 2)
-        kd = self.num_k_heads * self.head_k_dim
-        q, k, v = qkv.split([kd, kd, qkv.shape[-1] - 2 * kd], dim=-1)
-        beta = torch.sigmoid(b.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o, _ = self.rule(q.reshape(B, S, -1, self.head_k_dim), k.reshape(B, S, -1, self.head_k_dim),
-                         v.reshape(B, S, -1, self.head_v_dim), g, beta, self.chunk_size)
+        q, k, v = qkv.split([hk * Dk, hk * Dk, hk * r * Dv], dim=-1)
+        beta = torch.sigmoid(b.reshape(B, S, -1).float())
+        g = -A_log.float().exp() * F.softplus(a.reshape(B, S, -1).float() + dt_bias.float())
+        o, _ = self.rule(q.reshape(B, S, hk, Dk), k.reshape(B, S, hk, Dk), v.reshape(B, S, hk * r, Dv), g, beta,
+                         self.chunk_size)
         return o
 
+    def _channels(self, first: int, n: int) -> torch.Tensor:
+        """The convolution's channels (rows of ``conv1d.weight``: all q, all k, all v) of key
+        heads first … first + n − 1 and their value heads, in the order ``_mix`` stacks them."""
+        Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        kd = self.num_k_heads * Dk
+        q = torch.arange(first * Dk, (first + n) * Dk)
+        v = torch.arange(first * r * Dv, (first + n) * r * Dv)
+        return torch.cat([q, kd + q, 2 * kd + v]).to(self.conv1d.weight.device)
+
     def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``doc_ids``: [B, S] document index of each token (non-decreasing along S), or None:
-        the state starts afresh at every document."""
+        """``doc_ids``: [B, S_full] document index of each token of the whole samples
+        (non-decreasing along S), or None: the state and the convolution start afresh at every
+        document."""
         B, S, _ = x_BSD.shape
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x_BSD), self.in_proj_ba(x_BSD))
+        Hk, Dk, Dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, Hk, -1)
+        ba = self.in_proj_ba(x_BSD).view(B, S, Hk, 2 * r)
+        z = qkvz[..., 2 * Dk + r * Dv:].reshape(B, S, -1, Dv)
+        # Per key head what the recurrence reads: q, k, v (its value heads), b, a.
+        mixed = torch.cat([qkvz[..., :2 * Dk + r * Dv], ba], dim=-1)
+        first = 0
+        if self.context is not None:  # the whole sequence of some heads
+            mixed = self.context.to_heads(mixed)
+            first = self.context.rank * (Hk // self.context.size)
         if doc_ids is None:
-            o = self._mix(q, k, v, b, a)
+            o = self._mix(mixed, first)
         else:
             rows = []
             for i in range(B):  # each document alone (its lengths are read on the host)
                 lengths = torch.unique_consecutive(doc_ids[i], return_counts=True)[1].tolist()
-                parts = zip(*(t[i:i + 1].split(lengths, dim=1) for t in (q, k, v, b, a)))
-                rows.append(torch.cat([self._mix(*p) for p in parts], dim=1))
+                rows.append(torch.cat([self._mix(part, first) for part in mixed[i:i + 1].split(lengths, dim=1)],
+                                      dim=1))
             o = torch.cat(rows)
+        if self.context is not None:  # back to this rank's tokens, every head
+            o = self.context.to_sequence(o)
         o = self.norm(o, z.to(o.dtype))
         return self.out_proj(o.reshape(B, S, -1))
+
+
+class HeadExchange(Protocol):
+    """Context parallelism's exchange of a layer's tokens for its heads
+    (:class:`moetrain.parallel.context.HeadAllToAll`): ``rank`` / ``size`` of the cp group."""
+
+    rank: int
+    size: int
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S/cp, H, W] this rank's tokens of every head → [B, S, H/cp, W] the whole
+        sequence (in position order) of heads rank·H/cp …, with autograd."""
+
+    def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse: [B, S, H'/cp, W] → [B, S/cp, H', W], with autograd."""

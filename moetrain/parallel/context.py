@@ -38,7 +38,8 @@ from moetrain.model.attention import (DocumentMask, Kernel, _acc_dtype, block_ba
                                       pick_kernel, sink_grad, within_window)
 from moetrain.parallel.peers import waiting_on_peers
 
-__all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "apply_context_parallel"]
+__all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "HeadAllToAll",
+           "apply_context_parallel"]
 
 # ---------------------------------------------------------------------------------------------
 # 1. Load-balanced sharding of the sequence
@@ -394,17 +395,59 @@ class RingAttentionKernel:
         return ring_attention(q, k, v, self.group, causal=True, doc=doc, scale=scale, window=window, sinks=sinks)
 
 
+class HeadAllToAll:
+    """A token mixer's tokens exchanged for its heads over the cp ranks of ``group`` (the
+    :class:`moetrain.model.gated_deltanet.HeadExchange` of gated DeltaNet): each rank gives every
+    other the heads it will hold, for the tokens it holds, so that it holds the whole sequence of
+    1/cp of the heads (Ulysses, Jacobs et al. 2023), and back. One autograd all-to-all each way
+    (``torch.distributed.nn.functional.all_to_all_single``: its backward is the reverse
+    exchange) of equal pieces: (cp − 1)/cp of the tensor leaves the rank."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        send = send.contiguous()  # equal pieces along dim 0, each contiguous (so is the output)
+        return all_to_all_single(torch.empty_like(send), send, group=self.group)
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, Sl, H, W] this rank's two chunks, every head → [B, S, H/cp, W], the whole
+        sequence in position order, heads rank·H/cp …"""
+        B, Sl, H, W = x.shape
+        cp = self.size
+        send = x.reshape(B, Sl, cp, H // cp, W).permute(2, 0, 1, 3, 4)  # piece c: rank c's heads
+        recv = self._exchange(send)  # piece r: rank r's tokens of my heads
+        return cp_unshard(recv.permute(1, 0, 2, 3, 4).reshape(B, cp * Sl, H // cp, W), cp, seq_dim=1)
+
+    def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
+        """y: [B, S, h, W] (this rank's h heads, the whole sequence) → [B, Sl, cp·h, W], this
+        rank's tokens of every rank's heads, in head order."""
+        B, S, h, W = y.shape
+        cp = self.size
+        send = torch.stack([cp_shard(y, r, cp, seq_dim=1) for r in range(cp)])  # piece r: rank r's tokens
+        recv = self._exchange(send)  # piece c: rank c's heads of my tokens
+        return recv.permute(1, 2, 0, 3, 4).reshape(B, S // cp, cp * h, W)
+
+
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
     """Run every attention of ``model`` (a :class:`moetrain.model.transformer.Transformer`
-    or a pipeline part of one) as ring attention over ``group`` and give RoPE the global
+    or a pipeline part of one) as ring attention over ``group``, every gated-DeltaNet layer on
+    the whole sequence of some of its heads (:class:`HeadAllToAll`), and give RoPE the global
     positions of this rank's two chunks. The data loader must hand this rank the same chunks
     (:func:`cp_shard` along the sequence)."""
+    from moetrain.model.gated_deltanet import GatedDeltaNet
     from moetrain.model.layers import Attention
     from moetrain.model.mla import MLAttention
 
     kernel = RingAttentionKernel(group)
+    heads = HeadAllToAll(group)
     for module in model.modules():
         if isinstance(module, (Attention, MLAttention)):
             module.kernel = kernel
+        elif isinstance(module, GatedDeltaNet):
+            module.context = heads
     cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     model.positions = cp_positions(seq_len, cp_rank, cp_size)
