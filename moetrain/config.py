@@ -1490,15 +1490,18 @@ def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
         # backward leaves the FSDP-managed gradients of every stage but the first at zero.
         return ("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' (torch 2.13)",
                 "use zero_stage 1 or 2, or another pp_schedule")
-    if f.linear_attention and not f.published:
-        # The gated-DeltaNet layers keep their heads and their sequence whole on each rank.
-        if f.tp > 1:
-            return ("parallel.tp", f.tp, "the gated-DeltaNet layers (model.layer_types linear_attention) do not split "
-                    "their heads over tp yet", "use tp=1 (dp, ep, pp and ZeRO compose with them)")
-        if f.linear_num_key_heads % f.cp:
-            return ("parallel.cp", f.cp, f"the gated-DeltaNet layers split their model.linear_num_key_heads="
-                    f"{f.linear_num_key_heads} over the cp ranks (each rank runs the whole sequence of some heads), "
-                    "and it does not divide them", f"choose cp among {_nearest(f.cp, _divisors(f.linear_num_key_heads))}")
+    if f.linear_attention:
+        # The gated-DeltaNet layers split their key heads over tp, then the tp rank's over cp.
+        if f.linear_num_key_heads % f.tp:
+            return ("parallel.tp", f.tp, f"the gated-DeltaNet layers split their model.linear_num_key_heads="
+                    f"{f.linear_num_key_heads} over the tp ranks, and it does not divide them",
+                    f"choose tp among {_nearest(f.tp, _divisors(f.linear_num_key_heads))}")
+        if (f.linear_num_key_heads // f.tp) % f.cp:
+            per_tp = f.linear_num_key_heads // f.tp
+            return ("parallel.cp", f.cp, f"the gated-DeltaNet layers split the {per_tp} key heads of a tp rank "
+                    f"(model.linear_num_key_heads={f.linear_num_key_heads} / tp) over the cp ranks (each runs the whole "
+                    "sequence of some heads), and it does not divide them",
+                    f"choose cp among {_nearest(f.cp, _divisors(per_tp))}")
     if f.heads % f.tp:
         return ("parallel.tp", f.tp, f"model.heads={f.heads} is not divisible by it",
                 f"choose tp among {_nearest(f.tp, _divisors(f.heads))}")

@@ -95,7 +95,9 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **over):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(arch, **over), dtype=torch.float32)
     for name, p in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name and arch == "qwen3_next" and "linear_attn.norm" not in name:
+            p.copy_(0.3 * torch.randn_like(p))  # zero-centred: the scale is 1 + weight
+        elif "norm" in name:
             p.copy_(1.0 + 0.3 * torch.randn_like(p))
         else:
             p.normal_(0.0, 0.15)

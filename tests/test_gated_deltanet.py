@@ -2,9 +2,9 @@
 recurrent form it computes and against transformers' own torch paths; the layer against
 Qwen3-Next's; packed documents against each document alone; and a hybrid model (gated DeltaNet and
 gated attention blocks, Qwen3-Next's) trained in dp × ep, pp × dp × ep, ZeRO-3 with full
-recomputation and context parallel (with and without documents) equal to one process over 20
-steps (tests/test_architectures.py's tolerances). Layouts the layer cannot take (tp; cp not
-dividing its key heads) are refused naming the field."""
+recomputation, context parallel and tensor + sequence parallel (with and without documents)
+equal to one process over 20 steps (tests/test_architectures.py's tolerances). Layouts whose tp
+or cp does not divide the key heads are refused naming the field."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
-from moetrain.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from moetrain.model.gated_deltanet import (GatedDeltaNet, chunk_gated_delta_rule, conv_channels_in_hf_order,
+                                          recurrent_gated_delta_rule)
 
 from conftest import tiny_config
 from multiproc import run_distributed
@@ -71,7 +72,9 @@ def test_the_layer_equals_qwen3_nexts():
                              num_hidden_layers=1, layer_types=["linear_attention"])
     ours = _layer()
     theirs = Qwen3NextGatedDeltaNet(cfg, 0)
-    theirs.load_state_dict(ours.state_dict())  # the same names and shapes
+    state = ours.state_dict()  # the same names and shapes; the convolution's channels in HF's order
+    state["conv1d.weight"] = state["conv1d.weight"][torch.argsort(conv_channels_in_hf_order(HK, HV, DK, DV))]
+    theirs.load_state_dict(state)
     x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
 
@@ -116,6 +119,10 @@ HYBRID_LAYOUTS = {
     # Context parallel: each cp rank runs the whole sequence of one of the two key heads.
     "cp2-ep2": ({"cp": 2, "ep": 2}, False),
     "cp2-dp2-ep2-docs": ({"cp": 2, "dp": 2, "ep": 2}, True),
+    # Tensor parallel: each tp rank holds one of the two key heads (with SP: the whole sequence
+    # gathered into the layer); with ZeRO-2 over dp.
+    "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, False),
+    "tp2-dp2-zero2-docs": ({"tp": 2, "dp": 2, "zero_stage": 2}, True),
 }
 _REFERENCES: dict = {}
 
@@ -131,7 +138,7 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any(".attention.A_log" in n for n in ref["grads"]), "a gated-DeltaNet block must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1)
+    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
     results = run_distributed(train_hybrid, world, str(shards), str(tmp_path / "run"), parallel, data_section)
     got = {"losses": results[-1]["losses"], "grads": {}}
     for r in results:
@@ -142,8 +149,9 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
 
 
 @pytest.mark.parametrize("parallel, field, why", [
-    ({"tp": 2}, "parallel.tp = 2", "do not split their heads over tp"),
-    ({"cp": 4}, "parallel.cp = 4", r"model.linear_num_key_heads=2 over the cp ranks"),
+    ({"tp": 4}, "parallel.tp = 4", r"model.linear_num_key_heads=2 over the tp ranks"),
+    ({"cp": 4}, "parallel.cp = 4", r"the 2 key heads of a tp rank"),
+    ({"tp": 2, "cp": 2}, "parallel.cp = 2", r"the 1 key heads of a tp rank"),
 ])
 def test_layouts_the_layer_cannot_take_are_refused_by_field(parallel, field, why, tmp_path):
     with pytest.raises(ConfigError, match=rf"{field}: the gated-DeltaNet layers .*{why}"):

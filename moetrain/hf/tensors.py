@@ -28,6 +28,8 @@ occur:
   e of moetrain's tensor is HF's e-th matrix transposed. Expert order is kept: moetrain expert e is
   HF expert e (the router's row e). GPT-OSS stores the experts stacked as moetrain does (x @ w),
   with gate and up columns interleaved in one ``gate_up_proj`` [E, D, 2F];
+* ``rows`` — rows reordered by a fixed permutation (gated DeltaNet's convolution channels:
+  moetrain groups them by key head, HF by kind; :func:`moetrain.model.gated_deltanet.conv_channels_in_hf_order`);
 * a ``part`` — several moetrain tensors make one HF tensor, concatenated along a dim (MLA's
   ``kv_a_proj_with_mqa`` = [latent rows; RoPE-key rows]) or interleaved (GPT-OSS's gate/up
   columns): import selects this tensor's part, export assembles the HF tensor from all parts.
@@ -44,6 +46,7 @@ from typing import Callable, Iterator
 import torch
 
 from moetrain.config import Config
+from moetrain.model.gated_deltanet import conv_channels_in_hf_order
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,18 @@ class TensorMap:
     """moetrain tensor ``ours`` (global shape ``shape``) ↔ HF tensors ``hf`` (one name; for
     ``experts`` a template with ``{e}``). ``heads``: heads of a ``rope`` tensor (its rows are
     ``heads`` blocks); ``rotary``: (first row, rows) of a head that RoPE rotates (None: all).
-    ``part``: this tensor is a part of the HF tensor (:class:`Part`)."""
+    ``part``: this tensor is a part of the HF tensor (:class:`Part`). ``rows`` (layout
+    ``rows``): moetrain's row i is HF's row rows[i]."""
 
     ours: str
     hf: str
-    layout: str  # "copy", "rope" or "experts"
+    layout: str  # "copy", "rope", "experts" or "rows"
     shape: tuple[int, ...]
     heads: int = 1
     rotary: tuple[int, int] | None = None
     part: Part | None = None
     also: tuple[str, ...] = ()  # HF copies written on export, optional on import (DeepSeek's MTP layers)
+    rows: tuple[int, ...] = ()
 
     def hf_names(self) -> list[str]:
         """The HF tensor names, in order (E of them for ``experts``; none for a part that another
@@ -143,12 +148,16 @@ class TensorMap:
         t = _checked(self.hf, get_hf(self.hf), self.hf_shape())
         if self.part is not None:
             t = self.part.select(t).contiguous()
+        if self.layout == "rows":
+            t = t[torch.tensor(self.rows)].contiguous()
         yield rope_to_interleaved(t, self.heads, self.rotary) if self.layout == "rope" else t
 
     def hf_layout(self, ours: torch.Tensor) -> torch.Tensor:
         """moetrain's whole tensor in the HF row order (the RoPE permutation undone); for a part,
         what it contributes to the HF tensor. Raises ValueError on a wrong shape."""
         ours = _checked(self.ours, ours, self.shape)
+        if self.layout == "rows":
+            return ours[torch.argsort(torch.tensor(self.rows))].contiguous()
         return interleaved_to_rope(ours, self.heads, self.rotary) if self.layout == "rope" else ours
 
     def to_hf(self, ours: torch.Tensor, parts: dict[str, torch.Tensor] | None = None
@@ -238,9 +247,12 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
         Hk, Hv, Dk, Dv = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
         channels = 2 * Hk * Dk + Hv * Dv
         for name, shape in (("in_proj_qkvz.weight", (2 * Hk * Dk + 2 * Hv * Dv, D)), ("in_proj_ba.weight", (2 * Hv, D)),
-                            ("conv1d.weight", (channels, 1, m.linear_conv_kernel_dim)), ("A_log", (Hv,)),
-                            ("dt_bias", (Hv,)), ("norm.weight", (Dv,)), ("out_proj.weight", (D, Hv * Dv))):
+                            ("A_log", (Hv,)), ("dt_bias", (Hv,)), ("norm.weight", (Dv,)),
+                            ("out_proj.weight", (D, Hv * Dv))):
             maps.append(TensorMap(f"{mix}.{name}", f"{la}.{name}", "copy", shape))
+        maps.append(TensorMap(f"{mix}.conv1d.weight", f"{la}.conv1d.weight", "rows",
+                              (channels, 1, m.linear_conv_kernel_dim),
+                              rows=tuple(conv_channels_in_hf_order(Hk, Hv, Dk, Dv).tolist())))
     elif m.attention == "mla":
         dn, dr, dv, ckv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         q_rows = (H * (dn + dr), m.q_lora_rank or D)

@@ -52,9 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import Linear, cast
+from moetrain.model.layers import Linear, cast, local_cast
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2_normalize"]
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2_normalize",
+           "conv_channels_in_hf_order"]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -150,6 +151,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return o.transpose(1, 2).to(dtype), state
 
 
+def conv_channels_in_hf_order(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+                              ) -> torch.Tensor:
+    """perm [2·Hk·Dk + Hv·Dv] int64 with moetrain's convolution channel i = Hugging Face's
+    channel perm[i]: moetrain groups them by key head (q_h, k_h, the v of its value heads), HF
+    (Qwen3-Next's ``conv1d``) puts all q, then all k, then all v."""
+    Dk, rv = head_k_dim, num_v_heads // num_k_heads * head_v_dim
+    kd = num_k_heads * Dk
+    return torch.cat([torch.cat([torch.arange(h * Dk, (h + 1) * Dk), kd + torch.arange(h * Dk, (h + 1) * Dk),
+                                 2 * kd + torch.arange(h * rv, (h + 1) * rv)]) for h in range(num_k_heads)])
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output, scaled by SiLU of the gate (Qwen3-Next's
     ``Qwen3NextRMSNormGated``; flash-linear-attention's ``FusedRMSNormGated``): x, z: [..., Dv] →
@@ -181,8 +193,14 @@ class GatedDeltaNet(nn.Module):
 
     Parameters (HF names): ``in_proj_qkvz`` [Hk·(2Dk + 2·Hv/Hk·Dv), D], rows grouped by key head
     (q, k, v, z of its value heads); ``in_proj_ba`` [2·Hv, D], grouped likewise (b, a);
-    ``conv1d.weight`` [2·Hk·Dk + Hv·Dv, 1, conv_kernel] over the channels (all q, all k, all v);
-    ``A_log``, ``dt_bias`` [Hv]; ``norm.weight`` [Dv]; ``out_proj`` [D, Hv·Dv].
+    ``conv1d.weight`` [2·Hk·Dk + Hv·Dv, 1, conv_kernel], its channels grouped by key head too
+    (q, k, v of its value heads; HF orders them all q, all k, all v: :mod:`moetrain.hf.tensors`
+    permutes them), so that every per-head tensor splits over ranks by key heads in contiguous
+    blocks; ``A_log``, ``dt_bias`` [Hv]; ``norm.weight`` [Dv]; ``out_proj`` [D, Hv·Dv].
+
+    Under tensor parallelism (:mod:`moetrain.parallel.tensor`) each tp rank holds Hk / tp key
+    heads and their value heads: the projections by rows, ``conv1d``, ``A_log`` and ``dt_bias``
+    Shard(0), ``out_proj`` by columns; the gated norm's weight is whole on every rank.
 
     Raises:
         ValueError: Hv not a multiple of Hk.
@@ -215,52 +233,42 @@ class GatedDeltaNet(nn.Module):
 
     def _mix(self, mixed: torch.Tensor, first_head: int) -> torch.Tensor:
         """One stretch of tokens that shares a state (a sequence, or one document of it) of key
-        heads ``first_head`` …: ``mixed`` [B, S, hk, 2·Dk + r·Dv + 2·r] holds each key head's q,
-        k and the v, b, a of its r value heads; the convolution, the gates and the delta rule. →
-        o [B, S, hk·r, Dv]."""
+        heads ``first_head`` … of this rank's: ``mixed`` [B, S, hk, 2·Dk + r·Dv + 2·r] holds each
+        key head's q, k and the v, b, a of its r value heads; the convolution, the gates and the
+        delta rule. → o [B, S, hk·r, Dv]."""
         B, S, hk, _ = mixed.shape
         Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
-        q, k, v, b, a = mixed.split([Dk, Dk, r * Dv, r, r], dim=-1)
-        qkv = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
-        w = cast(self.conv1d.weight, self.compute_dtype)
-        A_log, dt_bias = self.A_log, self.dt_bias
-        if hk != self.num_k_heads:  # some of the heads: their channels of the convolution, their decays
-            w = w[self._channels(first_head, hk)]
-            A_log, dt_bias = A_log.narrow(0, first_head * r, hk * r), dt_bias.narrow(0, first_head * r, hk * r)
+        width = 2 * Dk + r * Dv  # one key head's channels of the convolution: its q, k, v
+        qkv, b, a = mixed.split([width, r, r], dim=-1)
+        # This rank's heads (under tp these tensors hold them already), then the ones given.
+        w = local_cast(self.conv1d.weight, self.compute_dtype).narrow(0, first_head * width, hk * width)
+        A_log = local_cast(self.A_log, None).narrow(0, first_head * r, hk * r)
+        dt_bias = local_cast(self.dt_bias, None).narrow(0, first_head * r, hk * r)
         # Causal depthwise convolution: left-pad by width − 1, so position t sees t − width + 1 … t.
-        qkv = F.silu(F.conv1d(F.pad(qkv.transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w,
+        qkv = F.silu(F.conv1d(F.pad(qkv.reshape(B, S, -1).transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w,
                               groups=w.shape[0])).transpose(1, 2)
-        q, k, v = qkv.split([hk * Dk, hk * Dk, hk * r * Dv], dim=-1)
+        q, k, v = qkv.reshape(B, S, hk, width).split([Dk, Dk, r * Dv], dim=-1)
         beta = torch.sigmoid(b.reshape(B, S, -1).float())
         g = -A_log.float().exp() * F.softplus(a.reshape(B, S, -1).float() + dt_bias.float())
-        o, _ = self.rule(q.reshape(B, S, hk, Dk), k.reshape(B, S, hk, Dk), v.reshape(B, S, hk * r, Dv), g, beta,
-                         self.chunk_size)
+        o, _ = self.rule(q, k, v.reshape(B, S, hk * r, Dv), g, beta, self.chunk_size)
         return o
-
-    def _channels(self, first: int, n: int) -> torch.Tensor:
-        """The convolution's channels (rows of ``conv1d.weight``: all q, all k, all v) of key
-        heads first … first + n − 1 and their value heads, in the order ``_mix`` stacks them."""
-        Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
-        kd = self.num_k_heads * Dk
-        q = torch.arange(first * Dk, (first + n) * Dk)
-        v = torch.arange(first * r * Dv, (first + n) * r * Dv)
-        return torch.cat([q, kd + q, 2 * kd + v]).to(self.conv1d.weight.device)
 
     def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``doc_ids``: [B, S_full] document index of each token of the whole samples
         (non-decreasing along S), or None: the state and the convolution start afresh at every
         document."""
         B, S, _ = x_BSD.shape
-        Hk, Dk, Dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, Hk, -1)
-        ba = self.in_proj_ba(x_BSD).view(B, S, Hk, 2 * r)
+        Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        # -1 key heads: under tensor parallelism the projections hold this rank's.
+        qkvz = self.in_proj_qkvz(x_BSD).view(B, S, -1, 2 * Dk + 2 * r * Dv)
+        ba = self.in_proj_ba(x_BSD).view(B, S, -1, 2 * r)
         z = qkvz[..., 2 * Dk + r * Dv:].reshape(B, S, -1, Dv)
         # Per key head what the recurrence reads: q, k, v (its value heads), b, a.
         mixed = torch.cat([qkvz[..., :2 * Dk + r * Dv], ba], dim=-1)
         first = 0
         if self.context is not None:  # the whole sequence of some heads
+            first = self.context.rank * (mixed.shape[2] // self.context.size)
             mixed = self.context.to_heads(mixed)
-            first = self.context.rank * (Hk // self.context.size)
         if doc_ids is None:
             o = self._mix(mixed, first)
         else:

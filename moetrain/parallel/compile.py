@@ -42,7 +42,8 @@ def apply_compile(model: Transformer, tensor_parallel: bool = False) -> None:
         if not tensor_parallel:
             block._forward = torch.compile(block._forward)
             continue
-        block.attention.core = torch.compile(block.attention.core)
+        if hasattr(block.attention, "core"):  # attention (gated DeltaNet has no DTensor-free core: eager)
+            block.attention.core = torch.compile(block.attention.core)
         if block.feed_forward is not None:
             block.feed_forward.act = torch.compile(block.feed_forward.act)
         if block.moe is not None:

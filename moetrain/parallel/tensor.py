@@ -23,6 +23,10 @@ attention.q_norm/      plain (``model.qk_norm``)    ``head``: weight [Dh] replic
 k_norm                                              [heads·Dh] replicated, this rank uses its heads' rows
                                                     and sums the sum of squares over tp (:class:`AllReduceSum`)
 attention.wo           RowwiseParallel              weight Shard(1); out ``seq`` (reduce-scatter / all-reduce)
+gated DeltaNet         PrepareModuleInput           as attention, on ``attention`` (model.layer_types); in_proj_qkvz,
+(``attention``)        + Colwise / Rowwise          in_proj_ba Colwise (rows grouped by key head: Hk/t key heads
+                                                    and their value heads), conv1d, A_log, dt_bias Shard(0),
+                                                    out_proj Rowwise; the gated norm's weight replicated
 feed_forward           PrepareModuleInput           as attention
 feed_forward.w1/w3     ColwiseParallel              weight Shard(0) over F
 feed_forward.w2        RowwiseParallel              weight Shard(1); out ``seq``
@@ -56,8 +60,8 @@ computes a different 1/t of the sequence, so no tp rank repeats another's expert
 
 Gradients then (:mod:`moetrain.parallel.data_parallel`): the experts' are reduced over
 ``edp_tp`` (tp ranks saw different tokens of the same experts); the router, shared-expert and
-shared-gate parameters, and the q/k norm weights (each tp rank normalises its own heads of the
-same tokens), over ``dp_cp_tp`` — in both cases the sum over tp is the whole gradient. The
+shared-gate parameters, the q/k norm weights and gated DeltaNet's gated-norm weight (each tp rank
+normalises its own heads of the same tokens), over ``dp_cp_tp`` — in both cases the sum over tp is the whole gradient. The
 per-sequence load-balancing counts are summed over ``cp_tp`` and the z-loss is scaled by 1/t
 (:func:`moetrain.parallel.expert.sequence_split`). Norm weights under SP get Partial(sum)
 gradients from DTensor, which FSDP2 sums over tp before its own reduction.
@@ -85,6 +89,7 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from moetrain.config import Config
+from moetrain.model.gated_deltanet import GatedDeltaNet
 from moetrain.model.layers import QKNormParallel
 from moetrain.model.mla import MLAttention
 from moetrain.model.transformer import Transformer
@@ -181,7 +186,15 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
         if sequence_parallel:
             plan[f"{prefix}.attention_norm"] = SequenceParallel()
             plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-        if isinstance(block.attention, MLAttention):
+        if isinstance(block.attention, GatedDeltaNet):
+            # Gated DeltaNet: the whole (gathered) sequence, this rank's key heads (rows of the
+            # projections grouped by key head), the output summed back over tp.
+            plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None),
+                                                             desired_input_layouts=(Replicate(), None))
+            plan[f"{prefix}.attention.in_proj_qkvz"] = ColwiseParallel()
+            plan[f"{prefix}.attention.in_proj_ba"] = ColwiseParallel()
+            plan[f"{prefix}.attention.out_proj"] = RowwiseParallel(output_layouts=seq)
+        elif isinstance(block.attention, MLAttention):
             # MLA: the latents and the RoPE key are computed from the whole (gathered) input on
             # every tp rank; the up-projections split the heads. Local input, so that each
             # up-projection sums its own input gradient over tp (the RoPE key's, which no
@@ -198,7 +211,8 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
                                                              desired_input_layouts=(Replicate(), None, None))
             for proj in ("wq", "wk", "wv"):
                 plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
-        plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
+        if not isinstance(block.attention, GatedDeltaNet):
+            plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
         if block.moe is not None:
             # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
             # routes the whole sequence; its experts hold 1/tp of the ffn width and reduce their
@@ -240,6 +254,11 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     tp_rank, group = ps.coord(TP), ps.group(TP)
     for block in model.blocks().values():
         attn = block.attention
+        if isinstance(attn, GatedDeltaNet):  # per-head tensors: this rank's heads (grouped by key head)
+            for owner, name in ((attn.conv1d, "weight"), (attn, "A_log"), (attn, "dt_bias")):
+                setattr(owner, name, nn.Parameter(distribute_tensor(getattr(owner, name), ps.submesh(TP), [Shard(0)],
+                                                                    src_data_rank=None)))
+            continue
         if attn.sinks is not None:  # one logit per head: each tp rank holds its heads'
             attn.sinks = nn.Parameter(distribute_tensor(attn.sinks, ps.submesh(TP), [Shard(0)], src_data_rank=None))
         if isinstance(attn, MLAttention):  # every rank's heads read the RoPE key: sum its gradient
