@@ -156,3 +156,21 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
 def test_layouts_the_layer_cannot_take_are_refused_by_field(parallel, field, why, tmp_path):
     with pytest.raises(ConfigError, match=rf"{field}: the gated-DeltaNet layers .*{why}"):
         tiny_config(tmp_path, tmp_path, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"])
+
+
+def test_the_planner_counts_the_hybrids_parameters_and_flops(tmp_path):
+    """The planner's shape of a hybrid: its parameters are the model's, and a gated-DeltaNet
+    block's FLOPs per token do not grow with the sequence as its attention's do."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.planner.model import ModelShape
+
+    model = {**HYBRID["model"], "layers": 4, "vocab_size": 384, "qk_norm": "none",
+             "layer_types": ["linear_attention", "full_attention"] * 2}
+    # (the planner leaves out the shared experts' [1, h] gate and the per-head q/k norms)
+    cfg = tiny_config(tmp_path, tmp_path, model=model, moe={**HYBRID["moe"], "shared_expert_gate": False})
+    shape = ModelShape.from_config(cfg)
+    assert shape.total_params == sum(p.numel() for p in Transformer.from_config(cfg).parameters())
+    long = ModelShape.from_config(cfg.replace(model={"seq_len": 4096}))
+    assert long.linear_flops() == shape.linear_flops()
+    all_attention = ModelShape.from_config(cfg.replace(model={"seq_len": 4096, "layer_types": []}))
+    assert long.attention_flops(causal=True) < 0.6 * all_attention.attention_flops(causal=True)

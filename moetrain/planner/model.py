@@ -8,8 +8,12 @@ moetrain's own configs give a Llama/Mixtral-like decoder (SwiGLU). Published run
 models need a few more facts, which only the planner knows (they are never read
 from a moetrain config): a two-matrix GELU MLP (GPT-3, MPT). moetrain's own configs also give
 a stated head dim (Qwen3, GPT-OSS), multi-head latent attention with its low-rank projections
-and separate value head dim (DeepSeek-V3), sliding-window layers (GPT-OSS) and multi-token
-prediction modules (DeepSeek-V3), which the published runs state the same way.
+and separate value head dim (DeepSeek-V3), sliding-window layers (GPT-OSS), multi-token
+prediction modules (DeepSeek-V3) and gated-DeltaNet blocks (Qwen3-Next: ``linear_layers`` of the
+L, their projections, convolution and chunked delta rule counted per token, :meth:`linear_flops`),
+which the published runs state the same way. Where a quantity is per layer (the token mixer's
+parameters and FLOPs), it is the mean over the layers of the two kinds; the activation memory and
+the tp / cp traffic of a gated-DeltaNet block are taken as its attention's (not modelled apart).
 
 FLOP convention (the one MFU is reported in, as Megatron-LM eq. 3 of Narayanan et al. 2021 and
 PaLM appendix B): a matmul of m×k by k×n costs 2mkn; backward costs twice forward; attention
@@ -83,6 +87,16 @@ class ModelShape:
     kv_lora_rank: int | None = None
     qk_rope_dim: int = 0
     mtp_depth: int = 0                        # multi-token prediction modules (DeepSeek-V3 §2.2)
+    # gated-DeltaNet blocks (model.layer_types linear_attention) and their shape: key / value
+    # heads, widths per head, convolution width, chunk length of the chunked delta rule
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
+    linear_chunk: int = 64
+    gate_width: int = 0                       # extra query-projection outputs of a gated attention
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "ModelShape":
@@ -100,6 +114,14 @@ class ModelShape:
         if mla:
             attn = dict(head_dim_override=m.qk_nope_head_dim + m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                         q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_rope_dim=m.qk_rope_head_dim)
+        if m.linear_attention:
+            attn.update(linear_layers=m.layer_types.count("linear_attention"), linear_k_heads=m.linear_num_key_heads,
+                        linear_v_heads=m.linear_num_value_heads, linear_k_dim=m.linear_key_head_dim,
+                        linear_v_dim=m.linear_value_head_dim, linear_conv=m.linear_conv_kernel_dim,
+                        linear_chunk=m.linear_chunk_size)
+            if m.attention_output_gate:  # the gate's half of the query projection
+                attn["attn_params_override"] = None
+                attn["gate_width"] = m.heads * m.resolved_head_dim
         return cls(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.heads if mla else m.kv_heads,
                    ffn=m.ffn_hidden, vocab=vocab, seq_len=m.seq_len, tie_embeddings=m.tie_embeddings,
                    num_experts=moe.num_experts, top_k=moe.top_k if moe.num_experts else 0,
@@ -165,7 +187,34 @@ class ModelShape:
         if self.is_mla:
             q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
             return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
-        return h * (self.h_q + self.h_kv + self.h_kv_v) + self.h_v * h
+        full = h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
+        if not self.linear_layers:
+            return full
+        # the mean over the layers of the two token mixers (rounded: a count)
+        return round((full * (self.layers - self.linear_layers) + self.linear_params * self.linear_layers)
+                     / self.layers)
+
+    @property
+    def linear_params(self) -> int:
+        """One gated-DeltaNet block's token mixer: q, k, v, z, b, a projections h × (2·Hk·Dk +
+        2·Hv·Dv + 2·Hv), the output Hv·Dv × h, the depthwise convolution, A_log, dt_bias and the
+        gated norm's weight."""
+        if not self.linear_layers:
+            return 0
+        kd, vd = self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
+        return (self.hidden * (2 * kd + 2 * vd + 2 * self.linear_v_heads) + vd * self.hidden
+                + (2 * kd + vd) * self.linear_conv + 2 * self.linear_v_heads + self.linear_v_dim)
+
+    def linear_flops(self) -> float:
+        """Forward FLOPs per token of one gated-DeltaNet block's chunked delta rule (its
+        projections are matmul parameters): per value head, inside its chunk of C tokens q·kᵀ,
+        k·kᵀ (2·C·Dk each), the scores times the corrections (2·C·Dv), the triangular solve for
+        the corrections and the decayed keys (C·(Dv + Dk)); across chunks the state read by the
+        queries and the keys, and its update (3 × 2·Dk·Dv); the convolution 2·width per channel."""
+        C, Dk, Dv = self.linear_chunk, self.linear_k_dim, self.linear_v_dim
+        rule = self.linear_v_heads * (2 * C * (2 * Dk + Dv) + C * (Dv + Dk) + 6 * Dk * Dv)
+        conv = 2 * self.linear_conv * (2 * self.linear_k_heads * Dk + self.linear_v_heads * Dv)
+        return float(rule + conv)
 
     @property
     def up_kv_params(self) -> int:
@@ -297,8 +346,11 @@ class ModelShape:
     def attention_flops(self, causal: bool = False) -> float:
         """Forward QKᵀ and AV FLOPs per token of one layer, averaged over the layers:
         2·s·(h_q + h_v) (= 4·s·h_q when d_v = d), half with a causal mask; a sliding-window
-        layer attends to ``window`` keys (all of them, causal or not)."""
+        layer attends to ``window`` keys (all of them, causal or not); a gated-DeltaNet block
+        its delta rule (:meth:`linear_flops`, independent of s)."""
         full = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
+        if self.linear_layers:
+            return (full * (self.layers - self.linear_layers) + self.linear_flops() * self.linear_layers) / self.layers
         if not self.window or not self.window_layers:
             return full
         windowed = 2.0 * min(self.window, self.seq_len) * (self.h_q + self.h_v)
