@@ -143,10 +143,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
     state = torch.zeros(B, H, Dk, Dv, device=v.device) if initial_state is None else initial_state.float()
     out = []
-    for c in range(n):
-        delta = u[:, :, c] - w[:, :, c] @ state
-        out.append(q_a[:, :, c] @ state + attn[:, :, c] @ delta)
-        state = a_last[:, :, c] * state + k_last[:, :, c].transpose(-1, -2) @ delta
+    # unbind: one backward node stacks the chunks' gradients (indexing chunk c would allocate and
+    # zero-fill a whole gradient per chunk: quadratic in the sequence).
+    for u_c, w_c, q_c, attn_c, k_c, a_c in zip(*(t.unbind(2) for t in (u, w, q_a, attn, k_last, a_last))):
+        delta = u_c - w_c @ state
+        out.append(q_c @ state + attn_c @ delta)
+        state = a_c * state + k_c.transpose(-1, -2) @ delta
     o = torch.stack(out, dim=2).reshape(B, H, n * C, Dv)[:, :, :S]
     return o.transpose(1, 2).to(dtype), state
 
