@@ -15,7 +15,9 @@
    CUDA call with ``torch.cuda.set_sync_debug_mode("warn")`` (hidden syncs inside ops included).
    Expected with ep = 1 and the ``grouped_mm`` expert backend: 1 per step (the metrics read).
 4. Runs each expert backend available (loop, grouped_mm, megablocks when installed) and flash
-   attention (when flash-attn is installed) for a few bf16 steps and reports their step times.
+   attention (when flash-attn is installed) for a few bf16 steps and reports their step times;
+   with flash-linear-attention installed, its gated delta rule against moetrain's chunked
+   reference (forward and backward, Qwen3-Next's heads, 4,096 tokens).
 5. fp8 dispatch (``moe.dispatch_dtype: fp8``; the MoE layer rounds the routed tokens to E4M3 with
    1 × 128 power-of-two scales in every layout): its bf16 losses against plain bf16 (the same
    limits as 1.), its step time and MFU, and the bytes per dispatched row against bf16.
@@ -341,6 +343,42 @@ def backends(a, out: dict, bf16: dict, extra: list[str], cuda: bool, failures: l
         except Exception as e:  # noqa: BLE001
             out["attention_flash"] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"flash attention: {e}")
+    if cuda and importlib.util.find_spec("fla"):
+        try:
+            out["gated_deltanet_fla"] = fla_parity()
+            if out["gated_deltanet_fla"]["max_rel_error"] > 2e-2:
+                failures.append(f"gated DeltaNet fla: {out['gated_deltanet_fla']}")
+        except Exception as e:  # noqa: BLE001
+            out["gated_deltanet_fla"] = {"error": f"{type(e).__name__}: {e}"}
+            failures.append(f"gated DeltaNet fla: {e}")
+
+
+def fla_parity() -> dict:
+    """flash-linear-attention's gated delta rule (bf16 inputs) against moetrain's chunked
+    reference on the same inputs (fp32 inside): outputs and the input gradients, relative to each
+    tensor's largest entry; Qwen3-Next's head shape (16 key / 32 value heads of 128), 4,096 tokens."""
+    from moetrain.model.gated_deltanet import chunk_gated_delta_rule, fla_gated_delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S, Hk, Hv, D = 1, 4096, 16, 32, 128
+    base = [torch.randn(B, S, Hk, D, device="cuda", generator=g), torch.randn(B, S, Hk, D, device="cuda", generator=g),
+            torch.randn(B, S, Hv, D, device="cuda", generator=g),
+            -torch.rand(B, S, Hv, device="cuda", generator=g), torch.rand(B, S, Hv, device="cuda", generator=g)]
+    base = [t.to(torch.bfloat16) if i < 3 else t for i, t in enumerate(base)]
+    dout = torch.randn(B, S, Hv, D, device="cuda", generator=g).to(torch.bfloat16)
+    results = []
+    for rule in (chunk_gated_delta_rule, fla_gated_delta_rule):
+        xs = [t.clone().requires_grad_() for t in base]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        o, _ = rule(*xs, 64)
+        o.backward(dout)
+        torch.cuda.synchronize()
+        results.append(([o.detach().float()] + [x.grad.float() for x in xs], time.perf_counter() - t0))
+    (ref, t_ref), (got, t_fla) = results
+    errs = {name: ((a - b).abs().max() / b.abs().max()).item()
+            for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, ref)}
+    return {"errors": errs, "max_rel_error": max(errs.values()), "torch_s": t_ref, "fla_s": t_fla}
 
 
 

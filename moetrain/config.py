@@ -147,7 +147,9 @@ class ModelConfig:
       ``linear_key_head_dim``, ``linear_value_head_dim`` (widths per head), ``linear_conv_kernel_dim``
       (the causal depthwise convolution's width, tokens), ``linear_chunk_size`` (tokens per chunk
       of the chunked delta rule: memory [chunk²] per head against the sequential steps between
-      chunks; 64 as flash-linear-attention).
+      chunks; 64 as flash-linear-attention). ``linear_attention_backend``: ``torch`` (the pure-PyTorch
+      chunked delta rule, every device) or ``fla`` (flash-linear-attention's Triton kernel: CUDA,
+      needs the ``flash-linear-attention`` / ``fla-core`` package).
     * ``attention_output_gate``: the attention's output is scaled per channel by sigmoid of a
       gate that the query projection also produces (its rows interleaved per head: [q_h; gate_h];
       Qwen3-Next's gated attention).
@@ -200,6 +202,7 @@ class ModelConfig:
     linear_value_head_dim: int = 64
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64
+    linear_attention_backend: Literal["torch", "fla"] = "torch"
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
 
@@ -1833,6 +1836,13 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if prec not in ("bf16", "fp8"):
             raise field_error("model.attention_backend", "flash", f"flash-attn takes bf16/fp16, train.precision is "
                               f"{prec!r}", "set train.precision=bf16 or use attention_backend sdpa")
+    if m.linear_attention and m.linear_attention_backend == "fla":  # moetrain.model.gated_deltanet
+        if device != "cuda":
+            raise field_error("model.linear_attention_backend", "fla", f"flash-linear-attention's kernels run on CUDA "
+                              f"only and this run is on {device}", "use linear_attention_backend torch")
+        if importlib.util.find_spec("fla") is None:
+            raise field_error("model.linear_attention_backend", "fla", "the flash-linear-attention package is not "
+                              "installed", "pip install flash-linear-attention, or use linear_attention_backend torch")
     if m.attention_backend == "flex":
         if device != "cuda":
             raise field_error("model.attention_backend", "flex", "flex_attention has no backward on CPU in torch 2.13",

@@ -174,3 +174,13 @@ def test_the_planner_counts_the_hybrids_parameters_and_flops(tmp_path):
     assert long.linear_flops() == shape.linear_flops()
     all_attention = ModelShape.from_config(cfg.replace(model={"seq_len": 4096, "layer_types": []}))
     assert long.attention_flops(causal=True) < 0.6 * all_attention.attention_flops(causal=True)
+
+
+def test_the_fla_backend_is_refused_off_cuda(tmp_path):
+    from moetrain.config import check_supported
+
+    cfg = tiny_config(tmp_path, tmp_path, model={**HYBRID["model"], "linear_attention_backend": "fla"},
+                      moe=HYBRID["moe"])
+    with pytest.raises(ConfigError, match=r"model.linear_attention_backend = 'fla': flash-linear-attention's kernels "
+                                          r"run on CUDA only"):
+        check_supported(cfg, "cpu")

@@ -15,6 +15,10 @@ L2-normalised and q is scaled by Dk^−½. Two paths compute it:
 
 * :func:`recurrent_gated_delta_rule` — token by token, the definition (the reference the tests
   hold the chunked path to);
+* :func:`fla_gated_delta_rule` — flash-linear-attention's chunked kernel
+  (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, Triton: CUDA; ``model.linear_attention_backend:
+  fla``), a thin adapter with this module's conventions, proved against the chunked path below
+  by ``benchmarks/gpu_check.py``;
 * :func:`chunk_gated_delta_rule` — chunks of C tokens (paper §3.3, the WY representation of
   DeltaNet, Yang et al. 2024 §3): inside a chunk, with A_i = Π_{j≤i} α_j (relative to the chunk's
   start) and Γ_ij = A_i / A_j, the per-token corrections δ solve one unit-lower-triangular
@@ -55,7 +59,9 @@ from torch import nn
 from moetrain.model.layers import Linear, cast, local_cast
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2_normalize",
-           "conv_channels_in_hf_order"]
+           "conv_channels_in_hf_order", "fla_gated_delta_rule", "delta_rule"]
+
+LINEAR_ATTENTION_BACKENDS = ("torch", "fla")
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -151,6 +157,35 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = a_c * state + k_c.transpose(-1, -2) @ delta
     o = torch.stack(out, dim=2).reshape(B, H, n * C, Dv)[:, :, :S]
     return o.transpose(1, 2).to(dtype), state
+
+
+def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         chunk_size: int = 64, initial_state: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_gated_delta_rule` through flash-linear-attention's Triton kernel (CUDA): the
+    same arguments (q, k [B, S, Hk, Dk] not yet normalised, v [B, S, Hv, Dv], g and beta
+    [B, S, Hv]) and output o [B, S, Hv, Dv] in v's dtype; it normalises q and k in the kernel
+    (``use_qk_l2norm_in_kernel``, eps 1e-6 as here) and chooses its own chunk length. The final
+    state is not returned (None): training reads the outputs only. g and beta go in fp32."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    o, _ = fla_chunk(q, k, v.to(q.dtype), g.float(), beta.float(), scale=q.shape[-1] ** -0.5,
+                     initial_state=initial_state, output_final_state=False, use_qk_l2norm_in_kernel=True)
+    return o.to(v.dtype), None
+
+
+def delta_rule(backend: str):
+    """The delta rule of ``model.linear_attention_backend``: ``torch`` (:func:`chunk_gated_delta_rule`)
+    or ``fla`` (:func:`fla_gated_delta_rule`).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend == "torch":
+        return chunk_gated_delta_rule
+    if backend == "fla":
+        return fla_gated_delta_rule
+    raise ValueError(f"linear attention backend {backend!r}: expected one of {', '.join(LINEAR_ATTENTION_BACKENDS)}")
 
 
 def conv_channels_in_hf_order(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int

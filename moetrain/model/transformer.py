@@ -25,7 +25,7 @@ from moetrain.model.attention import DocumentMask, attention_kernel, positions_i
 from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
-from moetrain.model.gated_deltanet import GatedDeltaNet
+from moetrain.model.gated_deltanet import GatedDeltaNet, delta_rule
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE, TokenMask
 from moetrain.model.recompute import recompute_context
@@ -47,6 +47,7 @@ class Block(nn.Module):
             self.attention = GatedDeltaNet(m.hidden, m.linear_num_key_heads, m.linear_num_value_heads,
                                            m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim,
                                            m.norm_eps, m.linear_chunk_size)
+            self.attention.rule = delta_rule(m.linear_attention_backend)
         elif m.attention == "mla":
             self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
                                          m.qk_rope_head_dim, m.v_head_dim, mla_scale(m), m.norm_eps, window,
