@@ -24,9 +24,9 @@ expert computes; the losses and the load statistics count the real tokens only, 
 trains exactly as the same batch without its padding (``moe.route_padding``).
 
 Host reads (device → host copies; on a GPU each stalls the queue): none on the dropless path with
-the ``grouped_mm`` backend (padding or not). The ``loop`` backend needs the per-expert row counts on the host (its
-split sizes): one read per layer per micro-batch, or none when the dispatcher already has them
-there (the all-to-all's split sizes, :mod:`moetrain.parallel.expert`). A capacity factor selects
+the ``grouped_mm`` backend (padding or not). The ``loop`` backend needs the per-expert row counts
+on the host (its split sizes): one read per layer per micro-batch, or none when the dispatcher
+already has them there (the all-to-all's split sizes, :mod:`moetrain.parallel.expert`). A capacity factor selects
 the kept rows by a boolean mask: one read per layer per micro-batch. Ops that hide a sync on CUDA
 are avoided: ``bincount`` (sizes its output from the max), ``repeat_interleave`` without
 ``output_size``.
@@ -490,8 +490,11 @@ class MoE(nn.Module):
     def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, kept: torch.Tensor | None,
                       assignments: torch.Tensor | int) -> None:
         """``assignments``: the real (not padding) token-expert assignments of ``idx_TK``."""
-        dropped = (torch.zeros((), dtype=torch.float64, device=idx_TK.device) if kept is None
-                   else (assignments - kept.sum()).double() / assignments)
+        if kept is None:
+            dropped = torch.zeros((), dtype=torch.float64, device=idx_TK.device)
+        else:  # (a micro-batch of padding only has no assignment: nothing dropped)
+            total = assignments.clamp(min=1) if isinstance(assignments, torch.Tensor) else assignments
+            dropped = (total - kept.sum()).double() / total
         new = {"aux_loss": aux.detach().double(), "z_loss": z.detach().double(),
                "tokens_per_expert": expert_counts(idx_TK, self.num_experts).double(),
                "dropped_fraction": dropped}
