@@ -243,6 +243,8 @@ class GatedDeltaNet(nn.Module):
         ValueError: Hv not a multiple of Hk.
     """
 
+    compute_dtype: torch.dtype | None = None
+
     def __init__(self, dim: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int = 4, norm_eps: float = 1e-6, chunk_size: int = 64):
         super().__init__()
@@ -265,8 +267,6 @@ class GatedDeltaNet(nn.Module):
         self.rule = chunk_gated_delta_rule
         # Context parallelism: exchanges tokens for heads (module docstring); None in one process.
         self.context: HeadExchange | None = None
-
-    compute_dtype: torch.dtype | None = None
 
     def _mix(self, mixed: torch.Tensor, first_head: int) -> torch.Tensor:
         """One stretch of tokens that shares a state (a sequence, or one document of it) of key
@@ -292,8 +292,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``doc_ids``: [B, S_full] document index of each token of the whole samples
-        (non-decreasing along S), or None: the state and the convolution start afresh at every
-        document."""
+        (non-decreasing along S): the state and the convolution start afresh at every document;
+        None: each sequence is one document."""
         B, S, _ = x_BSD.shape
         Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
         # -1 key heads: under tensor parallelism the projections hold this rank's.
