@@ -2,7 +2,8 @@
 recurrent form it computes and against transformers' own torch paths; the layer against
 Qwen3-Next's; packed documents against each document alone; and a hybrid model (gated DeltaNet and
 gated attention blocks, Qwen3-Next's) trained in dp × ep, pp × dp × ep, ZeRO-3 with full
-recomputation, context parallel and tensor + sequence parallel (with and without documents)
+recomputation, HSDP, context parallel, tensor + sequence parallel and expert-tensor parallel
+(with and without documents)
 equal to one process over 20 steps (tests/test_architectures.py's tolerances). Layouts whose tp
 or cp does not divide the key heads are refused naming the field."""
 
@@ -123,6 +124,9 @@ HYBRID_LAYOUTS = {
     # gathered into the layer); with ZeRO-2 over dp.
     "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, False),
     "tp2-dp2-zero2-docs": ({"tp": 2, "dp": 2, "zero_stage": 2}, True),
+    # Expert-tensor parallelism on the MoE blocks beside it; HSDP (ZeRO-3 within pairs of ranks).
+    "dp2-tp2-ep2-etp2": ({"dp": 2, "tp": 2, "ep": 2, "etp": 2}, False),
+    "dp4-ep2-hsdp2": ({"dp": 4, "ep": 2, "zero_stage": 3, "dp_shard": 2}, False),
 }
 _REFERENCES: dict = {}
 
