@@ -3,9 +3,8 @@ recurrent form it computes and against transformers' own torch paths; the layer 
 Qwen3-Next's; packed documents against each document alone; and a hybrid model (gated DeltaNet and
 gated attention blocks, Qwen3-Next's) trained in dp × ep, pp × dp × ep, ZeRO-3 with full
 recomputation, HSDP, context parallel, tensor + sequence parallel and expert-tensor parallel
-(with and without documents)
-equal to one process over 20 steps (tests/test_architectures.py's tolerances). Layouts whose tp
-or cp does not divide the key heads are refused naming the field."""
+(with and without documents) equal to one process over 20 steps (tests/test_architectures.py's
+tolerances). Layouts whose tp or cp does not divide the key heads are refused naming the field."""
 
 from __future__ import annotations
 
