@@ -140,8 +140,13 @@ class ModelConfig:
     Hybrid models (Qwen3-Next; :mod:`moetrain.model.gated_deltanet`):
 
     * ``layer_types``: each block's token mixer, Hugging Face's names — ``full_attention`` (the
-      attention above) or ``linear_attention`` (gated DeltaNet, Yang et al. 2024); empty: every
-      block ``full_attention``. Its length is ``layers``.
+      attention above), ``linear_attention`` (gated DeltaNet, Yang et al. 2024) or ``mamba``
+      (Mamba-2, Dao & Gu 2024; :mod:`moetrain.model.mamba2`); empty: every block
+      ``full_attention``. Its length is ``layers``.
+    * the Mamba-2 layers' shape, Nemotron-H's names: ``mamba_num_heads``, ``mamba_head_dim`` (P),
+      ``ssm_state_size`` (N), ``n_groups`` (groups of heads sharing B and C), ``conv_kernel`` (the
+      convolution's width, tokens), ``use_conv_bias``, ``time_step_min`` (Δ's lower bound),
+      ``mamba_chunk_size`` (tokens per chunk of the chunked scan; 128 as Nemotron-H).
     * the gated-DeltaNet layers' shape, Hugging Face's names: ``linear_num_key_heads`` (query /
       key heads), ``linear_num_value_heads`` (value heads, a multiple of the key heads),
       ``linear_key_head_dim``, ``linear_value_head_dim`` (widths per head), ``linear_conv_kernel_dim``
@@ -203,6 +208,14 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 4
     linear_chunk_size: int = 64
     linear_attention_backend: Literal["torch", "fla"] = "torch"
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 1
+    conv_kernel: int = 4
+    use_conv_bias: bool = True
+    time_step_min: float = 0.0
+    mamba_chunk_size: int = 128
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
 
@@ -214,6 +227,11 @@ class ModelConfig:
     def linear_attention(self) -> bool:
         """Some block mixes its tokens with gated DeltaNet."""
         return "linear_attention" in self.layer_types
+
+    @property
+    def mamba(self) -> bool:
+        """Some block mixes its tokens with Mamba-2."""
+        return "mamba" in self.layer_types
 
     @property
     def resolved_head_dim(self) -> int:
@@ -1420,6 +1438,7 @@ class LayoutFacts:
     flex_attention: bool = False  # model.attention_backend = flex
     linear_attention: bool = False  # some block is gated DeltaNet (model.layer_types)
     linear_num_key_heads: int = 1
+    mamba: bool = False  # some block is Mamba-2 (model.layer_types)
     # the batch and the run
     global_batch_size: int = 1
     ep_overlap: bool = False
@@ -1444,7 +1463,7 @@ class LayoutFacts:
                    num_experts=moe.num_experts, moe_ffn_hidden=moe.ffn_hidden,
                    expert_biases=moe.expert_biases and moe.num_experts > 0, tie_embeddings=m.tie_embeddings,
                    flex_attention=m.attention_backend == "flex", linear_attention=m.linear_attention,
-                   linear_num_key_heads=m.linear_num_key_heads,
+                   linear_num_key_heads=m.linear_num_key_heads, mamba=m.mamba,
                    global_batch_size=tr.global_batch_size,
                    ep_overlap=par.ep_overlap, ep_overlap_split=par.ep_overlap_split,
                    split_blocker=_static_split_blocker(cfg), compile=tr.compile,
@@ -1493,6 +1512,12 @@ def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
         # backward leaves the FSDP-managed gradients of every stage but the first at zero.
         return ("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' (torch 2.13)",
                 "use zero_stage 1 or 2, or another pp_schedule")
+    if f.mamba and not f.published:
+        # The Mamba-2 layers keep their heads and their sequence whole on each rank.
+        for name in ("tp", "cp"):
+            if getattr(f, name) > 1:
+                return (f"parallel.{name}", getattr(f, name), f"the Mamba-2 layers (model.layer_types mamba) do not "
+                        f"split over {name} yet", f"use {name}=1 (dp, ep, pp and ZeRO compose with them)")
     if f.linear_attention:
         # The gated-DeltaNet layers split their key heads over tp, then the tp rank's over cp.
         if f.linear_num_key_heads % f.tp:
@@ -1791,10 +1816,20 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if len(m.layer_types) != m.layers:
             raise field_error("model.layer_types", list(m.layer_types), f"gives {len(m.layer_types)} blocks, "
                               f"model.layers is {m.layers}", "give one entry per block, or [] for full attention")
-        bad = sorted(set(m.layer_types) - {"full_attention", "linear_attention"})
+        bad = sorted(set(m.layer_types) - {"full_attention", "linear_attention", "mamba"})
         if bad:
             raise field_error("model.layer_types", bad[0], "is not a token mixer moetrain has",
-                              "use full_attention or linear_attention (gated DeltaNet)")
+                              "use full_attention, linear_attention (gated DeltaNet) or mamba (Mamba-2)")
+    if m.mamba:
+        _bounds(cfg, "model", positive="mamba_num_heads mamba_head_dim ssm_state_size n_groups conv_kernel "
+                                       "mamba_chunk_size")
+        if m.mamba_num_heads % m.n_groups:
+            raise field_error("model.n_groups", m.n_groups, f"does not divide model.mamba_num_heads="
+                              f"{m.mamba_num_heads} (each group's B and C serve whole heads)",
+                              f"choose among {_divisors(m.mamba_num_heads)}")
+        if m.mtp_depth:
+            raise field_error("model.mtp_depth", m.mtp_depth, "multi-token prediction is not built for hybrid "
+                              "models", "set model.mtp_depth=0")
     if m.linear_attention:
         _bounds(cfg, "model", positive="linear_num_key_heads linear_num_value_heads linear_key_head_dim "
                                        "linear_value_head_dim linear_conv_kernel_dim linear_chunk_size")

@@ -4,7 +4,8 @@ Each parameter (and each expert of a stacked expert tensor) draws from its own g
 by ``(seed, name)``, so a rank that holds only some experts, or a pipeline stage that holds only
 some blocks, gets exactly the values the single-process model has. Norm weights start at 1
 (0 where the norm scales by 1 + weight), biases at 0. Gated DeltaNet: A = exp(A_log) uniform in
-[1, 16], dt_bias 1 (Qwen3-Next's), the convolution normal with std kernel^−½.
+[1, 16], dt_bias 1 (Qwen3-Next's), the convolution normal with std kernel^−½. Mamba-2: A_log =
+log(1 … H), D and dt_bias 1 (Nemotron-H's), the convolution as gated DeltaNet's, its bias 0.
 Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
 """
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from moetrain.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from moetrain.model.mamba2 import GroupedGatedRMSNorm, Mamba2
 from moetrain.model.layers import Attention, RMSNorm
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import GroupedExperts, MoE
@@ -45,8 +47,16 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
         full = f"{prefix}{mod_name}"
         if isinstance(module, RMSNorm):
             module.weight.fill_(0.0 if module.zero_centered else 1.0)
-        elif isinstance(module, GatedRMSNorm):
+        elif isinstance(module, (GatedRMSNorm, GroupedGatedRMSNorm)):
             module.weight.fill_(1.0)
+        elif isinstance(module, Mamba2):
+            _fill(module.A_log, torch.arange(1, module.num_heads + 1, dtype=torch.float32).log())
+            module.D.fill_(1.0)
+            module.dt_bias.fill_(1.0)
+            w = module.conv1d.weight
+            _fill(w, _normal(w.shape, w.shape[-1] ** -0.5, seed, f"{full}.conv1d.weight"))
+            if module.conv1d.bias is not None:
+                module.conv1d.bias.zero_()
         elif isinstance(module, GatedDeltaNet):
             a = torch.empty(module.num_v_heads).uniform_(1.0, 16.0, generator=_generator(seed, f"{full}.A_log"))
             _fill(module.A_log, a.log())

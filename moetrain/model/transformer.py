@@ -26,6 +26,7 @@ from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Ll
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
 from moetrain.model.gated_deltanet import GatedDeltaNet, delta_rule
+from moetrain.model.mamba2 import Mamba2
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE, TokenMask
 from moetrain.model.recompute import recompute_context
@@ -33,8 +34,8 @@ from moetrain.model.recompute import recompute_context
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE.
-    ``attention`` is the block's token mixer: attention (GQA or MLA), or gated DeltaNet where
-    ``model.layer_types`` says ``linear_attention``."""
+    ``attention`` is the block's token mixer: attention (GQA or MLA), or gated DeltaNet or
+    Mamba-2 where ``model.layer_types`` says ``linear_attention`` or ``mamba``."""
 
     def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
@@ -42,8 +43,11 @@ class Block(nn.Module):
         zc = m.zero_centered_norm
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps, zc)
         window = m.window_of(layer)
-        self.attention: Attention | MLAttention | GatedDeltaNet
-        if m.layer_type(layer) == "linear_attention":
+        self.attention: Attention | MLAttention | GatedDeltaNet | Mamba2
+        if m.layer_type(layer) == "mamba":
+            self.attention = Mamba2(m.hidden, m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups,
+                                    m.conv_kernel, m.use_conv_bias, m.norm_eps, m.mamba_chunk_size, m.time_step_min)
+        elif m.layer_type(layer) == "linear_attention":
             self.attention = GatedDeltaNet(m.hidden, m.linear_num_key_heads, m.linear_num_value_heads,
                                            m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim,
                                            m.norm_eps, m.linear_chunk_size)
@@ -56,7 +60,7 @@ class Block(nn.Module):
             self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
                                        m.norm_eps, m.attention_out_bias, m.attention_sinks, window,
                                        m.attention_output_gate, zc)
-        if not isinstance(self.attention, GatedDeltaNet):
+        if isinstance(self.attention, (Attention, MLAttention)):
             self.attention.kernel = attention_kernel(m.attention_backend)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, zc)
         self.moe: MoE | None = None
@@ -86,7 +90,7 @@ class Block(nn.Module):
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
-        if isinstance(self.attention, GatedDeltaNet):  # no positions: its state orders the tokens
+        if isinstance(self.attention, (GatedDeltaNet, Mamba2)):  # no positions: its state orders the tokens
             h = x_BSD + self.attention(self.attention_norm(x_BSD), None if doc is None else doc.doc_ids)
         else:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)

@@ -9,11 +9,13 @@ models need a few more facts, which only the planner knows (they are never read
 from a moetrain config): a two-matrix GELU MLP (GPT-3, MPT). moetrain's own configs also give
 a stated head dim (Qwen3, GPT-OSS), multi-head latent attention with its low-rank projections
 and separate value head dim (DeepSeek-V3), sliding-window layers (GPT-OSS), multi-token
-prediction modules (DeepSeek-V3) and gated-DeltaNet blocks (Qwen3-Next: ``linear_layers`` of the
-L, their projections, convolution and chunked delta rule counted per token, :meth:`linear_flops`),
+prediction modules (DeepSeek-V3), gated-DeltaNet blocks (Qwen3-Next: ``linear_layers`` of the
+L, their projections, convolution and chunked delta rule counted per token, :meth:`linear_flops`)
+and Mamba-2 blocks (``mamba_layers``: :attr:`mamba_params`, :meth:`mamba_flops`),
 which the published runs state the same way. Where a quantity is per layer (the token mixer's
 parameters and FLOPs), it is the mean over the layers of the two kinds; the activation memory and
-the tp / cp traffic of a gated-DeltaNet block are taken as its attention's (not modelled apart).
+the tp / cp traffic of a gated-DeltaNet or Mamba-2 block are taken as attention's (not modelled
+apart).
 
 FLOP convention (the one MFU is reported in, as Megatron-LM eq. 3 of Narayanan et al. 2021 and
 PaLM appendix B): a matmul of m×k by k×n costs 2mkn; backward costs twice forward; attention
@@ -97,6 +99,15 @@ class ModelShape:
     linear_conv: int = 0
     linear_chunk: int = 64
     gate_width: int = 0                       # extra query-projection outputs of a gated attention
+    # Mamba-2 blocks (model.layer_types mamba): heads, head dim, state size, groups, convolution
+    # width, chunk length
+    mamba_layers: int = 0
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    mamba_conv: int = 0
+    mamba_chunk: int = 128
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "ModelShape":
@@ -119,9 +130,12 @@ class ModelShape:
                         linear_v_heads=m.linear_num_value_heads, linear_k_dim=m.linear_key_head_dim,
                         linear_v_dim=m.linear_value_head_dim, linear_conv=m.linear_conv_kernel_dim,
                         linear_chunk=m.linear_chunk_size)
-            if m.attention_output_gate:  # the gate's half of the query projection
-                attn["attn_params_override"] = None
-                attn["gate_width"] = m.heads * m.resolved_head_dim
+        if m.mamba:
+            attn.update(mamba_layers=m.layer_types.count("mamba"), mamba_heads=m.mamba_num_heads,
+                        mamba_head_dim=m.mamba_head_dim, mamba_state=m.ssm_state_size, mamba_groups=m.n_groups,
+                        mamba_conv=m.conv_kernel, mamba_chunk=m.mamba_chunk_size)
+        if m.attention_output_gate:  # the gate's half of the query projection
+            attn["gate_width"] = m.heads * m.resolved_head_dim
         return cls(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.heads if mla else m.kv_heads,
                    ffn=m.ffn_hidden, vocab=vocab, seq_len=m.seq_len, tie_embeddings=m.tie_embeddings,
                    num_experts=moe.num_experts, top_k=moe.top_k if moe.num_experts else 0,
@@ -188,11 +202,33 @@ class ModelShape:
             q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
             return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
         full = h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
-        if not self.linear_layers:
+        if not self.linear_layers and not self.mamba_layers:
             return full
-        # the mean over the layers of the two token mixers (rounded: a count)
-        return round((full * (self.layers - self.linear_layers) + self.linear_params * self.linear_layers)
-                     / self.layers)
+        # the mean over the layers of the token mixers (rounded: a count)
+        attention = self.layers - self.linear_layers - self.mamba_layers
+        return round((full * attention + self.linear_params * self.linear_layers
+                      + self.mamba_params * self.mamba_layers) / self.layers)
+
+    @property
+    def mamba_params(self) -> int:
+        """One Mamba-2 block's token mixer: ``in_proj`` h × (2·H·P + 2·G·N + H), the convolution
+        (weights and bias) over H·P + 2·G·N channels, dt_bias, A_log, D, the gated norm's H·P and
+        ``out_proj`` H·P × h."""
+        if not self.mamba_layers:
+            return 0
+        inner = self.mamba_heads * self.mamba_head_dim
+        channels = inner + 2 * self.mamba_groups * self.mamba_state
+        return (self.hidden * (inner + channels + self.mamba_heads) + channels * (self.mamba_conv + 1)
+                + 3 * self.mamba_heads + inner + inner * self.hidden)
+
+    def mamba_flops(self) -> float:
+        """Forward FLOPs per token of one Mamba-2 block's chunked scan (its projections are matmul
+        parameters): per head, inside its chunk of C tokens the C·Bᵀ scores (2·C·N) and their
+        product with Δx (2·C·P); across chunks the state read (2·N·P) and update (2·P·N); the
+        convolution 2·width per channel."""
+        C, N, P = self.mamba_chunk, self.mamba_state, self.mamba_head_dim
+        channels = self.mamba_heads * P + 2 * self.mamba_groups * N
+        return float(self.mamba_heads * (2 * C * (N + P) + 4 * N * P) + 2 * self.mamba_conv * channels)
 
     @property
     def linear_params(self) -> int:
@@ -349,8 +385,10 @@ class ModelShape:
         layer attends to ``window`` keys (all of them, causal or not); a gated-DeltaNet block
         its delta rule (:meth:`linear_flops`, independent of s)."""
         full = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
-        if self.linear_layers:
-            return (full * (self.layers - self.linear_layers) + self.linear_flops() * self.linear_layers) / self.layers
+        if self.linear_layers or self.mamba_layers:
+            attention = self.layers - self.linear_layers - self.mamba_layers
+            return (full * attention + self.linear_flops() * self.linear_layers
+                    + self.mamba_flops() * self.mamba_layers) / self.layers
         if not self.window or not self.window_layers:
             return full
         windowed = 2.0 * min(self.window, self.seq_len) * (self.h_q + self.h_v)

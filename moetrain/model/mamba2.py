@@ -1,0 +1,196 @@
+"""Mamba-2: the selective state-space layer of "Transformers are SSMs" (Dao & Gu 2024, §§6-7, the
+SSD layer), as NVIDIA's Nemotron-H hybrids compute it.
+
+Shape legend: B batch, S sequence, D hidden, H heads, P head dim, G groups (of heads sharing B
+and C), N state size, C chunk length.
+
+The recurrence, per head, with a state h_t ∈ R^{P×N} (§6, eq. 1-2 with scalar A):
+
+    h_t = exp(Δ_t A) h_{t−1} + Δ_t x_t B_tᵀ,      y_t = h_t C_t + D x_t
+
+with Δ_t = clamp(softplus(dt_t + dt_bias), time_step_min, ∞) and A = −exp(A_log) per head; the
+G groups of B_t, C_t ∈ R^N are shared by H / G consecutive heads. Two paths compute it:
+
+* :func:`recurrent_ssd` — token by token, the definition (the reference the tests hold the
+  chunked path to);
+* :func:`chunk_ssd` — chunks of C tokens (§7, the block decomposition): inside a chunk, with
+  A_i = Π_{j≤i} exp(Δ_j A) and Γ_ij = A_i / A_j, Y = (C Bᵀ ⊙ Γ ⊙ causal)(Δ X) + diag(A) C h₀ᵀ and
+  the last state h_C = A_C h₀ + (Δ X)ᵀ (B ⊙ A_C / A); the state passes from chunk to chunk.
+  This is what runs on CPU (pure PyTorch, fp32 inside).
+
+The layer (:class:`Mamba2`, Nemotron-H's ``NemotronHMamba2Mixer`` with its parameter names):
+``in_proj`` to the gate z [H·P], the convolution's input xBC [H·P + 2·G·N] and dt [H]; a causal
+depthwise convolution over xBC (``conv1d``, with a bias when ``conv_bias``), SiLU; the scan; y
+gated by SiLU(z), then an RMSNorm over each group's H/G·P channels (``norm``: gate before norm, as
+Nemotron-H's ``norm_before_gate=False``); ``out_proj``. Packed documents restart the state and
+the convolution at every document, as :mod:`moetrain.model.gated_deltanet` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.layers import Linear, cast
+
+__all__ = ["Mamba2", "GroupedGatedRMSNorm", "chunk_ssd", "recurrent_ssd"]
+
+
+def _prepare(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor):
+    """x [B, S, H, P], dt [B, S, H] (already Δ), A [H], B / C [B, S, G, N] → fp32 [B, H, S, *] with
+    B, C repeated over the heads of each group, Δ·x and the per-token log decays Δ·A."""
+    H, G = x.shape[2], B.shape[2]
+    if H % G:
+        raise ValueError(f"{H} heads are not a multiple of {G} groups")
+    B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))
+    x, B, C = (t.transpose(1, 2).float() for t in (x, B, C))
+    dt = dt.transpose(1, 2).float()
+    return x * dt.unsqueeze(-1), dt * A.float()[None, :, None], B, C
+
+
+def recurrent_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD recurrence token by token (the module docstring's, without D).
+
+    x: [B, S, H, P]; dt: [B, S, H] the step Δ (after softplus and clamp); A: [H] (negative);
+    B, C: [B, S, G, N]; initial_state: [B, H, P, N] or None (zeros). Returns (y [B, S, H, P] in x's
+    dtype, final state [B, H, P, N] fp32)."""
+    dtype = x.dtype
+    xdt, log_a, B, C = _prepare(x, dt, A, B, C)
+    Bsz, H, S, P = xdt.shape
+    h = torch.zeros(Bsz, H, P, B.shape[-1], device=x.device) if initial_state is None else initial_state.float()
+    out = []
+    for t in range(S):
+        h = h * log_a[:, :, t].exp()[..., None, None] + xdt[:, :, t].unsqueeze(-1) * B[:, :, t].unsqueeze(-2)
+        out.append((h * C[:, :, t].unsqueeze(-2)).sum(-1))
+    return torch.stack(out, dim=2).transpose(1, 2).to(dtype), h
+
+
+def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              chunk_size: int = 128, initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan in chunks of ``chunk_size`` tokens (the module docstring's block form); the
+    same arguments and results as :func:`recurrent_ssd`, equal to it within fp32 rounding. The
+    last chunk may be shorter (padded with Δ = 0 tokens, which change nothing).
+
+    Raises:
+        ValueError: heads not a multiple of groups.
+    """
+    dtype = x.dtype
+    xdt, log_a, B, C = _prepare(x, dt, A, B, C)
+    Bsz, H, S, P = xdt.shape
+    N, L = B.shape[-1], chunk_size
+    pad = (-S) % L
+    if pad:
+        xdt, B, C = (F.pad(t, (0, 0, 0, pad)) for t in (xdt, B, C))
+        log_a = F.pad(log_a, (0, pad))
+    n = (S + pad) // L
+    xdt, B, C = (t.view(Bsz, H, n, L, -1) for t in (xdt, B, C))
+    cum = log_a.view(Bsz, H, n, L).cumsum(-1)  # log A_i from the chunk's start
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    gamma = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    scores = (C @ B.transpose(-1, -2)) * gamma  # [.., L, L], causal
+    c_a = C * cum.exp().unsqueeze(-1)  # C_i A_i
+    b_last = B * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # B_j A_L / A_j
+    a_last = cum[..., -1].exp()[..., None, None]
+    h = torch.zeros(Bsz, H, P, N, device=x.device) if initial_state is None else initial_state.float()
+    out = []
+    # unbind: one backward node stacks the chunks' gradients (indexing would zero-fill a whole
+    # gradient per chunk).
+    for x_c, s_c, ca_c, b_c, a_c in zip(*(t.unbind(2) for t in (xdt, scores, c_a, b_last, a_last))):
+        out.append(s_c @ x_c + ca_c @ h.transpose(-1, -2))
+        h = a_c * h + x_c.transpose(-1, -2) @ b_c
+    y = torch.stack(out, dim=2).reshape(Bsz, H, n * L, P)[:, :, :S]
+    return y.transpose(1, 2).to(dtype), h
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y · SiLU(z), then an RMSNorm over each of ``groups`` equal groups of channels, times the
+    weight (Nemotron-H's ``NemotronHRMSNormGated``, gate before norm): y, z: [..., H·P] → [..., H·P]
+    in y's dtype; statistics in fp32."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def __init__(self, dim: int, groups: int, eps: float = 1e-5):
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        g = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return cast(self.weight, self.compute_dtype) * g.to(y.dtype)
+
+
+class Mamba2(nn.Module):
+    """Nemotron-H's Mamba-2 token mixer (module docstring). x: [B, S, D] → [B, S, D].
+
+    Args:
+        dim: D. num_heads, head_dim: H, P (HF ``mamba_num_heads`` / ``mamba_head_dim``).
+        state_size: N (``ssm_state_size``). groups: G (``n_groups``; H a multiple of G).
+        conv_kernel: the convolution's width (``conv_kernel``). conv_bias: the convolution has a
+        bias (``use_conv_bias``). norm_eps: the gated norm's epsilon. chunk_size: C of
+        :func:`chunk_ssd`. time_step_min: Δ's lower bound (``time_step_min``).
+
+    Parameters (HF names): ``in_proj`` [H·P + (H·P + 2·G·N) + H, D] (z, xBC, dt); ``conv1d``
+    weight [H·P + 2·G·N, 1, conv_kernel] (and bias); ``dt_bias``, ``A_log``, ``D`` [H];
+    ``norm.weight`` [H·P]; ``out_proj`` [D, H·P].
+
+    Raises:
+        ValueError: H not a multiple of G.
+    """
+
+    compute_dtype: torch.dtype | None = None
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, state_size: int, groups: int = 1,
+                 conv_kernel: int = 4, conv_bias: bool = True, norm_eps: float = 1e-5, chunk_size: int = 128,
+                 time_step_min: float = 0.0):
+        super().__init__()
+        if num_heads % groups:
+            raise ValueError(f"mamba_num_heads {num_heads} is not a multiple of n_groups {groups}")
+        self.num_heads, self.head_dim, self.state_size, self.groups = num_heads, head_dim, state_size, groups
+        self.chunk_size, self.time_step_min = chunk_size, time_step_min
+        inner = num_heads * head_dim
+        channels = inner + 2 * groups * state_size
+        self.in_proj = Linear(dim, inner + channels + num_heads, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.D = nn.Parameter(torch.empty(num_heads))
+        self.norm = GroupedGatedRMSNorm(inner, groups, norm_eps)
+        self.out_proj = Linear(inner, dim, bias=False)
+        self.scan = chunk_ssd
+
+    def _mix(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One stretch of tokens that shares a state: the convolution, Δ and the scan, plus the
+        D skip. xbc: [B, S, H·P + 2·G·N], dt: [B, S, H] → y [B, S, H, P]."""
+        Bsz, S, _ = xbc.shape
+        H, P, G, N = self.num_heads, self.head_dim, self.groups, self.state_size
+        w = cast(self.conv1d.weight, self.compute_dtype)
+        bias = None if self.conv1d.bias is None else cast(self.conv1d.bias, self.compute_dtype)
+        xbc = F.silu(F.conv1d(F.pad(xbc.transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w, bias,
+                              groups=w.shape[0])).transpose(1, 2)
+        x, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
+        x = x.reshape(Bsz, S, H, P)
+        step = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.time_step_min)
+        y, _ = self.scan(x, step, -self.A_log.float().exp(), B.reshape(Bsz, S, G, N), C.reshape(Bsz, S, G, N),
+                         self.chunk_size)
+        return y + (self.D.float()[:, None] * x.float()).to(y.dtype)
+
+    def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``doc_ids``: [B, S] document index of each token (non-decreasing along S): the state
+        and the convolution start afresh at every document; None: each sequence is one document."""
+        Bsz, S, _ = x_BSD.shape
+        inner = self.num_heads * self.head_dim
+        z, xbc, dt = self.in_proj(x_BSD).split([inner, inner + 2 * self.groups * self.state_size, self.num_heads],
+                                               dim=-1)
+        if doc_ids is None:
+            y = self._mix(xbc, dt)
+        else:
+            rows = []
+            for i in range(Bsz):  # each document alone (its lengths are read on the host)
+                lengths = torch.unique_consecutive(doc_ids[i], return_counts=True)[1].tolist()
+                rows.append(torch.cat([self._mix(a, b) for a, b in zip(xbc[i:i + 1].split(lengths, dim=1),
+                                                                      dt[i:i + 1].split(lengths, dim=1))], dim=1))
+            y = torch.cat(rows)
+        return self.out_proj(self.norm(y.reshape(Bsz, S, inner), z))
