@@ -1439,6 +1439,7 @@ class LayoutFacts:
     linear_attention: bool = False  # some block is gated DeltaNet (model.layer_types)
     linear_num_key_heads: int = 1
     mamba: bool = False  # some block is Mamba-2 (model.layer_types)
+    n_groups: int = 1
     # the batch and the run
     global_batch_size: int = 1
     ep_overlap: bool = False
@@ -1463,7 +1464,7 @@ class LayoutFacts:
                    num_experts=moe.num_experts, moe_ffn_hidden=moe.ffn_hidden,
                    expert_biases=moe.expert_biases and moe.num_experts > 0, tie_embeddings=m.tie_embeddings,
                    flex_attention=m.attention_backend == "flex", linear_attention=m.linear_attention,
-                   linear_num_key_heads=m.linear_num_key_heads, mamba=m.mamba,
+                   linear_num_key_heads=m.linear_num_key_heads, mamba=m.mamba, n_groups=m.n_groups,
                    global_batch_size=tr.global_batch_size,
                    ep_overlap=par.ep_overlap, ep_overlap_split=par.ep_overlap_split,
                    split_blocker=_static_split_blocker(cfg), compile=tr.compile,
@@ -1512,12 +1513,16 @@ def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
         # backward leaves the FSDP-managed gradients of every stage but the first at zero.
         return ("parallel.zero_stage", 3, "gives wrong gradients with pp_schedule='zero_bubble' (torch 2.13)",
                 "use zero_stage 1 or 2, or another pp_schedule")
-    if f.mamba and not f.published:
-        # The Mamba-2 layers keep their heads and their sequence whole on each rank.
-        for name in ("tp", "cp"):
-            if getattr(f, name) > 1:
-                return (f"parallel.{name}", getattr(f, name), f"the Mamba-2 layers (model.layer_types mamba) do not "
-                        f"split over {name} yet", f"use {name}=1 (dp, ep, pp and ZeRO compose with them)")
+    if f.mamba:
+        # The Mamba-2 layers split their groups (of heads sharing B and C) over tp, then over cp.
+        if f.n_groups % f.tp:
+            return ("parallel.tp", f.tp, f"the Mamba-2 layers split their model.n_groups={f.n_groups} over the tp "
+                    "ranks, and it does not divide them", f"choose tp among {_nearest(f.tp, _divisors(f.n_groups))}")
+        if (f.n_groups // f.tp) % f.cp:
+            per_tp = f.n_groups // f.tp
+            return ("parallel.cp", f.cp, f"the Mamba-2 layers split the {per_tp} groups of a tp rank "
+                    f"(model.n_groups={f.n_groups} / tp) over the cp ranks (each runs the whole sequence of some "
+                    "groups), and it does not divide them", f"choose cp among {_nearest(f.cp, _divisors(per_tp))}")
     if f.linear_attention:
         # The gated-DeltaNet layers split their key heads over tp, then the tp rank's over cp.
         if f.linear_num_key_heads % f.tp:

@@ -1,9 +1,10 @@
 """Mamba-2 (moetrain/model/mamba2.py): the chunked SSD scan against the recurrence it computes
 and against transformers' own torch path; the layer against Nemotron-H's; packed documents
 against each document alone; the planner's count of the layer; and a hybrid model (Mamba-2 and
-attention blocks with MoE) trained in dp × ep, pp × dp × ep with documents and ZeRO-3 with full
-recomputation equal to one process over 20 steps (tests/test_architectures.py's tolerances).
-tp and cp are refused naming the field."""
+attention blocks with MoE) trained in dp × ep, pp × dp × ep with documents, ZeRO-3 with full
+recomputation, tp + SP and context parallel (with documents) equal to one process over 20 steps
+(tests/test_architectures.py's tolerances). A tp or cp that does not divide the groups is refused
+naming the field."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
-from moetrain.model.mamba2 import Mamba2, chunk_ssd, recurrent_ssd
+from moetrain.model.mamba2 import (Mamba2, chunk_ssd, conv_channels_in_hf_order, in_proj_rows_in_hf_order,
+                                   recurrent_ssd)
 
 from conftest import tiny_config
 from multiproc import run_distributed
@@ -70,7 +72,12 @@ def test_the_layer_equals_nemotron_hs():
                              time_step_min=0.001)
     ours = _layer(cfg.use_conv_bias)
     theirs = NemotronHMamba2Mixer(cfg, 0)
-    theirs.load_state_dict(ours.state_dict())  # the same names and shapes
+    state = ours.state_dict()  # the same names and shapes; rows and channels in HF's order
+    rows, channels = in_proj_rows_in_hf_order(H, P, N, G), conv_channels_in_hf_order(H, P, N, G)
+    state["in_proj.weight"] = state["in_proj.weight"][torch.argsort(rows)]
+    for name in ("conv1d.weight", "conv1d.bias"):
+        state[name] = state[name][torch.argsort(channels)]
+    theirs.load_state_dict(state)
     x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(ours(x), theirs.eval()(x), rtol=1e-5, atol=1e-5)
 
@@ -110,6 +117,11 @@ HYBRID_LAYOUTS = {
     "dp2-ep2": ({"dp": 2, "ep": 2}, False),
     "pp2-dp2-ep2-docs": ({"pp": 2, "dp": 2, "ep": 2}, True),
     "dp2-ep2-zero3-full-recompute": ({"dp": 2, "ep": 2, "zero_stage": 3, "activation_checkpointing": "full"}, False),
+    # Each tp rank holds one of the two groups (and its two heads); each cp rank runs the whole
+    # sequence of one.
+    "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}, False),
+    "cp2-ep2": ({"cp": 2, "ep": 2}, False),
+    "cp2-dp2-ep2-docs": ({"cp": 2, "dp": 2, "ep": 2}, True),
 }
 _REFERENCES: dict = {}
 
@@ -125,7 +137,7 @@ def test_a_mamba_hybrid_trains_as_in_one_process(layout, tiny_shards, short_doc_
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any(".attention.A_log" in n for n in ref["grads"]), "a Mamba-2 block must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1)
+    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
     results = run_distributed(train_hybrid, world, str(shards), str(tmp_path / "run"), parallel, data_section)
     got = {"losses": results[-1]["losses"], "grads": {}}
     for r in results:
@@ -135,10 +147,13 @@ def test_a_mamba_hybrid_trains_as_in_one_process(layout, tiny_shards, short_doc_
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
 
 
-@pytest.mark.parametrize("name", ["tp", "cp"])
-def test_tp_and_cp_are_refused_by_field(name, tmp_path):
-    with pytest.raises(ConfigError, match=rf"parallel.{name} = 2: the Mamba-2 layers .* do not split over {name}"):
-        tiny_config(tmp_path, tmp_path, parallel={name: 2}, model=HYBRID["model"], moe=HYBRID["moe"])
+@pytest.mark.parametrize("parallel, field, why", [
+    ({"tp": 4}, "parallel.tp = 4", r"model.n_groups=2 over the tp ranks"),
+    ({"cp": 4}, "parallel.cp = 4", r"the 2 groups of a tp rank"),
+])
+def test_layouts_that_do_not_divide_the_groups_are_refused_by_field(parallel, field, why, tmp_path):
+    with pytest.raises(ConfigError, match=rf"{field}: the Mamba-2 layers .*{why}"):
+        tiny_config(tmp_path, tmp_path, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"])
 
 
 def test_the_planner_counts_the_layers_parameters(tmp_path):

@@ -24,6 +24,14 @@ depthwise convolution over xBC (``conv1d``, with a bias when ``conv_bias``), SiL
 gated by SiLU(z), then an RMSNorm over each group's H/G·P channels (``norm``: gate before norm, as
 Nemotron-H's ``norm_before_gate=False``); ``out_proj``. Packed documents restart the state and
 the convolution at every document, as :mod:`moetrain.model.gated_deltanet` does.
+
+moetrain keeps ``in_proj``'s rows and the convolution's channels grouped by group (each group's
+z, x, B, C, dt rows together; its x, B, C channels together; :func:`in_proj_rows_in_hf_order`,
+:func:`conv_channels_in_hf_order` give Hugging Face's order), so that tensor parallelism splits
+whole groups in contiguous blocks (G / tp of them per rank, with their heads), and context
+parallelism exchanges whole groups for the sequence (each cp rank runs the whole sequence of
+G / cp groups, :class:`moetrain.parallel.context.HeadAllToAll`), as gated DeltaNet does with its
+key heads.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.layers import Linear, cast
+from moetrain.model.gated_deltanet import HeadExchange
+from moetrain.model.layers import Linear, local_cast
 
-__all__ = ["Mamba2", "GroupedGatedRMSNorm", "chunk_ssd", "recurrent_ssd"]
+__all__ = ["Mamba2", "GroupedGatedRMSNorm", "chunk_ssd", "recurrent_ssd", "in_proj_rows_in_hf_order",
+           "conv_channels_in_hf_order"]
 
 
 def _prepare(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor):
@@ -104,22 +114,42 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     return y.transpose(1, 2).to(dtype), h
 
 
+def conv_channels_in_hf_order(num_heads: int, head_dim: int, state_size: int, groups: int) -> torch.Tensor:
+    """perm [H·P + 2·G·N] int64: moetrain's convolution channel i is Hugging Face's channel perm[i]
+    (moetrain: per group its x, B, C; HF: all x, all B, all C)."""
+    xg, N = num_heads // groups * head_dim, state_size
+    x_all = num_heads * head_dim
+    return torch.cat([torch.cat([torch.arange(g * xg, (g + 1) * xg), x_all + torch.arange(g * N, (g + 1) * N),
+                                 x_all + groups * N + torch.arange(g * N, (g + 1) * N)]) for g in range(groups)])
+
+
+def in_proj_rows_in_hf_order(num_heads: int, head_dim: int, state_size: int, groups: int) -> torch.Tensor:
+    """perm [2·H·P + 2·G·N + H] int64: moetrain's ``in_proj`` row i is Hugging Face's row perm[i]
+    (moetrain: per group its z, x, B, C, dt; HF: all z, then the convolution's input in its
+    order, then all dt)."""
+    inner, hg = num_heads * head_dim, num_heads // groups
+    conv = inner + conv_channels_in_hf_order(num_heads, head_dim, state_size, groups).view(groups, -1)
+    dt = inner + inner + 2 * groups * state_size
+    return torch.cat([torch.cat([torch.arange(g * hg * head_dim, (g + 1) * hg * head_dim), conv[g],
+                                 dt + torch.arange(g * hg, (g + 1) * hg)]) for g in range(groups)])
+
+
 class GroupedGatedRMSNorm(nn.Module):
-    """y · SiLU(z), then an RMSNorm over each of ``groups`` equal groups of channels, times the
-    weight (Nemotron-H's ``NemotronHRMSNormGated``, gate before norm): y, z: [..., H·P] → [..., H·P]
-    in y's dtype; statistics in fp32."""
+    """y · SiLU(z), then an RMSNorm over each group of ``group_size`` channels, times the weight
+    (Nemotron-H's ``NemotronHRMSNormGated``, gate before norm): y, z: [..., c] → [..., c] in y's
+    dtype (c: the channels this rank holds, whole groups); statistics in fp32."""
 
     compute_dtype: torch.dtype | None = None
 
-    def __init__(self, dim: int, groups: int, eps: float = 1e-5):
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-5):
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.group_size, self.eps = group_size, eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        g = (y.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        g = (y.float() * F.silu(z.float())).unflatten(-1, (-1, self.group_size))
         g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return cast(self.weight, self.compute_dtype) * g.to(y.dtype)
+        return local_cast(self.weight, self.compute_dtype) * g.to(y.dtype)
 
 
 class Mamba2(nn.Module):
@@ -132,9 +162,13 @@ class Mamba2(nn.Module):
         bias (``use_conv_bias``). norm_eps: the gated norm's epsilon. chunk_size: C of
         :func:`chunk_ssd`. time_step_min: Δ's lower bound (``time_step_min``).
 
-    Parameters (HF names): ``in_proj`` [H·P + (H·P + 2·G·N) + H, D] (z, xBC, dt); ``conv1d``
-    weight [H·P + 2·G·N, 1, conv_kernel] (and bias); ``dt_bias``, ``A_log``, ``D`` [H];
-    ``norm.weight`` [H·P]; ``out_proj`` [D, H·P].
+    Parameters (HF names): ``in_proj`` [2·H·P + 2·G·N + H, D] (z, x, B, C, dt of each group in
+    turn); ``conv1d`` weight [H·P + 2·G·N, 1, conv_kernel] (and bias; x, B, C of each group in
+    turn); ``dt_bias``, ``A_log``, ``D`` [H]; ``norm.weight`` [H·P]; ``out_proj`` [D, H·P].
+
+    Under tensor parallelism (:mod:`moetrain.parallel.tensor`) each tp rank holds G / tp groups
+    and their heads: ``in_proj`` by rows, ``conv1d``, ``dt_bias``, ``A_log``, ``D`` and the norm's
+    weight Shard(0), ``out_proj`` by columns.
 
     Raises:
         ValueError: H not a multiple of G.
@@ -157,40 +191,57 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         self.A_log = nn.Parameter(torch.empty(num_heads))
         self.D = nn.Parameter(torch.empty(num_heads))
-        self.norm = GroupedGatedRMSNorm(inner, groups, norm_eps)
+        self.norm = GroupedGatedRMSNorm(inner, inner // groups, norm_eps)
         self.out_proj = Linear(inner, dim, bias=False)
         self.scan = chunk_ssd
+        # Context parallelism: exchanges tokens for groups; None in one process.
+        self.context: HeadExchange | None = None
 
-    def _mix(self, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        """One stretch of tokens that shares a state: the convolution, Δ and the scan, plus the
-        D skip. xbc: [B, S, H·P + 2·G·N], dt: [B, S, H] → y [B, S, H, P]."""
-        Bsz, S, _ = xbc.shape
-        H, P, G, N = self.num_heads, self.head_dim, self.groups, self.state_size
-        w = cast(self.conv1d.weight, self.compute_dtype)
-        bias = None if self.conv1d.bias is None else cast(self.conv1d.bias, self.compute_dtype)
-        xbc = F.silu(F.conv1d(F.pad(xbc.transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w, bias,
-                              groups=w.shape[0])).transpose(1, 2)
-        x, B, C = xbc.split([H * P, G * N, G * N], dim=-1)
-        x = x.reshape(Bsz, S, H, P)
-        step = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.time_step_min)
-        y, _ = self.scan(x, step, -self.A_log.float().exp(), B.reshape(Bsz, S, G, N), C.reshape(Bsz, S, G, N),
-                         self.chunk_size)
-        return y + (self.D.float()[:, None] * x.float()).to(y.dtype)
+    def _mix(self, mixed: torch.Tensor, first_group: int) -> torch.Tensor:
+        """One stretch of tokens that shares a state (a sequence, or one document of it) of groups
+        ``first_group`` … of this rank's: ``mixed`` [B, S, g, xg + 2·N + hg] holds each group's x
+        (its hg heads' xg = hg·P channels), B, C and dt; the convolution, Δ, the scan and the D
+        skip. → y [B, S, g·hg, P]."""
+        Bsz, S, g, _ = mixed.shape
+        P, N, hg = self.head_dim, self.state_size, self.num_heads // self.groups
+        width = hg * P + 2 * N  # one group's channels of the convolution: its x, B, C
+        xbc, dt = mixed.split([width, hg], dim=-1)
+        w = local_cast(self.conv1d.weight, self.compute_dtype).narrow(0, first_group * width, g * width)
+        bias = (None if self.conv1d.bias is None
+                else local_cast(self.conv1d.bias, self.compute_dtype).narrow(0, first_group * width, g * width))
+        heads = (first_group * hg, g * hg)
+        dt_bias, A_log, D = (local_cast(t, None).narrow(0, *heads).float() for t in (self.dt_bias, self.A_log, self.D))
+        xbc = F.silu(F.conv1d(F.pad(xbc.reshape(Bsz, S, -1).transpose(1, 2), (w.shape[-1] - 1, 0)).to(w.dtype), w,
+                              bias, groups=w.shape[0])).transpose(1, 2)
+        x, B, C = xbc.reshape(Bsz, S, g, width).split([hg * P, N, N], dim=-1)
+        x = x.reshape(Bsz, S, g * hg, P)
+        step = F.softplus(dt.reshape(Bsz, S, -1).float() + dt_bias).clamp(min=self.time_step_min)
+        y, _ = self.scan(x, step, -A_log.exp(), B, C, self.chunk_size)
+        return y + (D[:, None] * x.float()).to(y.dtype)
 
     def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``doc_ids``: [B, S] document index of each token (non-decreasing along S): the state
-        and the convolution start afresh at every document; None: each sequence is one document."""
+        """``doc_ids``: [B, S_full] document index of each token of the whole samples
+        (non-decreasing along S): the state and the convolution start afresh at every document;
+        None: each sequence is one document."""
         Bsz, S, _ = x_BSD.shape
-        inner = self.num_heads * self.head_dim
-        z, xbc, dt = self.in_proj(x_BSD).split([inner, inner + 2 * self.groups * self.state_size, self.num_heads],
-                                               dim=-1)
+        P, N, hg = self.head_dim, self.state_size, self.num_heads // self.groups
+        # -1 groups: under tensor parallelism the projection holds this rank's.
+        proj = self.in_proj(x_BSD).view(Bsz, S, -1, 2 * hg * P + 2 * N + hg)
+        z = proj[..., :hg * P].reshape(Bsz, S, -1)
+        mixed = proj[..., hg * P:]  # per group: x, B, C, dt
+        first = 0
+        if self.context is not None:  # the whole sequence of some groups
+            first = self.context.rank * (mixed.shape[2] // self.context.size)
+            mixed = self.context.to_heads(mixed)
         if doc_ids is None:
-            y = self._mix(xbc, dt)
+            y = self._mix(mixed, first)
         else:
             rows = []
             for i in range(Bsz):  # each document alone (its lengths are read on the host)
                 lengths = torch.unique_consecutive(doc_ids[i], return_counts=True)[1].tolist()
-                rows.append(torch.cat([self._mix(a, b) for a, b in zip(xbc[i:i + 1].split(lengths, dim=1),
-                                                                      dt[i:i + 1].split(lengths, dim=1))], dim=1))
+                rows.append(torch.cat([self._mix(part, first) for part in mixed[i:i + 1].split(lengths, dim=1)],
+                                      dim=1))
             y = torch.cat(rows)
-        return self.out_proj(self.norm(y.reshape(Bsz, S, inner), z))
+        if self.context is not None:  # back to this rank's tokens, every group
+            y = self.context.to_sequence(y.unflatten(2, (-1, hg)).flatten(3)).unflatten(3, (hg, P)).flatten(2, 3)
+        return self.out_proj(self.norm(y.reshape(Bsz, S, -1), z))

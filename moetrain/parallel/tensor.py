@@ -91,6 +91,7 @@ from torch.distributed.tensor import distribute_tensor
 from moetrain.config import Config
 from moetrain.model.gated_deltanet import GatedDeltaNet
 from moetrain.model.layers import QKNormParallel
+from moetrain.model.mamba2 import Mamba2
 from moetrain.model.mla import MLAttention
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.state import TP, ParallelState
@@ -186,13 +187,14 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
         if sequence_parallel:
             plan[f"{prefix}.attention_norm"] = SequenceParallel()
             plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-        if isinstance(block.attention, GatedDeltaNet):
-            # Gated DeltaNet: the whole (gathered) sequence, this rank's key heads (rows of the
-            # projections grouped by key head), the output summed back over tp.
+        if isinstance(block.attention, (GatedDeltaNet, Mamba2)):
+            # Gated DeltaNet / Mamba-2: the whole (gathered) sequence, this rank's key heads or
+            # groups (the projections' rows grouped by them), the output summed back over tp.
             plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None),
                                                              desired_input_layouts=(Replicate(), None))
-            plan[f"{prefix}.attention.in_proj_qkvz"] = ColwiseParallel()
-            plan[f"{prefix}.attention.in_proj_ba"] = ColwiseParallel()
+            projections = ("in_proj_qkvz", "in_proj_ba") if isinstance(block.attention, GatedDeltaNet) else ("in_proj",)
+            for proj in projections:
+                plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
             plan[f"{prefix}.attention.out_proj"] = RowwiseParallel(output_layouts=seq)
         elif isinstance(block.attention, MLAttention):
             # MLA: the latents and the RoPE key are computed from the whole (gathered) input on
@@ -211,7 +213,7 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
                                                              desired_input_layouts=(Replicate(), None, None))
             for proj in ("wq", "wk", "wv"):
                 plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
-        if not isinstance(block.attention, GatedDeltaNet):
+        if not isinstance(block.attention, (GatedDeltaNet, Mamba2)):
             plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
         if block.moe is not None:
             # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
@@ -254,8 +256,16 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     tp_rank, group = ps.coord(TP), ps.group(TP)
     for block in model.blocks().values():
         attn = block.attention
-        if isinstance(attn, GatedDeltaNet):  # per-head tensors: this rank's heads (grouped by key head)
-            for owner, name in ((attn.conv1d, "weight"), (attn, "A_log"), (attn, "dt_bias")):
+        per_head = None
+        if isinstance(attn, GatedDeltaNet):
+            per_head = ((attn.conv1d, "weight"), (attn, "A_log"), (attn, "dt_bias"))
+        elif isinstance(attn, Mamba2):
+            per_head = ((attn.conv1d, "weight"), (attn.conv1d, "bias"), (attn, "A_log"), (attn, "dt_bias"),
+                        (attn, "D"), (attn.norm, "weight"))
+        if per_head is not None:  # per-head tensors: this rank's key heads / groups (grouped so)
+            for owner, name in per_head:
+                if getattr(owner, name) is None:
+                    continue
                 setattr(owner, name, nn.Parameter(distribute_tensor(getattr(owner, name), ps.submesh(TP), [Shard(0)],
                                                                     src_data_rank=None)))
             continue
