@@ -17,7 +17,8 @@
 4. Runs each expert backend available (loop, grouped_mm, megablocks when installed) and flash
    attention (when flash-attn is installed) for a few bf16 steps and reports their step times;
    with flash-linear-attention installed, its gated delta rule against moetrain's chunked
-   reference (forward and backward, Qwen3-Next's heads, 4,096 tokens).
+   reference (forward and backward, Qwen3-Next's heads, 4,096 tokens); with mamba-ssm, its SSD
+   scan against moetrain's (Nemotron-H-like heads).
 5. fp8 dispatch (``moe.dispatch_dtype: fp8``; the MoE layer rounds the routed tokens to E4M3 with
    1 × 128 power-of-two scales in every layout): its bf16 losses against plain bf16 (the same
    limits as 1.), its step time and MFU, and the bytes per dispatched row against bf16.
@@ -351,6 +352,46 @@ def backends(a, out: dict, bf16: dict, extra: list[str], cuda: bool, failures: l
         except Exception as e:  # noqa: BLE001
             out["gated_deltanet_fla"] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"gated DeltaNet fla: {e}")
+    if cuda and importlib.util.find_spec("mamba_ssm"):
+        try:
+            out["mamba2_mamba_ssm"] = mamba_ssm_parity()
+            if out["mamba2_mamba_ssm"]["max_rel_error"] > 2e-2:
+                failures.append(f"Mamba-2 mamba_ssm: {out['mamba2_mamba_ssm']}")
+        except Exception as e:  # noqa: BLE001
+            out["mamba2_mamba_ssm"] = {"error": f"{type(e).__name__}: {e}"}
+            failures.append(f"Mamba-2 mamba_ssm: {e}")
+
+
+def _kernel_parity(reference, kernel, inputs: list, dout, names: list[str], chunk: int) -> dict:
+    """``kernel`` against ``reference`` on the same inputs (bf16 where they are): the output and
+    the inputs' gradients relative to each tensor's largest entry, and their seconds."""
+    results = []
+    for fn in (reference, kernel):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y, _ = fn(*xs, chunk)
+        y.backward(dout)
+        torch.cuda.synchronize()
+        results.append(([y.detach().float()] + [x.grad.float() for x in xs], time.perf_counter() - t0))
+    (ref, t_ref), (got, t_kernel) = results
+    errs = {name: ((a - b).abs().max() / b.abs().max()).item() for name, a, b in zip(names, got, ref)}
+    return {"errors": errs, "max_rel_error": max(errs.values()), "torch_s": t_ref, "kernel_s": t_kernel}
+
+
+def mamba_ssm_parity() -> dict:
+    """mamba-ssm's SSD scan (bf16 x, B, C) against moetrain's chunked reference on the same
+    inputs: Nemotron-H-like heads (64 of 64, state 128, 8 groups), 4,096 tokens."""
+    from moetrain.model.mamba2 import chunk_ssd, mamba_ssm_scan
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S, H, P, G, N = 1, 4096, 64, 64, 8, 128
+    x = torch.randn(B, S, H, P, device="cuda", generator=g).to(torch.bfloat16)
+    dt = 0.1 * torch.rand(B, S, H, device="cuda", generator=g)
+    A = -torch.arange(1, H + 1, device="cuda", dtype=torch.float32) / H
+    Bm, C = (torch.randn(B, S, G, N, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    dout = torch.randn(B, S, H, P, device="cuda", generator=g).to(torch.bfloat16)
+    return _kernel_parity(chunk_ssd, mamba_ssm_scan, [x, dt, A, Bm, C], dout, ["y", "dx", "ddt", "dA", "dB", "dC"], 128)
 
 
 def fla_parity() -> dict:
@@ -366,19 +407,8 @@ def fla_parity() -> dict:
             -torch.rand(B, S, Hv, device="cuda", generator=g), torch.rand(B, S, Hv, device="cuda", generator=g)]
     base = [t.to(torch.bfloat16) if i < 3 else t for i, t in enumerate(base)]
     dout = torch.randn(B, S, Hv, D, device="cuda", generator=g).to(torch.bfloat16)
-    results = []
-    for rule in (chunk_gated_delta_rule, fla_gated_delta_rule):
-        xs = [t.clone().requires_grad_() for t in base]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        o, _ = rule(*xs, 64)
-        o.backward(dout)
-        torch.cuda.synchronize()
-        results.append(([o.detach().float()] + [x.grad.float() for x in xs], time.perf_counter() - t0))
-    (ref, t_ref), (got, t_fla) = results
-    errs = {name: ((a - b).abs().max() / b.abs().max()).item()
-            for name, a, b in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], got, ref)}
-    return {"errors": errs, "max_rel_error": max(errs.values()), "torch_s": t_ref, "fla_s": t_fla}
+    return _kernel_parity(chunk_gated_delta_rule, fla_gated_delta_rule, base, dout,
+                          ["o", "dq", "dk", "dv", "dg", "dbeta"], 64)
 
 
 

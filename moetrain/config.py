@@ -147,6 +147,8 @@ class ModelConfig:
       ``ssm_state_size`` (N), ``n_groups`` (groups of heads sharing B and C), ``conv_kernel`` (the
       convolution's width, tokens), ``use_conv_bias``, ``time_step_min`` (Δ's lower bound),
       ``mamba_chunk_size`` (tokens per chunk of the chunked scan; 128 as Nemotron-H).
+      ``mamba_backend``: ``torch`` (the pure-PyTorch chunked scan, every device) or ``mamba_ssm``
+      (mamba-ssm's Triton kernel: CUDA, needs the ``mamba-ssm`` package).
     * the gated-DeltaNet layers' shape, Hugging Face's names: ``linear_num_key_heads`` (query /
       key heads), ``linear_num_value_heads`` (value heads, a multiple of the key heads),
       ``linear_key_head_dim``, ``linear_value_head_dim`` (widths per head), ``linear_conv_kernel_dim``
@@ -216,6 +218,7 @@ class ModelConfig:
     use_conv_bias: bool = True
     time_step_min: float = 0.0
     mamba_chunk_size: int = 128
+    mamba_backend: Literal["torch", "mamba_ssm"] = "torch"
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
 
@@ -1883,6 +1886,13 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if importlib.util.find_spec("fla") is None:
             raise field_error("model.linear_attention_backend", "fla", "the flash-linear-attention package is not "
                               "installed", "pip install flash-linear-attention, or use linear_attention_backend torch")
+    if m.mamba and m.mamba_backend == "mamba_ssm":  # moetrain.model.mamba2
+        if device != "cuda":
+            raise field_error("model.mamba_backend", "mamba_ssm", f"mamba-ssm's kernels run on CUDA only and this run "
+                              f"is on {device}", "use mamba_backend torch")
+        if importlib.util.find_spec("mamba_ssm") is None:
+            raise field_error("model.mamba_backend", "mamba_ssm", "the mamba-ssm package is not installed",
+                              "pip install mamba-ssm, or use mamba_backend torch")
     if m.attention_backend == "flex":
         if device != "cuda":
             raise field_error("model.attention_backend", "flex", "flex_attention has no backward on CPU in torch 2.13",

@@ -162,3 +162,11 @@ def test_the_planner_counts_the_layers_parameters(tmp_path):
 
     cfg = tiny_config(tmp_path, tmp_path, model={**HYBRID["model"], "vocab_size": 384}, moe=HYBRID["moe"])
     assert ModelShape.from_config(cfg).total_params == sum(p.numel() for p in Transformer.from_config(cfg).parameters())
+
+
+def test_the_mamba_ssm_backend_is_refused_off_cuda(tmp_path):
+    from moetrain.config import check_supported
+
+    cfg = tiny_config(tmp_path, tmp_path, model={**HYBRID["model"], "mamba_backend": "mamba_ssm"}, moe=HYBRID["moe"])
+    with pytest.raises(ConfigError, match=r"model.mamba_backend = 'mamba_ssm': mamba-ssm's kernels run on CUDA only"):
+        check_supported(cfg, "cpu")

@@ -13,6 +13,9 @@ G groups of B_t, C_t ∈ R^N are shared by H / G consecutive heads. Two paths co
 
 * :func:`recurrent_ssd` — token by token, the definition (the reference the tests hold the
   chunked path to);
+* :func:`mamba_ssm_scan` — mamba-ssm's Triton kernel (``mamba_chunk_scan_combined``: CUDA;
+  ``model.mamba_backend: mamba_ssm``), a thin adapter with this module's conventions, proved
+  against the chunked path below by ``benchmarks/gpu_check.py``;
 * :func:`chunk_ssd` — chunks of C tokens (§7, the block decomposition): inside a chunk, with
   A_i = Π_{j≤i} exp(Δ_j A) and Γ_ij = A_i / A_j, Y = (C Bᵀ ⊙ Γ ⊙ causal)(Δ X) + diag(A) C h₀ᵀ and
   the last state h_C = A_C h₀ + (Δ X)ᵀ (B ⊙ A_C / A); the state passes from chunk to chunk.
@@ -44,7 +47,9 @@ from moetrain.model.gated_deltanet import HeadExchange
 from moetrain.model.layers import Linear, local_cast
 
 __all__ = ["Mamba2", "GroupedGatedRMSNorm", "chunk_ssd", "recurrent_ssd", "in_proj_rows_in_hf_order",
-           "conv_channels_in_hf_order"]
+           "conv_channels_in_hf_order", "mamba_ssm_scan", "ssd_scan"]
+
+MAMBA_BACKENDS = ("torch", "mamba_ssm")
 
 
 def _prepare(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor):
@@ -112,6 +117,34 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         h = a_c * h + x_c.transpose(-1, -2) @ b_c
     y = torch.stack(out, dim=2).reshape(Bsz, H, n * L, P)[:, :, :S]
     return y.transpose(1, 2).to(dtype), h
+
+
+def mamba_ssm_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   chunk_size: int = 128, initial_state: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_ssd` through mamba-ssm's Triton kernel (``mamba_chunk_scan_combined``, CUDA):
+    the same arguments (dt already Δ: no bias, softplus or clamp left to the kernel) and output
+    y [B, S, H, P] in x's dtype; the final state is not returned (None): training reads the
+    outputs only."""
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    y = mamba_chunk_scan_combined(x, dt.float(), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
+                                  initial_states=initial_state)
+    return y.to(x.dtype), None
+
+
+def ssd_scan(backend: str):
+    """The scan of ``model.mamba_backend``: ``torch`` (:func:`chunk_ssd`) or ``mamba_ssm``
+    (:func:`mamba_ssm_scan`).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend == "torch":
+        return chunk_ssd
+    if backend == "mamba_ssm":
+        return mamba_ssm_scan
+    raise ValueError(f"mamba backend {backend!r}: expected one of {', '.join(MAMBA_BACKENDS)}")
 
 
 def conv_channels_in_hf_order(num_heads: int, head_dim: int, state_size: int, groups: int) -> torch.Tensor:

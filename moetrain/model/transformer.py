@@ -26,7 +26,7 @@ from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Ll
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
 from moetrain.model.gated_deltanet import GatedDeltaNet, delta_rule
-from moetrain.model.mamba2 import Mamba2
+from moetrain.model.mamba2 import Mamba2, ssd_scan
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE, TokenMask
 from moetrain.model.recompute import recompute_context
@@ -47,6 +47,7 @@ class Block(nn.Module):
         if m.layer_type(layer) == "mamba":
             self.attention = Mamba2(m.hidden, m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups,
                                     m.conv_kernel, m.use_conv_bias, m.norm_eps, m.mamba_chunk_size, m.time_step_min)
+            self.attention.scan = ssd_scan(m.mamba_backend)
         elif m.layer_type(layer) == "linear_attention":
             self.attention = GatedDeltaNet(m.hidden, m.linear_num_key_heads, m.linear_num_value_heads,
                                            m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim,
