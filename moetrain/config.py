@@ -137,7 +137,8 @@ class ModelConfig:
       ``mtp_loss_coef``, adds to the objective and is logged as ``mtp_loss``; validation and
       exports to architectures without MTP leave them out.
 
-    Hybrid models (Qwen3-Next; :mod:`moetrain.model.gated_deltanet`):
+    Hybrid models (Qwen3-Next, :mod:`moetrain.model.gated_deltanet`; Mamba-2 as Nemotron-H has it,
+    :mod:`moetrain.model.mamba2`):
 
     * ``layer_types``: each block's token mixer, Hugging Face's names — ``full_attention`` (the
       attention above), ``linear_attention`` (gated DeltaNet, Yang et al. 2024) or ``mamba``
@@ -223,7 +224,7 @@ class ModelConfig:
     zero_centered_norm: bool = False
 
     def layer_type(self, layer: int) -> str:
-        """Block ``layer``'s token mixer: ``full_attention`` or ``linear_attention``."""
+        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention`` or ``mamba``."""
         return self.layer_types[layer] if self.layer_types else "full_attention"
 
     @property

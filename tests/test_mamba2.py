@@ -170,3 +170,12 @@ def test_the_mamba_ssm_backend_is_refused_off_cuda(tmp_path):
     cfg = tiny_config(tmp_path, tmp_path, model={**HYBRID["model"], "mamba_backend": "mamba_ssm"}, moe=HYBRID["moe"])
     with pytest.raises(ConfigError, match=r"model.mamba_backend = 'mamba_ssm': mamba-ssm's kernels run on CUDA only"):
         check_supported(cfg, "cpu")
+
+
+def test_a_mamba_model_is_refused_by_every_export(tmp_path):
+    from moetrain.hf.arch import ARCHITECTURES, UnsupportedModel, to_hf
+
+    cfg = tiny_config(tmp_path, tmp_path, model=HYBRID["model"], moe=HYBRID["moe"])
+    for arch in ARCHITECTURES.values():
+        with pytest.raises(UnsupportedModel, match=r"model.layer_types = .*has no Mamba-2 layers"):
+            to_hf(cfg, arch)

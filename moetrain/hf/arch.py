@@ -444,6 +444,8 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
 
     deepseek_like, gpt_oss, next_ = arch in (DEEPSEEK_V3, GLM4_MOE), arch is GPT_OSS, arch is QWEN3_NEXT
     need("model.layer_types", list(m.layer_types), not m.linear_attention or next_, "has no gated-DeltaNet layers")
+    need("model.layer_types", list(m.layer_types), not m.mamba,
+         "has no Mamba-2 layers (no architecture moetrain exports has them yet: Nemotron-H's is not built)")
     need("model.attention_output_gate", m.attention_output_gate, m.attention_output_gate == next_,
          "gates its attention output" if next_ else "has no attention output gate")
     need("model.zero_centered_norm", m.zero_centered_norm, m.zero_centered_norm == next_,
