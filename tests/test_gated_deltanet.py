@@ -187,3 +187,39 @@ def test_the_fla_backend_is_refused_off_cuda(tmp_path):
     with pytest.raises(ConfigError, match=r"model.linear_attention_backend = 'fla': flash-linear-attention's kernels "
                                           r"run on CUDA only"):
         check_supported(cfg, "cpu")
+
+
+class RecordingExchange:
+    """A one-rank HeadExchange that records the values per token each exchange moves."""
+
+    rank, size = 0, 1
+
+    def __init__(self):
+        self.per_token = 0
+
+    def to_heads(self, x):
+        self.per_token += x.shape[2] * x.shape[3]
+        return x
+
+    def to_sequence(self, y):
+        self.per_token += y.shape[2] * y.shape[3]
+        return y
+
+
+def test_the_planner_counts_what_the_head_exchange_moves(tmp_path):
+    """Context parallelism's bytes in the planner (ModelShape.head_exchange_width) are what the
+    layers hand their head exchange, for gated DeltaNet and Mamba-2."""
+    from moetrain.model.transformer import Transformer
+    from moetrain.planner.model import ModelShape
+
+    for mixer, extra in (("linear_attention", {}), ("mamba", {"mamba_num_heads": 4, "mamba_head_dim": 8,
+                                                             "ssm_state_size": 8, "n_groups": 2})):
+        model = {**HYBRID["model"], **extra, "layer_types": [mixer, "full_attention"]}
+        cfg = tiny_config(tmp_path, tmp_path, model=model, moe=HYBRID["moe"])
+        layer = Transformer.from_config(cfg).layers["0"].attention
+        layer.context = recorder = RecordingExchange()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0.0, 0.1)
+            layer(torch.randn(1, 16, cfg.model.hidden))
+        assert recorder.per_token == ModelShape.from_config(cfg).head_exchange_width(), mixer

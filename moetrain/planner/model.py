@@ -13,9 +13,10 @@ prediction modules (DeepSeek-V3), gated-DeltaNet blocks (Qwen3-Next: ``linear_la
 L, their projections, convolution and chunked delta rule counted per token, :meth:`linear_flops`)
 and Mamba-2 blocks (``mamba_layers``: :attr:`mamba_params`, :meth:`mamba_flops`),
 which the published runs state the same way. Where a quantity is per layer (the token mixer's
-parameters and FLOPs), it is the mean over the layers of the two kinds; the activation memory and
-the tp / cp traffic of a gated-DeltaNet or Mamba-2 block are taken as attention's (not modelled
-apart).
+parameters and FLOPs), it is the mean over the layers of their kinds; context parallelism's
+traffic is the ring's for the attention layers and the head exchange's for the others
+(:meth:`head_exchange_width`); the activation memory and tp traffic of a gated-DeltaNet or
+Mamba-2 block are taken as attention's (not modelled apart).
 
 FLOP convention (the one MFU is reported in, as Megatron-LM eq. 3 of Narayanan et al. 2021 and
 PaLM appendix B): a matmul of m×k by k×n costs 2mkn; backward costs twice forward; attention
@@ -220,6 +221,26 @@ class ModelShape:
         channels = inner + 2 * self.mamba_groups * self.mamba_state
         return (self.hidden * (inner + channels + self.mamba_heads) + channels * (self.mamba_conv + 1)
                 + 3 * self.mamba_heads + inner + inner * self.hidden)
+
+    @property
+    def attention_share(self) -> float:
+        """The share of the layers whose token mixer is attention (not gated DeltaNet or Mamba-2)."""
+        return (self.layers - self.linear_layers - self.mamba_layers) / self.layers
+
+    def head_exchange_width(self) -> float:
+        """Values per token (summed over heads) that context parallelism's head all-to-all moves
+        in one forward of a gated-DeltaNet or Mamba-2 layer, the mean over those layers: into the
+        recurrence what it reads (q, k, v, b, a; or x, B, C, dt) and back its output
+        (:class:`moetrain.parallel.context.HeadAllToAll`); 0 without such layers."""
+        n = self.linear_layers + self.mamba_layers
+        if not n:
+            return 0.0
+        r = self.linear_v_heads // max(1, self.linear_k_heads)
+        gdn = (self.linear_k_heads * (2 * self.linear_k_dim + r * self.linear_v_dim + 2 * r)
+               + self.linear_v_heads * self.linear_v_dim)
+        inner = self.mamba_heads * self.mamba_head_dim
+        mamba = inner + 2 * self.mamba_groups * self.mamba_state + self.mamba_heads + inner
+        return (gdn * self.linear_layers + mamba * self.mamba_layers) / n
 
     def mamba_flops(self) -> float:
         """Forward FLOPs per token of one Mamba-2 block's chunked scan (its projections are matmul

@@ -526,8 +526,12 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     t_rs, _ = comm_time("reduce_scatter", sz["tp"], places["tp"], prof)
     tp_region = t_ag + t_rs  # one TP region, forward or backward (AR without SP costs the same bytes)
     t_cp, _ = comm_time("all_gather", sz["cp"], places["cp"], prof)
-    cp_f = max(0.0, t_cp - core_f)
-    cp_b = max(0.0, 2 * t_cp - core_b)
+    # Per layer, the mean over the token mixers: ring attention hides behind its core; a
+    # gated-DeltaNet / Mamba-2 layer's head exchange (both ways) waits, in forward and backward.
+    share = shape.attention_share
+    t_heads = comm_time("all_to_all", sz["cp_heads"], places["cp"], prof)[0] if sz["cp_heads"] else 0.0
+    cp_f = share * max(0.0, t_cp - core_f) + (1 - share) * t_heads
+    cp_b = share * max(0.0, 2 * t_cp - core_b) + (1 - share) * t_heads
     t_p2p, _ = comm_time("p2p", sz["pp"], places["pp"], prof)
     # EP: dispatch and combine in each direction, the part the schedule cannot hide exposed;
     # with etp = tp an all-gather and a reduce-scatter of the routed tokens over tp as well
@@ -659,7 +663,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     else:
         dp_exposed = m * (max(0.0, ag - free_f) + max(0.0, ag + rs - free_b))
         dp_hidden = m * (min(ag, free_f) + min(ag + rs, free_b))
-    cp_hidden = m * n_layers * (min(t_cp, core_f) + min(2 * t_cp, core_b)) if lay.cp > 1 else 0.0
+    cp_hidden = m * n_layers * share * (min(t_cp, core_f) + min(2 * t_cp, core_b)) if lay.cp > 1 else 0.0
     ep_hidden_step = m * acc.get("n_moe", 0.0) * ep_hidden
     tp_hidden_step = m * acc.get("tp_hidden", 0.0)
     overlap_cost = ta.overlap_slowdown * (dp_hidden + cp_hidden + ep_hidden_step + tp_hidden_step)

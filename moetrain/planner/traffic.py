@@ -208,6 +208,8 @@ def microbatch_buffers(shape: ModelShape, layout: Layout, act_bytes: int = 2,
         "tokens": tokens,
         "tp": tokens * shape.hidden * act_bytes,                       # gathered activation of one TP region
         "cp": layout.cp * tokens * shape.h_kv * 2 * act_bytes / layout.tp,  # all K and V chunks of the ring
+        # a gated-DeltaNet / Mamba-2 layer's head exchange, both ways, forward (its tp rank's heads)
+        "cp_heads": tokens * shape.head_exchange_width() * act_bytes / layout.tp,
         "ep": routed,                                                  # routed token copies of one dispatch
         "etp": routed * layout.tp if layout.etp > 1 else 0.0,
         "pp": tokens * shape.hidden * act_bytes / (layout.tp if layout.tp > 1 else 1),  # scatter/gather, §4.1
@@ -240,7 +242,7 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     def add(axis: str, op: str, what: str, nbytes: float, calls: float, overlap: str) -> None:
         if calls <= 0 or nbytes <= 0 or places[axis].size <= 1:
             return
-        if op == "all_to_all":
+        if op == "all_to_all" and axis == "ep":
             t, tiers = ep_all_to_all(nbytes, places[axis], profile, shape.expert_copies(moe_imbalance),
                                      *shape.dedup_args())
         else:
@@ -260,7 +262,9 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
                 sz["tp"], regions * passes * m, "none")
     if layout.cp > 1:
         add("cp", "all_gather", "ring attention K/V exchange (forward, and backward with dK/dV)",
-            sz["cp"], lp * (1 + 2 + recompute) * m, "attention compute")
+            sz["cp"], lp * shape.attention_share * (1 + 2 + recompute) * m, "attention compute")
+        add("cp", "all_to_all", "gated-DeltaNet / Mamba-2 head exchange, both ways (forward and backward)",
+            sz["cp_heads"], lp * (1 - shape.attention_share) * passes * m, "none")
     if shape.is_moe and layout.ep > 1 and shape.dispatch_fp8:
         forward = 1 + recompute  # the dispatches in fp8; the combine and the backward's in bf16
         add("ep", "all_to_all", "token dispatch in fp8 (forward)", sz["ep"] * shape.dispatch_ratio(),
