@@ -224,8 +224,9 @@ class ModelConfig:
     zero_centered_norm: bool = False
 
     def layer_type(self, layer: int) -> str:
-        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention`` or ``mamba``."""
-        return self.layer_types[layer] if self.layer_types else "full_attention"
+        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention`` or ``mamba``
+        (the multi-token-prediction blocks after the last one: ``full_attention``)."""
+        return self.layer_types[layer] if layer < len(self.layer_types) else "full_attention"
 
     @property
     def linear_attention(self) -> bool:

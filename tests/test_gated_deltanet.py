@@ -223,3 +223,11 @@ def test_the_planner_counts_what_the_head_exchange_moves(tmp_path):
                 p.normal_(0.0, 0.1)
             layer(torch.randn(1, 16, cfg.model.hidden))
         assert recorder.per_token == ModelShape.from_config(cfg).head_exchange_width(), mixer
+
+
+def test_multi_token_prediction_blocks_are_full_attention_beside_layer_types(tmp_path):
+    from moetrain.model.layers import Attention
+    from moetrain.model.transformer import Transformer
+
+    cfg = tiny_config(tmp_path, tmp_path, model={"layer_types": ["full_attention"] * 2, "mtp_depth": 1})
+    assert isinstance(Transformer.from_config(cfg).mtp["2"].block.attention, Attention)
