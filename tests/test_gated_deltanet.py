@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moetrain.config import ConfigError
+from moetrain.model.attention import DocumentMask
 from moetrain.model.gated_deltanet import (GatedDeltaNet, chunk_gated_delta_rule, conv_channels_in_hf_order,
                                           recurrent_gated_delta_rule)
 
@@ -83,7 +84,7 @@ def test_documents_restart_the_state_and_the_convolution():
     layer = _layer()
     x = torch.randn(2, S, 32, generator=torch.Generator().manual_seed(4))
     docs = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [0] * S])
-    together = layer(x, docs)
+    together = layer(x, DocumentMask(docs, torch.arange(S)))
     alone = torch.cat([layer(x[:1, :10]), layer(x[:1, 10:30]), layer(x[:1, 30:])], dim=1)
     torch.testing.assert_close(together[:1], alone, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(together[1:], layer(x[1:]), rtol=0, atol=0)

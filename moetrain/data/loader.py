@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from moetrain.data.blend import BlendedOrder
-from moetrain.data.reader import TokenShards
+from moetrain.data.reader import TokenShards, trailing_padding
 
 __all__ = ["IGNORE_INDEX", "MicroBatch", "DataSource", "BatchLoader", "validation_batches"]
 
@@ -241,11 +241,14 @@ def describe_blend_change(old: list[dict], new: list[dict], counts: dict[str, in
 def _micro_batches(picks: list[tuple[TokenShards, int]], seq_len: int, micro_batch: int, document_mask: bool,
                    loss_mask: bool, padding: bool = False) -> list[MicroBatch]:
     """Samples (their split and index) → micro-batches of (inputs, targets[, doc_ids][, padding])."""
-    tokens = torch.from_numpy(np.stack([shards.sample(i, seq_len) for shards, i in picks]))
+    samples = np.stack([shards.sample(i, seq_len) for shards, i in picks])
+    tokens = torch.from_numpy(samples)
     targets = tokens[:, 1:]
     nexts: list = [None] * len(picks)
+    masks = None
     if loss_mask:
-        trained = np.stack([shards.sample_loss_mask(i, seq_len)[1:] for shards, i in picks])
+        masks = np.stack([shards.sample_loss_mask(i, seq_len) for shards, i in picks])
+        trained = masks[:, 1:]
         nexts = list(targets.split(micro_batch))  # views of the unmasked tokens (masked_fill copies)
         targets = targets.masked_fill(~torch.from_numpy(trained), IGNORE_INDEX)
     inputs, targets = tokens[:, :-1].split(micro_batch), targets.split(micro_batch)
@@ -254,9 +257,11 @@ def _micro_batches(picks: list[tuple[TokenShards, int]], seq_len: int, micro_bat
         doc_ids = np.stack([shards.sample_document_ids(i, seq_len)[:-1] for shards, i in picks])
         docs = list(torch.from_numpy(doc_ids).split(micro_batch))
     pads: list = [None] * len(inputs)
-    if padding:
-        pads = list(torch.from_numpy(np.stack([shards.sample_padding(i, seq_len)[:-1] for shards, i in picks]))
-                    .split(micro_batch))
+    if padding:  # from the tokens and masks read above (packed data carries a mask)
+        if masks is None:
+            masks = np.stack([shards.sample_loss_mask(i, seq_len) for shards, i in picks])
+        pad = np.stack([trailing_padding(t, m, shards.pad_id) for t, m, (shards, _) in zip(samples, masks, picks)])
+        pads = list(torch.from_numpy(pad[:, :-1]).split(micro_batch))
     return [MicroBatch(i.contiguous(), t.contiguous(), d, next_tokens=n, padding=p)
             for i, t, d, n, p in zip(inputs, targets, docs, nexts, pads)]
 

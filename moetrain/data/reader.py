@@ -37,6 +37,16 @@ __all__ = ["TokenShards", "MapCache", "DEFAULT_MAX_OPEN_MAPS", "samples_per_shar
 DEFAULT_MAX_OPEN_MAPS = 256
 
 
+def trailing_padding(tokens: np.ndarray, loss_mask: np.ndarray, pad_id: int | None) -> np.ndarray:
+    """The run of ``pad_id`` tokens outside ``loss_mask`` that ends each row: tokens, loss_mask
+    [..., L] → bool [..., L] (all False when ``pad_id`` is None: data that is not packed). A
+    position is padding when it and every position after it are such filler."""
+    if pad_id is None:
+        return np.zeros(tokens.shape, dtype=bool)
+    filler = (tokens == pad_id) & ~loss_mask
+    return np.logical_and.accumulate(filler[..., ::-1], axis=-1)[..., ::-1].copy()
+
+
 def samples_per_shard(tokens: np.ndarray, seq_len: int, packed: bool) -> np.ndarray:
     """int64 [shards]: training samples of ``seq_len + 1`` tokens in shards of ``tokens`` tokens —
     ``(T - 1) // seq_len`` (samples share their boundary token), or ``T // (seq_len + 1)`` for
@@ -226,9 +236,7 @@ class TokenShards:
         if self.pad_id is None:
             self._locate(index, seq_len)  # the same errors as the other samplers
             return np.zeros(seq_len + 1, dtype=bool)
-        filler = (self.sample(index, seq_len) == self.pad_id) & ~self.sample_loss_mask(index, seq_len)
-        # The trailing run: a position is padding when it and every position after it are filler.
-        return np.logical_and.accumulate(filler[::-1])[::-1].copy()
+        return trailing_padding(self.sample(index, seq_len), self.sample_loss_mask(index, seq_len), self.pad_id)
 
     def sample_document_ids(self, index: int, seq_len: int) -> np.ndarray:
         """The document of every token of sample ``index``: int64 ``[seq_len + 1]``, 0 for the

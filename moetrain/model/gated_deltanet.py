@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.attention import DocumentMask
 from moetrain.model.layers import Linear, cast, local_cast
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "l2_normalize",
@@ -188,6 +189,27 @@ def delta_rule(backend: str):
     raise ValueError(f"linear attention backend {backend!r}: expected one of {', '.join(LINEAR_ATTENTION_BACKENDS)}")
 
 
+def over_documents(mixed: torch.Tensor, doc: DocumentMask | None, mix) -> torch.Tensor:
+    """``mix`` run on each document of each sequence alone (its state and convolution start
+    afresh), the outputs concatenated back: mixed [B, S_full, ...] (whole sequences), ``mix``:
+    [1, n, ...] → [1, n, ...]; ``doc`` None: ``mix(mixed)``. The documents' lengths are read to
+    the host once per forward (cached in ``doc.cache``) and reused by every layer."""
+    if doc is None:
+        return mix(mixed)
+    lengths = doc.cache.get("document_lengths")
+    if lengths is None:
+        ids = doc.doc_ids
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
+        for b, s in starts.nonzero().tolist():  # the one host read
+            rows[b].append(s)
+        lengths = [[end - s for s, end in zip(r, r[1:] + [ids.shape[1]])] for r in rows]
+        doc.cache["document_lengths"] = lengths
+    return torch.cat([torch.cat([mix(part) for part in mixed[i:i + 1].split(row, dim=1)], dim=1)
+                      for i, row in enumerate(lengths)])
+
+
 def conv_channels_in_hf_order(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
                               ) -> torch.Tensor:
     """perm [2·Hk·Dk + Hv·Dv] int64 with moetrain's convolution channel i = Hugging Face's
@@ -290,10 +312,10 @@ class GatedDeltaNet(nn.Module):
         o, _ = self.rule(q, k, v.reshape(B, S, hk * r, Dv), g, beta, self.chunk_size)
         return o
 
-    def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``doc_ids``: [B, S_full] document index of each token of the whole samples
-        (non-decreasing along S): the state and the convolution start afresh at every document;
-        None: each sequence is one document."""
+    def forward(self, x_BSD: torch.Tensor, doc: DocumentMask | None = None) -> torch.Tensor:
+        """``doc``: the documents of the whole samples (:class:`~moetrain.model.attention.DocumentMask`):
+        the state and the convolution start afresh at every document; None: each sequence is one
+        document."""
         B, S, _ = x_BSD.shape
         Dk, Dv, r = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
         # -1 key heads: under tensor parallelism the projections hold this rank's.
@@ -306,15 +328,7 @@ class GatedDeltaNet(nn.Module):
         if self.context is not None:  # the whole sequence of some heads
             first = self.context.rank * (mixed.shape[2] // self.context.size)
             mixed = self.context.to_heads(mixed)
-        if doc_ids is None:
-            o = self._mix(mixed, first)
-        else:
-            rows = []
-            for i in range(B):  # each document alone (its lengths are read on the host)
-                lengths = torch.unique_consecutive(doc_ids[i], return_counts=True)[1].tolist()
-                rows.append(torch.cat([self._mix(part, first) for part in mixed[i:i + 1].split(lengths, dim=1)],
-                                      dim=1))
-            o = torch.cat(rows)
+        o = over_documents(mixed, doc, lambda part: self._mix(part, first))
         if self.context is not None:  # back to this rank's tokens, every head
             o = self.context.to_sequence(o)
         o = self.norm(o, z.to(o.dtype))

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.gated_deltanet import HeadExchange
+from moetrain.model.attention import DocumentMask
+from moetrain.model.gated_deltanet import HeadExchange, over_documents
 from moetrain.model.layers import Linear, local_cast
 
 __all__ = ["Mamba2", "GroupedGatedRMSNorm", "chunk_ssd", "recurrent_ssd", "in_proj_rows_in_hf_order",
@@ -252,10 +253,10 @@ class Mamba2(nn.Module):
         y, _ = self.scan(x, step, -A_log.exp(), B, C, self.chunk_size)
         return y + (D[:, None] * x.float()).to(y.dtype)
 
-    def forward(self, x_BSD: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``doc_ids``: [B, S_full] document index of each token of the whole samples
-        (non-decreasing along S): the state and the convolution start afresh at every document;
-        None: each sequence is one document."""
+    def forward(self, x_BSD: torch.Tensor, doc: DocumentMask | None = None) -> torch.Tensor:
+        """``doc``: the documents of the whole samples (:class:`~moetrain.model.attention.DocumentMask`):
+        the state and the convolution start afresh at every document; None: each sequence is one
+        document."""
         Bsz, S, _ = x_BSD.shape
         P, N, hg = self.head_dim, self.state_size, self.num_heads // self.groups
         # -1 groups: under tensor parallelism the projection holds this rank's.
@@ -266,15 +267,7 @@ class Mamba2(nn.Module):
         if self.context is not None:  # the whole sequence of some groups
             first = self.context.rank * (mixed.shape[2] // self.context.size)
             mixed = self.context.to_heads(mixed)
-        if doc_ids is None:
-            y = self._mix(mixed, first)
-        else:
-            rows = []
-            for i in range(Bsz):  # each document alone (its lengths are read on the host)
-                lengths = torch.unique_consecutive(doc_ids[i], return_counts=True)[1].tolist()
-                rows.append(torch.cat([self._mix(part, first) for part in mixed[i:i + 1].split(lengths, dim=1)],
-                                      dim=1))
-            y = torch.cat(rows)
+        y = over_documents(mixed, doc, lambda part: self._mix(part, first))
         if self.context is not None:  # back to this rank's tokens, every group
             y = self.context.to_sequence(y.unflatten(2, (-1, hg)).flatten(3)).unflatten(3, (hg, P)).flatten(2, 3)
         return self.out_proj(self.norm(y.reshape(Bsz, S, -1), z))

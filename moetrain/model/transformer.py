@@ -92,7 +92,7 @@ class Block(nn.Module):
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
         if isinstance(self.attention, (GatedDeltaNet, Mamba2)):  # no positions: its state orders the tokens
-            h = x_BSD + self.attention(self.attention_norm(x_BSD), None if doc is None else doc.doc_ids)
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), doc)
         else:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
         if self.moe is not None:
