@@ -352,6 +352,14 @@ def backends(a, out: dict, bf16: dict, extra: list[str], cuda: bool, failures: l
         except Exception as e:  # noqa: BLE001
             out["gated_deltanet_fla"] = {"error": f"{type(e).__name__}: {e}"}
             failures.append(f"gated DeltaNet fla: {e}")
+    if cuda and importlib.util.find_spec("fla"):
+        try:
+            out["kda_fla"] = kda_fla_parity()
+            if out["kda_fla"]["max_rel_error"] > 2e-2:
+                failures.append(f"KDA fla: {out['kda_fla']}")
+        except Exception as e:  # noqa: BLE001
+            out["kda_fla"] = {"error": f"{type(e).__name__}: {e}"}
+            failures.append(f"KDA fla: {e}")
     if cuda and importlib.util.find_spec("mamba_ssm"):
         try:
             out["mamba2_mamba_ssm"] = mamba_ssm_parity()
@@ -410,6 +418,20 @@ def fla_parity() -> dict:
     return _kernel_parity(chunk_gated_delta_rule, fla_gated_delta_rule, base, dout,
                           ["o", "dq", "dk", "dv", "dg", "dbeta"], 64)
 
+
+def kda_fla_parity() -> dict:
+    """flash-linear-attention's KDA kernel (bf16 q, k, v; a log decay per key channel) against
+    moetrain's chunked reference on the same inputs: Kimi Linear's head shape (32 heads of 128),
+    4,096 tokens."""
+    from moetrain.model.gated_deltanet import chunk_gated_delta_rule
+    from moetrain.model.kda import fla_kda
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S, H, D = 1, 4096, 32, 128
+    base = [torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
+    base += [-0.1 * torch.rand(B, S, H, D, device="cuda", generator=g), torch.rand(B, S, H, device="cuda", generator=g)]
+    dout = torch.randn(B, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    return _kernel_parity(chunk_gated_delta_rule, fla_kda, base, dout, ["o", "dq", "dk", "dv", "dg", "dbeta"], 64)
 
 
 def dispatch(a, out: dict, bf16: dict, extra: list[str], peak: float | None, failures: list[str]) -> None:

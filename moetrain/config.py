@@ -86,6 +86,9 @@ class ModelConfig:
     MLP. ``vocab_size``: ``null`` takes the tokenizer's vocabulary from the data manifest,
     padded up to a multiple of ``vocab_multiple`` (Megatron pads so that the vocabulary splits
     evenly over tp). ``seq_len``: tokens per sample. ``rope_theta``: RoPE base (Su et al. 2021).
+    ``rope``: ``false`` leaves the attention layers without positional encoding (NoPE, Kazemnejad
+    et al. 2023: the causal mask and, in hybrids, the recurrent layers order the tokens), as Kimi
+    Linear's MLA layers have it.
     ``init_std``: std of the normal initialisation; output projections are scaled by
     1/sqrt(2·layers) (GPT-2 §2.3). ``attention_backend``: the core-attention kernel —
     ``sdpa`` (``F.scaled_dot_product_attention``; the reference, every device), ``flash``
@@ -141,9 +144,10 @@ class ModelConfig:
     :mod:`moetrain.model.mamba2`):
 
     * ``layer_types``: each block's token mixer, Hugging Face's names — ``full_attention`` (the
-      attention above), ``linear_attention`` (gated DeltaNet, Yang et al. 2024) or ``mamba``
-      (Mamba-2, Dao & Gu 2024; :mod:`moetrain.model.mamba2`); empty: every block
-      ``full_attention``. Its length is ``layers``.
+      attention above), ``linear_attention`` (gated DeltaNet, Yang et al. 2024), ``kda`` (Kimi
+      Delta Attention, Kimi Team 2025: the gated delta rule with a decay per key channel;
+      :mod:`moetrain.model.kda`) or ``mamba`` (Mamba-2, Dao & Gu 2024; :mod:`moetrain.model.mamba2`);
+      empty: every block ``full_attention``. Its length is ``layers``.
     * the Mamba-2 layers' shape, Nemotron-H's names: ``mamba_num_heads``, ``mamba_head_dim`` (P),
       ``ssm_state_size`` (N), ``n_groups`` (groups of heads sharing B and C), ``conv_kernel`` (the
       convolution's width, tokens), ``use_conv_bias``, ``time_step_min`` (Δ's lower bound),
@@ -158,6 +162,12 @@ class ModelConfig:
       chunks; 64 as flash-linear-attention). ``linear_attention_backend``: ``torch`` (the pure-PyTorch
       chunked delta rule, every device) or ``fla`` (flash-linear-attention's Triton kernel: CUDA,
       needs the ``flash-linear-attention`` / ``fla-core`` package).
+    * the KDA layers' shape: ``linear_num_key_heads`` heads (queries, keys and values alike:
+      ``linear_num_value_heads`` must equal it) of ``linear_key_head_dim`` (=
+      ``linear_value_head_dim``; also the rank of its gates' bottleneck), Kimi Linear's
+      ``linear_num_heads`` and ``linear_head_dim``; ``linear_conv_kernel_dim``,
+      ``linear_chunk_size`` and ``linear_attention_backend`` as above (its chunks hold
+      chunk² × head dim values per head: a smaller chunk than gated DeltaNet's suits it on CPU).
     * ``attention_output_gate``: the attention's output is scaled per channel by sigmoid of a
       gate that the query projection also produces (its rows interleaved per head: [q_h; gate_h];
       Qwen3-Next's gated attention).
@@ -173,6 +183,7 @@ class ModelConfig:
     vocab_multiple: int = 128
     seq_len: int = 256
     rope_theta: float = 10000.0
+    rope: bool = True
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -224,14 +235,19 @@ class ModelConfig:
     zero_centered_norm: bool = False
 
     def layer_type(self, layer: int) -> str:
-        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention`` or ``mamba``
-        (the multi-token-prediction blocks after the last one: ``full_attention``)."""
+        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention``, ``kda`` or
+        ``mamba`` (the multi-token-prediction blocks after the last one: ``full_attention``)."""
         return self.layer_types[layer] if layer < len(self.layer_types) else "full_attention"
 
     @property
     def linear_attention(self) -> bool:
-        """Some block mixes its tokens with gated DeltaNet."""
-        return "linear_attention" in self.layer_types
+        """Some block mixes its tokens with gated DeltaNet or KDA (the ``linear_*`` fields)."""
+        return "linear_attention" in self.layer_types or self.kda
+
+    @property
+    def kda(self) -> bool:
+        """Some block mixes its tokens with Kimi Delta Attention."""
+        return "kda" in self.layer_types
 
     @property
     def mamba(self) -> bool:
@@ -1441,7 +1457,7 @@ class LayoutFacts:
     expert_biases: bool = False
     tie_embeddings: bool = False
     flex_attention: bool = False  # model.attention_backend = flex
-    linear_attention: bool = False  # some block is gated DeltaNet (model.layer_types)
+    linear_attention: bool = False  # some block is gated DeltaNet or KDA (model.layer_types)
     linear_num_key_heads: int = 1
     mamba: bool = False  # some block is Mamba-2 (model.layer_types)
     n_groups: int = 1
@@ -1531,12 +1547,12 @@ def layout_refusal(f: LayoutFacts) -> tuple[str, Any, str, str] | None:
     if f.linear_attention:
         # The gated-DeltaNet layers split their key heads over tp, then the tp rank's over cp.
         if f.linear_num_key_heads % f.tp:
-            return ("parallel.tp", f.tp, f"the gated-DeltaNet layers split their model.linear_num_key_heads="
+            return ("parallel.tp", f.tp, f"the gated-DeltaNet / KDA layers split their model.linear_num_key_heads="
                     f"{f.linear_num_key_heads} over the tp ranks, and it does not divide them",
                     f"choose tp among {_nearest(f.tp, _divisors(f.linear_num_key_heads))}")
         if (f.linear_num_key_heads // f.tp) % f.cp:
             per_tp = f.linear_num_key_heads // f.tp
-            return ("parallel.cp", f.cp, f"the gated-DeltaNet layers split the {per_tp} key heads of a tp rank "
+            return ("parallel.cp", f.cp, f"the gated-DeltaNet / KDA layers split the {per_tp} key heads of a tp rank "
                     f"(model.linear_num_key_heads={f.linear_num_key_heads} / tp) over the cp ranks (each runs the whole "
                     "sequence of some heads), and it does not divide them",
                     f"choose cp among {_nearest(f.cp, _divisors(per_tp))}")
@@ -1826,10 +1842,11 @@ def _check_model(cfg: Config, device: str | None) -> None:
         if len(m.layer_types) != m.layers:
             raise field_error("model.layer_types", list(m.layer_types), f"gives {len(m.layer_types)} blocks, "
                               f"model.layers is {m.layers}", "give one entry per block, or [] for full attention")
-        bad = sorted(set(m.layer_types) - {"full_attention", "linear_attention", "mamba"})
+        bad = sorted(set(m.layer_types) - {"full_attention", "linear_attention", "kda", "mamba"})
         if bad:
             raise field_error("model.layer_types", bad[0], "is not a token mixer moetrain has",
-                              "use full_attention, linear_attention (gated DeltaNet) or mamba (Mamba-2)")
+                              "use full_attention, linear_attention (gated DeltaNet), kda (Kimi Delta Attention) "
+                              "or mamba (Mamba-2)")
     if m.mamba:
         _bounds(cfg, "model", positive="mamba_num_heads mamba_head_dim ssm_state_size n_groups conv_kernel "
                                        "mamba_chunk_size")
@@ -1843,6 +1860,14 @@ def _check_model(cfg: Config, device: str | None) -> None:
     if m.linear_attention:
         _bounds(cfg, "model", positive="linear_num_key_heads linear_num_value_heads linear_key_head_dim "
                                        "linear_value_head_dim linear_conv_kernel_dim linear_chunk_size")
+        if m.kda and m.linear_num_value_heads != m.linear_num_key_heads:
+            raise field_error("model.linear_num_value_heads", m.linear_num_value_heads, "must equal model."
+                              f"linear_num_key_heads={m.linear_num_key_heads}: a KDA head has its own query, key "
+                              "and value (Kimi Linear's linear_num_heads)", "set both to the number of heads")
+        if m.kda and m.linear_value_head_dim != m.linear_key_head_dim:
+            raise field_error("model.linear_value_head_dim", m.linear_value_head_dim, "must equal model."
+                              f"linear_key_head_dim={m.linear_key_head_dim} in KDA layers (Kimi Linear's "
+                              "linear_head_dim)", "set both to the head width")
         if m.linear_num_value_heads % m.linear_num_key_heads:
             raise field_error("model.linear_num_value_heads", m.linear_num_value_heads, "is not a multiple of "
                               f"model.linear_num_key_heads={m.linear_num_key_heads} (each query/key head serves "

@@ -14,7 +14,8 @@ three of its frequency bands; DeepSeek-V3 MLA, YaRN with mscale, group-limited s
 with the score-correction bias (randomised: it is zero in transformers' init), shared experts;
 GLM-4.5 partial rotary, q/k/v bias and q/k norm; GPT-OSS sinks, a sliding window, biases, the
 clamped SwiGLU and YaRN; Qwen3-Next gated-DeltaNet and gated-attention blocks, zero-centred norms,
-partial rotary, a gated shared expert and a dense block.
+partial rotary, a gated shared expert and a dense block; Kimi Linear KDA blocks beside MLA without
+RoPE, DeepSeek-V3's group-limited routing and a dense first block.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
-ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next")
+ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next",
+         "kimi_linear")
 
 
 def hf_config(arch: str, **over):
@@ -81,6 +83,16 @@ def hf_config(arch: str, **over):
             num_experts=4, num_experts_per_tok=2, head_dim=16, mlp_only_layers=[0], linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    elif arch == "kimi_linear":
+        # Blocks: KDA (dense MLP), MLA without RoPE (MoE), KDA (MoE); 8 experts in 4 groups (2 kept),
+        # a shared expert, routed scaling; token ids none (Kimi's defaults lie outside the vocabulary).
+        cls, kw = tf.KimiLinearConfig, dict(
+            num_hidden_layers=3, intermediate_size=40, moe_intermediate_size=16, num_local_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8,
+            num_key_value_heads=4, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None)
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})

@@ -158,7 +158,7 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
     ({"tp": 2, "cp": 2}, "parallel.cp = 2", r"the 1 key heads of a tp rank"),
 ])
 def test_layouts_the_layer_cannot_take_are_refused_by_field(parallel, field, why, tmp_path):
-    with pytest.raises(ConfigError, match=rf"{field}: the gated-DeltaNet layers .*{why}"):
+    with pytest.raises(ConfigError, match=rf"{field}: the gated-DeltaNet / KDA layers .*{why}"):
         tiny_config(tmp_path, tmp_path, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"])
 
 

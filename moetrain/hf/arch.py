@@ -27,6 +27,13 @@ Qwen3NextForCausalLM        qwen3_next   hybrid: gated DeltaNet (``linear_attent
                                          (``full_attention``) blocks from layer_types, the linear_* shapes;
                                          zero-centred RMSNorms; per-head q/k norm; partial rotary; a gated
                                          shared expert; dense blocks from decoder_sparse_step / mlp_only_layers
+KimiLinearForCausalLM       kimi_linear  hybrid: Kimi Delta Attention (``kda``; HF ``linear_attention``) and MLA
+                                         without RoPE (``model.rope: false``) blocks from layer_types (or
+                                         linear_attn_config's 1-indexed kda_layers / full_attn_layers); the
+                                         KDA shape (linear_num_heads, linear_head_dim, linear_conv_kernel_dim);
+                                         DeepSeek-V3's routing (sigmoid, score-correction bias, groups, routed
+                                         scaling) and shared experts; dense first blocks (mlp_layer_types or
+                                         first_k_dense_replace)
 ==========================  ===========  ====================================================================
 
 All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention
@@ -58,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import DEEPSEEK_MOE, GPT_OSS_MOE, MIXTRAL_MOE, QWEN_MOE, Names
+from moetrain.hf.tensors import DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, QWEN_MOE, Names
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -124,8 +131,20 @@ QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", "qwen3_next", QWEN_MOE, _COMMO
     "mlp_only_layers", "layer_types", "attention_bias", "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval"})
 
+# Kimi Linear: transformers writes its config.json with the names of its attribute_map
+# (num_experts_per_token, moe_renormalize, ...); Moonshot's checkpoints carry the others and
+# linear_attn_config. Both are read.
+KIMI_LINEAR = Architecture("KimiLinearForCausalLM", "kimi_linear", KIMI_MOE, _COMMON | {
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
+    "attention_bias", "pretraining_tp", "moe_intermediate_size", "routed_scaling_factor", "num_experts",
+    "num_local_experts", "num_experts_per_token", "num_experts_per_tok", "num_shared_experts", "n_shared_experts",
+    "moe_renormalize", "norm_topk_prob", "num_expert_group", "n_group", "topk_group", "mlp_layer_types",
+    "first_k_dense_replace", "layer_types", "linear_attn_config", "linear_head_dim", "linear_num_heads",
+    "linear_conv_kernel_dim", "model_max_length"})
+
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
-                                                                     DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT)}
+                                                                     DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
+                                                                     KIMI_LINEAR)}
 
 
 def _supported() -> str:
@@ -277,6 +296,8 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0)
     elif arch is QWEN3_NEXT:
         _read_qwen3_next(r, model, moe)
+    elif arch is KIMI_LINEAR:
+        _read_kimi_linear(r, model, moe)
     elif arch in (QWEN3_MOE, QWEN2_MOE):
         r.expect("use_sliding_window", lambda v: not v, False, "sliding-window attention is not implemented")
         types = r.get("layer_types", None) or []
@@ -373,6 +394,61 @@ def _read_qwen3_next(r: _Reader, model: dict, moe: dict) -> None:
                shared_expert_gate=True, **_moe_layer_pattern(r, layers, num_experts))
 
 
+def _first(r: _Reader, keys: tuple[str, ...], default: Any) -> Any:
+    """The value of the first of ``keys`` that config.json has (a field and its alias), else
+    ``default``."""
+    return next((r.hf[k] for k in keys if k in r.hf), default)
+
+
+def _read_kimi_linear(r: _Reader, model: dict, moe: dict) -> None:
+    """Kimi Linear: KDA and MLA-without-RoPE blocks, DeepSeek-V3's MoE (the defaults are
+    transformers' ``KimiLinearConfig``'s)."""
+    r.expect("attention_bias", lambda v: not v, False, "q/k/v/o biases are not part of Kimi Linear's mapping")
+    layers = model["layers"]
+    lac = dict(r.get("linear_attn_config", None) or {})
+    extra = sorted(set(lac) - {"head_dim", "num_heads", "short_conv_kernel_size", "full_attn_layers", "kda_layers"})
+    if extra:
+        raise r.refuse(f"linear_attn_config.{extra[0]}", lac[extra[0]], "a field moetrain's kimi_linear mapping does "
+                                                                         "not know")
+    types = r.get("layer_types", None)
+    if types is None and "full_attn_layers" in lac and "kda_layers" in lac:
+        types = [None] * layers  # 1-indexed in the checkpoint
+        for i in lac["full_attn_layers"]:
+            types[i - 1] = "full_attention"
+        for i in lac["kda_layers"]:
+            types[i - 1] = "linear_attention"
+    elif types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in ("full_attention", "linear_attention") for t in types):
+        raise r.refuse("layer_types", types, "needs one full_attention or linear_attention (KDA) entry per block")
+    heads = lac.get("num_heads", r.get("linear_num_heads", 32))
+    head_dim = lac.get("head_dim", r.get("linear_head_dim", 128))
+    model.update(layer_types=["kda" if t == "linear_attention" else t for t in types], linear_num_key_heads=heads,
+                 linear_num_value_heads=heads, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+                 linear_conv_kernel_dim=lac.get("short_conv_kernel_size", r.get("linear_conv_kernel_dim", 4)),
+                 rope=False, attention="mla", q_lora_rank=r.get("q_lora_rank", None),
+                 kv_lora_rank=r.get("kv_lora_rank", 512), qk_nope_head_dim=r.get("qk_nope_head_dim", 128),
+                 qk_rope_head_dim=r.get("qk_rope_head_dim", 64), v_head_dim=r.get("v_head_dim", 128),
+                 kv_heads=model["heads"], head_dim=None)
+    mlp = r.get("mlp_layer_types", None)
+    if mlp is None:
+        dense = int(r.get("first_k_dense_replace", 1))
+        mlp = ["dense" if i < dense else "sparse" for i in range(layers)]
+    first_dense = mlp.count("dense")
+    if len(mlp) != layers or mlp != ["dense"] * first_dense + ["sparse"] * (layers - first_dense):
+        raise r.refuse("mlp_layer_types", mlp, "only dense first blocks, then MoE blocks (moe.first_dense) are mapped")
+    n_group = _first(r, ("num_expert_group", "n_group"), 1)
+    grouped = n_group is not None and n_group > 1
+    moe.update(num_experts=_first(r, ("num_experts", "num_local_experts"), 256),
+               top_k=_first(r, ("num_experts_per_token", "num_experts_per_tok"), 8),
+               ffn_hidden=r.get("moe_intermediate_size", 1024),
+               shared_experts=int(_first(r, ("num_shared_experts", "n_shared_experts"), 1) or 0),
+               first_dense=first_dense, every=1, score_function="sigmoid", routing_bias=True,
+               norm_topk_prob=bool(_first(r, ("moe_renormalize", "norm_topk_prob"), True)),
+               routed_scaling_factor=float(r.get("routed_scaling_factor", 2.446)),
+               n_group=n_group if grouped else None, topk_group=r.get("topk_group", 1) if grouped else None)
+
+
 def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> None:
     """DeepSeek-V3's (and GLM-4.5's) MoE: sigmoid scores with the score-correction bias,
     group-limited top-k, routed scaling, shared experts of n_shared_experts × the routed width,
@@ -395,13 +471,15 @@ def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> No
 
 
 def choose_architecture(cfg: Config) -> Architecture:
-    """The architecture a moetrain model exports to when none is asked for: gated DeltaNet, gated
-    attention or zero-centred norms → Qwen3-Next; MLA → DeepSeek-V3;
+    """The architecture a moetrain model exports to when none is asked for: KDA → Kimi Linear;
+    gated DeltaNet, gated attention or zero-centred norms → Qwen3-Next; MLA → DeepSeek-V3;
     sinks or expert biases → GPT-OSS; a routing bias, fixed expert groups or partial rotary →
     GLM-4.5; dense → Llama;
     per-head q/k norm → Qwen3-MoE; projection q/k norm → OLMoE; gated shared experts or q/k/v bias
     → Qwen2-MoE; otherwise Mixtral."""
     m, moe = cfg.model, cfg.moe
+    if m.kda:
+        return KIMI_LINEAR
     if m.linear_attention or m.attention_output_gate or m.zero_centered_norm:
         return QWEN3_NEXT
     if m.attention == "mla":
@@ -442,16 +520,22 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         if not ok:
             raise _refuse_ours(arch, field, value, why)
 
-    deepseek_like, gpt_oss, next_ = arch in (DEEPSEEK_V3, GLM4_MOE), arch is GPT_OSS, arch is QWEN3_NEXT
-    need("model.layer_types", list(m.layer_types), not m.linear_attention or next_, "has no gated-DeltaNet layers")
+    deepseek_like, gpt_oss, next_ = arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR), arch is GPT_OSS, arch is QWEN3_NEXT
+    kimi = arch is KIMI_LINEAR
+    gdn = "linear_attention" in m.layer_types
+    need("model.layer_types", list(m.layer_types), not gdn or next_, "has no gated-DeltaNet layers")
+    need("model.layer_types", list(m.layer_types), not m.kda or kimi, "has no Kimi Delta Attention layers")
     need("model.layer_types", list(m.layer_types), not m.mamba,
          "has no Mamba-2 layers (no architecture moetrain exports has them yet: Nemotron-H's is not built)")
+    need("model.rope", m.rope, m.rope != kimi, "has no positional encoding in its MLA layers" if kimi
+         else "rotates its queries and keys (RoPE)")
     need("model.attention_output_gate", m.attention_output_gate, m.attention_output_gate == next_,
          "gates its attention output" if next_ else "has no attention output gate")
     need("model.zero_centered_norm", m.zero_centered_norm, m.zero_centered_norm == next_,
          "scales its norms by 1 + weight" if next_ else "scales its norms by their weight")
-    need("model.attention", m.attention, (m.attention == "mla") == (arch is DEEPSEEK_V3),
-         "has multi-head latent attention" if arch is DEEPSEEK_V3 else "has grouped-query attention, not MLA")
+    need("model.attention", m.attention, (m.attention == "mla") == (arch in (DEEPSEEK_V3, KIMI_LINEAR)),
+         "has multi-head latent attention" if arch in (DEEPSEEK_V3, KIMI_LINEAR)
+         else "has grouped-query attention, not MLA")
     need("model.qkv_bias", m.qkv_bias, m.qkv_bias if gpt_oss else not m.qkv_bias or arch in (QWEN2_MOE, GLM4_MOE),
          "has q/k/v biases" if gpt_oss else "has no q/k/v biases")
     need("model.attention_out_bias", m.attention_out_bias, m.attention_out_bias == gpt_oss,
@@ -462,7 +546,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     need("model.partial_rotary_factor", m.partial_rotary_factor,
          m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT),
          "rotates whole heads")
-    need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like,
+    need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like and not kimi,
          "has no multi-token prediction (leave it out: export with model.mtp_depth=0 in the config)")
     need("moe.router_bias", moe.router_bias, moe.router_bias == gpt_oss and moe.expert_biases == gpt_oss,
          "has router and expert biases" if gpt_oss else "has no router or expert biases")
@@ -566,6 +650,21 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
             out["attention_bias"] = False
         elif arch is QWEN2_MOE:
             out.update(qkv_bias=m.qkv_bias, shared_expert_intermediate_size=moe.shared_hidden)
+    elif kimi:
+        for k in ("rope_theta", "rope_scaling", "linear_attn_config", "first_k_dense_replace", "num_local_experts",
+                  "num_experts_per_tok", "n_shared_experts", "norm_topk_prob", "n_group", "head_dim", "qk_head_dim"):
+            out.pop(k, None)  # the names transformers writes instead, below
+        out.update(attention_bias=False, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                   v_head_dim=m.v_head_dim, num_key_value_heads=m.heads,
+                   layer_types=["linear_attention" if m.layer_type(i) == "kda" else "full_attention"
+                                for i in range(m.layers)],
+                   mlp_layer_types=["sparse" if moe.is_moe_layer(i) else "dense" for i in range(m.layers)],
+                   linear_num_heads=m.linear_num_key_heads, linear_head_dim=m.linear_key_head_dim,
+                   linear_conv_kernel_dim=m.linear_conv_kernel_dim, num_experts=moe.num_experts,
+                   num_experts_per_token=moe.top_k, moe_intermediate_size=moe.ffn_hidden,
+                   num_shared_experts=moe.shared_experts, routed_scaling_factor=moe.routed_scaling_factor,
+                   moe_renormalize=moe.norm_topk_prob, num_expert_group=moe.n_group or 1, topk_group=moe.topk_group or 1)
     elif deepseek_like:
         for k in ("num_local_experts", "num_experts"):
             out.pop(k, None)

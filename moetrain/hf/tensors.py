@@ -63,12 +63,14 @@ class Names:
     w2: str = "down_proj"
     shared: str = "shared_expert"
     experts: str = "per_expert"
+    dense: str = "mlp"  # the dense blocks' MLP
 
 
 MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
 QWEN_MOE = Names("mlp", "gate")
 DEEPSEEK_MOE = Names("mlp", "gate", shared="shared_experts")
 GPT_OSS_MOE = Names("mlp", "router", experts="fused")
+KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ class TensorMap:
     ``experts`` a template with ``{e}``). ``heads``: heads of a ``rope`` tensor (its rows are
     ``heads`` blocks); ``rotary``: (first row, rows) of a head that RoPE rotates (None: all).
     ``part``: this tensor is a part of the HF tensor (:class:`Part`). ``rows`` (layout
-    ``rows``): moetrain's row i is HF's row rows[i]."""
+    ``rows``): moetrain's row i is HF's row rows[i]. ``hf_view``: the HF tensor's shape when it
+    holds the same values in another shape (Kimi Linear's A_log [1, 1, H, 1] for moetrain's [H])."""
 
     ours: str
     hf: str
@@ -113,6 +116,7 @@ class TensorMap:
     part: Part | None = None
     also: tuple[str, ...] = ()  # HF copies written on export, optional on import (DeepSeek's MTP layers)
     rows: tuple[int, ...] = ()
+    hf_view: tuple[int, ...] = ()
 
     def hf_names(self) -> list[str]:
         """The HF tensor names, in order (E of them for ``experts``; none for a part that another
@@ -127,6 +131,8 @@ class TensorMap:
         """Shape of each HF tensor."""
         if self.layout == "experts":
             return (self.shape[2], self.shape[1])
+        if self.hf_view:
+            return self.hf_view
         if self.part is not None:
             shape = list(self.shape)
             shape[self.part.dim] = (sum(self.part.sizes) if self.part.how == "cat"
@@ -146,6 +152,8 @@ class TensorMap:
                 yield _checked(name, get_hf(name), self.hf_shape()).t().contiguous().unsqueeze(0)
             return
         t = _checked(self.hf, get_hf(self.hf), self.hf_shape())
+        if self.hf_view:
+            t = t.reshape(self.shape)
         if self.part is not None:
             t = self.part.select(t).contiguous()
         if self.layout == "rows":
@@ -156,6 +164,8 @@ class TensorMap:
         """moetrain's whole tensor in the HF row order (the RoPE permutation undone); for a part,
         what it contributes to the HF tensor. Raises ValueError on a wrong shape."""
         ours = _checked(self.ours, ours, self.shape)
+        if self.hf_view:
+            return ours.reshape(self.hf_view)
         if self.layout == "rows":
             return ours[torch.argsort(torch.tensor(self.rows))].contiguous()
         return interleaved_to_rope(ours, self.heads, self.rotary) if self.layout == "rope" else ours
@@ -212,8 +222,10 @@ def tensor_maps(cfg: Config, names: Names, rope_interleaved: bool = False) -> li
     DeepSeek-V3's checkpoints as blocks after the last), with its HF counterpart. ``names``: the
     family's (:data:`MIXTRAL_MOE`, :data:`QWEN_MOE`, :data:`DEEPSEEK_MOE`, :data:`GPT_OSS_MOE`);
     ``rope_interleaved``: the HF checkpoint rotates interleaved pairs already (DeepSeek's
-    ``rope_interleave``), so its rows are taken as they are."""
+    ``rope_interleave``), so its rows are taken as they are, as they are without RoPE
+    (``model.rope: false``, Kimi Linear), which leaves the rows' order free."""
     m = cfg.model
+    rope_interleaved = rope_interleaved or not m.rope
     mtp = [f"model.layers.{m.layers + k}" for k in range(m.mtp_depth)]
     maps = [TensorMap("tok_embeddings.weight", "model.embed_tokens.weight", "copy", (m.vocab_size, m.hidden),
                       also=tuple(f"{L}.embed_tokens.weight" for L in mtp))]
@@ -253,6 +265,17 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
         maps.append(TensorMap(f"{mix}.conv1d.weight", f"{la}.conv1d.weight", "rows",
                               (channels, 1, m.linear_conv_kernel_dim),
                               rows=tuple(conv_channels_in_hf_order(Hk, Hv, Dk, Dv).tolist())))
+    elif m.layer_type(layer) == "kda":  # Kimi Delta Attention: the checkpoint's names
+        mix, K = f"{ours}.attention", m.linear_conv_kernel_dim
+        H, Dh = m.linear_num_key_heads, m.linear_key_head_dim
+        w = H * Dh
+        for name, shape in (("q_proj.weight", (w, D)), ("k_proj.weight", (w, D)), ("v_proj.weight", (w, D)),
+                            ("q_conv1d.weight", (w, 1, K)), ("k_conv1d.weight", (w, 1, K)),
+                            ("v_conv1d.weight", (w, 1, K)), ("b_proj.weight", (H, D)), ("f_a_proj.weight", (Dh, D)),
+                            ("f_b_proj.weight", (w, Dh)), ("dt_bias", (w,)), ("g_a_proj.weight", (Dh, D)),
+                            ("g_b_proj.weight", (w, Dh)), ("o_norm.weight", (Dh,)), ("o_proj.weight", (D, w))):
+            maps.append(TensorMap(f"{mix}.{name}", f"{at}.{name}", "copy", shape))
+        maps.append(TensorMap(f"{mix}.A_log", f"{at}.A_log", "copy", (H,), hf_view=(1, 1, H, 1)))
     elif m.attention == "mla":
         dn, dr, dv, ckv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
         q_rows = (H * (dn + dr), m.q_lora_rank or D)
@@ -296,9 +319,10 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
     maps.append(TensorMap(f"{ours}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", "copy", (D,)))
     if not moe.is_moe_layer(layer):
         F = m.ffn_hidden
-        return maps + [TensorMap(f"{ours}.feed_forward.w1.weight", f"{hf}.mlp.gate_proj.weight", "copy", (F, D)),
-                       TensorMap(f"{ours}.feed_forward.w3.weight", f"{hf}.mlp.up_proj.weight", "copy", (F, D)),
-                       TensorMap(f"{ours}.feed_forward.w2.weight", f"{hf}.mlp.down_proj.weight", "copy", (D, F))]
+        mlp = f"{hf}.{names.dense}"
+        return maps + [TensorMap(f"{ours}.feed_forward.w1.weight", f"{mlp}.gate_proj.weight", "copy", (F, D)),
+                       TensorMap(f"{ours}.feed_forward.w3.weight", f"{mlp}.up_proj.weight", "copy", (F, D)),
+                       TensorMap(f"{ours}.feed_forward.w2.weight", f"{mlp}.down_proj.weight", "copy", (D, F))]
     E, F, mo, ex = moe.num_experts, moe.ffn_hidden, f"{hf}.{names.module}", f"{ours}.moe.experts"
     maps.append(TensorMap(f"{ours}.moe.router.weight", f"{mo}.{names.router}.weight", "copy", (E, D)))
     if moe.router_bias:

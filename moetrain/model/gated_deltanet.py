@@ -82,7 +82,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
     q, k = l2_normalize(q), l2_normalize(k)
     q = q * q.shape[-1] ** -0.5
-    return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
+    return q, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # g: [B, Hv, S] or [B, Hv, S, Dk]
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -90,9 +90,11 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token (the module docstring's recurrence).
 
-    q, k: [B, S, Hk, Dk]; v: [B, S, Hv, Dv]; g: [B, S, Hv] log decays (≤ 0); beta: [B, S, Hv];
-    initial_state: [B, Hv, Dk, Dv] or None (zeros). Returns (o [B, S, Hv, Dv] in v's dtype, final
-    state [B, Hv, Dk, Dv] fp32). q and k are L2-normalised here.
+    q, k: [B, S, Hk, Dk]; v: [B, S, Hv, Dv]; g: [B, S, Hv] log decays (≤ 0), one per head, or
+    [B, S, Hv, Dk], one per key channel (Kimi Delta Attention: α_t = diag(exp(g_t)) scales each
+    row of the state); beta: [B, S, Hv]; initial_state: [B, Hv, Dk, Dv] or None (zeros). Returns
+    (o [B, S, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] fp32). q and k are L2-normalised
+    here.
     """
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
@@ -101,7 +103,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              else initial_state.float())
     out = []
     for t in range(S):
-        state = state * g[:, :, t].exp()[..., None, None]
+        # α_t scales the whole state, or (per channel, KDA) each of its Dk rows.
+        state = state * (g[:, :, t].exp()[..., None] if g.dim() == 4 else g[:, :, t].exp()[..., None, None])
         k_t = k[:, :, t]
         delta = beta[:, :, t, None] * (v[:, :, t] - (k_t.unsqueeze(-1) * state).sum(-2))
         state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -113,40 +116,50 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            chunk_size: int = 64, initial_state: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule in chunks of ``chunk_size`` tokens (the module docstring's WY form);
-    the same arguments and results as :func:`recurrent_gated_delta_rule`, equal to it within
-    fp32 rounding. The last chunk may be shorter (it is padded with g = 0, β = 0 tokens, which
+    the same arguments and results as :func:`recurrent_gated_delta_rule` (g per head or per key
+    channel), equal to it within fp32 rounding. The last chunk may be shorter (it is padded with g = 0, β = 0 tokens, which
     change neither the outputs nor the state).
 
     Raises:
         ValueError: value heads not a multiple of key heads.
     """
     dtype = v.dtype
+    per_channel = g.dim() == 4
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, S, Dk = k.shape
     Dv, C = v.shape[-1], chunk_size
     pad = (-S) % C
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+        g = F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad))
+        beta = F.pad(beta, (0, pad))
     n = (S + pad) // C
     q, k, v = (x.view(B, H, n, C, -1) for x in (q, k, v))
-    g, beta = g.view(B, H, n, C), beta.view(B, H, n, C)
+    g, beta = g.view(B, H, n, C, -1), beta.view(B, H, n, C)  # g: [..., C, Dk] or [..., C, 1]
 
-    log_a = g.cumsum(-1)  # log A_i, from the chunk's start
+    log_a = g.cumsum(-2)  # log A_i (per channel, or one column), from the chunk's start
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    # Γ_ij = A_i / A_j for j ≤ i (exponent ≤ 0), 0 above the diagonal (masked before exp).
-    gamma = (log_a.unsqueeze(-1) - log_a.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    kk = k @ k.transpose(-1, -2)
-    system = (beta.unsqueeze(-1) * kk * gamma).tril(-1) + torch.eye(C, device=q.device)
-    a = log_a.exp().unsqueeze(-1)  # A_i
+    # Γ_ij = A_i / A_j for j ≤ i (exponent ≤ 0), 0 above the diagonal (masked before exp):
+    # [..., C, C] per head, [..., C, C, Dk] per channel, where it weighs each product q_i·k_j and
+    # k_i·k_j channel by channel (C·C·Dk floats a chunk: the price of the reference path).
+    if per_channel:
+        gamma = (log_a.unsqueeze(-2) - log_a.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf")).exp()
+        kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * gamma).sum(-1)
+        attn = (q.unsqueeze(-2) * k.unsqueeze(-3) * gamma).sum(-1)  # causal, diagonal included
+    else:
+        log_a1 = log_a.squeeze(-1)
+        gamma = (log_a1.unsqueeze(-1) - log_a1.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+        kk = (k @ k.transpose(-1, -2)) * gamma
+        attn = (q @ k.transpose(-1, -2)) * gamma  # causal, diagonal included
+    system = (beta.unsqueeze(-1) * kk).tril(-1) + torch.eye(C, device=q.device)
+    a = log_a.exp()  # A_i: [..., C, Dk] or [..., C, 1]
     # δ = U − W S₀ for every chunk at once: U = T β V, W = T β A K with T = system⁻¹.
     rhs = torch.cat([beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * a * k], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = solved[..., :Dv], solved[..., Dv:]
-    attn = (q @ k.transpose(-1, -2)) * gamma  # causal, diagonal included
     q_a = q * a
-    k_last = k * (log_a[..., -1:] - log_a).exp().unsqueeze(-1)  # k_j A_C / A_j
-    a_last = log_a[..., -1].exp()[..., None, None]
+    k_last = k * (log_a[..., -1:, :] - log_a).exp()  # k_j A_C / A_j
+    a_last = log_a[..., -1, :].exp().unsqueeze(-1)  # [..., Dk, 1] or [..., 1, 1]: scales the state's rows
 
     state = torch.zeros(B, H, Dk, Dv, device=v.device) if initial_state is None else initial_state.float()
     out = []
@@ -223,21 +236,28 @@ def conv_channels_in_hf_order(num_k_heads: int, num_v_heads: int, head_k_dim: in
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output, scaled by SiLU of the gate (Qwen3-Next's
-    ``Qwen3NextRMSNormGated``; flash-linear-attention's ``FusedRMSNormGated``): x, z: [..., Dv] →
-    [..., Dv] in x's dtype; the statistics in fp32, the weight [Dv] shared by the heads."""
+    ``Qwen3NextRMSNormGated``; flash-linear-attention's ``FusedRMSNormGated``) or, with ``gate
+    = "sigmoid"``, by its sigmoid (Kimi Linear's ``o_norm``): x, z: [..., Dv] → [..., Dv] in x's
+    dtype; the statistics in fp32, the weight [Dv] shared by the heads.
+
+    Raises:
+        ValueError: ``gate`` neither ``silu`` nor ``sigmoid``."""
 
     compute_dtype: torch.dtype | None = None
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, gate: str = "silu"):
         super().__init__()
-        self.eps = eps
+        if gate not in ("silu", "sigmoid"):
+            raise ValueError(f"gate {gate!r}: expected silu or sigmoid")
+        self.eps, self.gate = eps, gate
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         w = cast(self.weight, self.compute_dtype)
-        return ((w * xf.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
+        gate = F.silu(z.float()) if self.gate == "silu" else torch.sigmoid(z.float())
+        return ((w * xf.to(x.dtype)).float() * gate).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

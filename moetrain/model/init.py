@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moetrain.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
+from moetrain.model.kda import KimiDeltaAttention
 from moetrain.model.mamba2 import GroupedGatedRMSNorm, Mamba2
 from moetrain.model.layers import Attention, RMSNorm
 from moetrain.model.mla import MLAttention
@@ -57,12 +58,16 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             _fill(w, _normal(w.shape, w.shape[-1] ** -0.5, seed, f"{full}.conv1d.weight"))
             if module.conv1d.bias is not None:
                 module.conv1d.bias.zero_()
-        elif isinstance(module, GatedDeltaNet):
-            a = torch.empty(module.num_v_heads).uniform_(1.0, 16.0, generator=_generator(seed, f"{full}.A_log"))
+        elif isinstance(module, (GatedDeltaNet, KimiDeltaAttention)):
+            # A ∈ [1, 16] per head (flash-linear-attention's initialisation), Δ's bias 1.
+            heads = module.A_log.shape[0]
+            a = torch.empty(heads).uniform_(1.0, 16.0, generator=_generator(seed, f"{full}.A_log"))
             _fill(module.A_log, a.log())
             module.dt_bias.fill_(1.0)
-            w = module.conv1d.weight
-            _fill(w, _normal(w.shape, w.shape[-1] ** -0.5, seed, f"{full}.conv1d.weight"))
+            convs = ("conv1d",) if isinstance(module, GatedDeltaNet) else ("q_conv1d", "k_conv1d", "v_conv1d")
+            for conv in convs:
+                w = getattr(module, conv).weight
+                _fill(w, _normal(w.shape, w.shape[-1] ** -0.5, seed, f"{full}.{conv}.weight"))
         elif isinstance(module, MoE) and module.expert_bias is not None:
             module.expert_bias.zero_()  # aux-loss-free balancing starts unbiased
         elif isinstance(module, GroupedExperts):

@@ -26,16 +26,22 @@ from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Ll
                                    YarnRopeScaling, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
 from moetrain.model.gated_deltanet import GatedDeltaNet, delta_rule
+from moetrain.model.kda import KimiDeltaAttention, kda_rule
 from moetrain.model.mamba2 import Mamba2, ssd_scan
 from moetrain.model.mla import MLAttention
 from moetrain.model.moe import MoE, TokenMask
 from moetrain.model.recompute import recompute_context
 
 
+# The token mixers that carry a state along the sequence (no positions, no attention kernel).
+RECURRENT = (GatedDeltaNet, KimiDeltaAttention, Mamba2)
+
+
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE.
-    ``attention`` is the block's token mixer: attention (GQA or MLA), or gated DeltaNet or
-    Mamba-2 where ``model.layer_types`` says ``linear_attention`` or ``mamba``."""
+    ``attention`` is the block's token mixer: attention (GQA or MLA), or gated DeltaNet, Kimi
+    Delta Attention or Mamba-2 where ``model.layer_types`` says ``linear_attention``, ``kda`` or
+    ``mamba``."""
 
     def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
@@ -43,7 +49,7 @@ class Block(nn.Module):
         zc = m.zero_centered_norm
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps, zc)
         window = m.window_of(layer)
-        self.attention: Attention | MLAttention | GatedDeltaNet | Mamba2
+        self.attention: Attention | MLAttention | GatedDeltaNet | KimiDeltaAttention | Mamba2
         if m.layer_type(layer) == "mamba":
             self.attention = Mamba2(m.hidden, m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups,
                                     m.conv_kernel, m.use_conv_bias, m.norm_eps, m.mamba_chunk_size, m.time_step_min)
@@ -53,6 +59,10 @@ class Block(nn.Module):
                                            m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim,
                                            m.norm_eps, m.linear_chunk_size)
             self.attention.rule = delta_rule(m.linear_attention_backend)
+        elif m.layer_type(layer) == "kda":
+            self.attention = KimiDeltaAttention(m.hidden, m.linear_num_key_heads, m.linear_key_head_dim,
+                                                m.linear_conv_kernel_dim, m.norm_eps, m.linear_chunk_size)
+            self.attention.rule = kda_rule(m.linear_attention_backend)
         elif m.attention == "mla":
             self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
                                          m.qk_rope_head_dim, m.v_head_dim, mla_scale(m), m.norm_eps, window,
@@ -91,7 +101,7 @@ class Block(nn.Module):
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
-        if isinstance(self.attention, (GatedDeltaNet, Mamba2)):  # no positions: its state orders the tokens
+        if isinstance(self.attention, RECURRENT):  # no positions: its state orders the tokens
             h = x_BSD + self.attention(self.attention_norm(x_BSD), doc)
         else:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
@@ -228,6 +238,8 @@ class Transformer(nn.Module):
         else:
             rope_positions = positions
         cos, sin = rope_cos_sin(rope_positions, self.rotary_dim, self.rope_theta, self.rope_scaling)
+        if not self.model_cfg.rope:  # NoPE: the rotation by angle 0 is the identity, exactly
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         tokens = TokenMask.from_padding(padding.to(h.device), positions) if padding is not None else None
         for block in self.layers.values():
             h = block(h, cos, sin, doc, tokens)

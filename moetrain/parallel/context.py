@@ -434,11 +434,12 @@ class HeadAllToAll:
 
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq_len: int) -> None:
     """Run every attention of ``model`` (a :class:`moetrain.model.transformer.Transformer`
-    or a pipeline part of one) as ring attention over ``group``, every gated-DeltaNet or Mamba-2
+    or a pipeline part of one) as ring attention over ``group``, every gated-DeltaNet, KDA or Mamba-2
     layer on the whole sequence of some of its heads / groups (:class:`HeadAllToAll`), and give RoPE the global
     positions of this rank's two chunks. The data loader must hand this rank the same chunks
     (:func:`cp_shard` along the sequence)."""
     from moetrain.model.gated_deltanet import GatedDeltaNet
+    from moetrain.model.kda import KimiDeltaAttention
     from moetrain.model.layers import Attention
     from moetrain.model.mamba2 import Mamba2
     from moetrain.model.mla import MLAttention
@@ -448,7 +449,7 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq
     for module in model.modules():
         if isinstance(module, (Attention, MLAttention)):
             module.kernel = kernel
-        elif isinstance(module, (GatedDeltaNet, Mamba2)):
+        elif isinstance(module, (GatedDeltaNet, KimiDeltaAttention, Mamba2)):
             module.context = heads
     cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     model.positions = cp_positions(seq_len, cp_rank, cp_size)

@@ -27,6 +27,9 @@ gated DeltaNet         PrepareModuleInput           as attention, on ``attention
 (``attention``)        + Colwise / Rowwise          in_proj_ba Colwise (rows grouped by key head: Hk/t key heads
                                                     and their value heads), conv1d, A_log, dt_bias Shard(0),
                                                     out_proj Rowwise; the gated norm's weight replicated
+KDA (``attention``)    PrepareModuleInput (local)   x gathered as attention, local; q/k/v/b/f_b/g_b_proj Colwise
+                       + Colwise / Rowwise          (H/t heads), the three convolutions, A_log, dt_bias Shard(0),
+                                                    o_proj Rowwise; f_a_proj, g_a_proj, o_norm replicated
 feed_forward           PrepareModuleInput           as attention
 feed_forward.w1/w3     ColwiseParallel              weight Shard(0) over F
 feed_forward.w2        RowwiseParallel              weight Shard(1); out ``seq``
@@ -90,6 +93,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from moetrain.config import Config
 from moetrain.model.gated_deltanet import GatedDeltaNet
+from moetrain.model.kda import KimiDeltaAttention
 from moetrain.model.layers import QKNormParallel
 from moetrain.model.mamba2 import Mamba2
 from moetrain.model.mla import MLAttention
@@ -187,7 +191,17 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
         if sequence_parallel:
             plan[f"{prefix}.attention_norm"] = SequenceParallel()
             plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-        if isinstance(block.attention, (GatedDeltaNet, Mamba2)):
+        if isinstance(block.attention, KimiDeltaAttention):
+            # KDA: the whole (gathered) sequence, this rank's heads. Local input, as MLA's: the
+            # rank-R down-projections of the gates (f_a_proj, g_a_proj) are plain, whole on every
+            # rank, and each column-parallel projection sums its own input gradient over tp.
+            plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None),
+                                                             desired_input_layouts=(Replicate(), None),
+                                                             use_local_output=True)
+            for proj in ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj"):
+                plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
+            plan[f"{prefix}.attention.o_proj"] = RowwiseParallel(output_layouts=seq)
+        elif isinstance(block.attention, (GatedDeltaNet, Mamba2)):
             # Gated DeltaNet / Mamba-2: the whole (gathered) sequence, this rank's key heads or
             # groups (the projections' rows grouped by them), the output summed back over tp.
             plan[f"{prefix}.attention"] = PrepareModuleInput(input_layouts=(seq, None),
@@ -213,7 +227,7 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
                                                              desired_input_layouts=(Replicate(), None, None))
             for proj in ("wq", "wk", "wv"):
                 plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
-        if not isinstance(block.attention, (GatedDeltaNet, Mamba2)):
+        if not isinstance(block.attention, (GatedDeltaNet, KimiDeltaAttention, Mamba2)):
             plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
         if block.moe is not None:
             # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
@@ -259,6 +273,9 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
         per_head = None
         if isinstance(attn, GatedDeltaNet):
             per_head = ((attn.conv1d, "weight"), (attn, "A_log"), (attn, "dt_bias"))
+        elif isinstance(attn, KimiDeltaAttention):
+            per_head = ((attn.q_conv1d, "weight"), (attn.k_conv1d, "weight"), (attn.v_conv1d, "weight"),
+                        (attn, "A_log"), (attn, "dt_bias"))
         elif isinstance(attn, Mamba2):
             per_head = ((attn.conv1d, "weight"), (attn.conv1d, "bias"), (attn, "A_log"), (attn, "dt_bias"),
                         (attn, "D"), (attn.norm, "weight"))

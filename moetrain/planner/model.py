@@ -10,7 +10,8 @@ from a moetrain config): a two-matrix GELU MLP (GPT-3, MPT). moetrain's own conf
 a stated head dim (Qwen3, GPT-OSS), multi-head latent attention with its low-rank projections
 and separate value head dim (DeepSeek-V3), sliding-window layers (GPT-OSS), multi-token
 prediction modules (DeepSeek-V3), gated-DeltaNet blocks (Qwen3-Next: ``linear_layers`` of the
-L, their projections, convolution and chunked delta rule counted per token, :meth:`linear_flops`)
+L, their projections, convolution and chunked delta rule counted per token, :meth:`linear_flops`),
+Kimi Delta Attention blocks (Kimi Linear: ``kda_layers``, :attr:`kda_params`, :meth:`kda_flops`)
 and Mamba-2 blocks (``mamba_layers``: :attr:`mamba_params`, :meth:`mamba_flops`),
 which the published runs state the same way. Where a quantity is per layer (the token mixer's
 parameters and FLOPs), it is the mean over the layers of their kinds; context parallelism's
@@ -99,6 +100,9 @@ class ModelShape:
     linear_v_dim: int = 0
     linear_conv: int = 0
     linear_chunk: int = 64
+    # Kimi Delta Attention blocks (model.layer_types kda): linear_k_heads heads of linear_k_dim,
+    # linear_conv and linear_chunk as gated DeltaNet's
+    kda_layers: int = 0
     gate_width: int = 0                       # extra query-projection outputs of a gated attention
     # Mamba-2 blocks (model.layer_types mamba): heads, head dim, state size, groups, convolution
     # width, chunk length
@@ -127,7 +131,8 @@ class ModelShape:
             attn = dict(head_dim_override=m.qk_nope_head_dim + m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                         q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_rope_dim=m.qk_rope_head_dim)
         if m.linear_attention:
-            attn.update(linear_layers=m.layer_types.count("linear_attention"), linear_k_heads=m.linear_num_key_heads,
+            attn.update(linear_layers=m.layer_types.count("linear_attention"), kda_layers=m.layer_types.count("kda"),
+                        linear_k_heads=m.linear_num_key_heads,
                         linear_v_heads=m.linear_num_value_heads, linear_k_dim=m.linear_key_head_dim,
                         linear_v_dim=m.linear_value_head_dim, linear_conv=m.linear_conv_kernel_dim,
                         linear_chunk=m.linear_chunk_size)
@@ -201,14 +206,41 @@ class ModelShape:
         h = self.hidden
         if self.is_mla:
             q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
-            return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
-        full = h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
-        if not self.linear_layers and not self.mamba_layers:
+            full = q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
+        else:
+            full = h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
+        if not self.linear_layers and not self.kda_layers and not self.mamba_layers:
             return full
         # the mean over the layers of the token mixers (rounded: a count)
-        attention = self.layers - self.linear_layers - self.mamba_layers
-        return round((full * attention + self.linear_params * self.linear_layers
-                      + self.mamba_params * self.mamba_layers) / self.layers)
+        return round((full * self.attention_layers + self.linear_params * self.linear_layers
+                      + self.kda_params * self.kda_layers + self.mamba_params * self.mamba_layers) / self.layers)
+
+    @property
+    def attention_layers(self) -> int:
+        """The layers whose token mixer is attention (not gated DeltaNet, KDA or Mamba-2)."""
+        return self.layers - self.linear_layers - self.kda_layers - self.mamba_layers
+
+    @property
+    def kda_params(self) -> int:
+        """One KDA block's token mixer (H heads of d_k): the q, k, v projections h × 3·H·d_k and
+        their convolutions, b h × H, the decay's and the output gate's bottlenecks h × d_k + d_k ×
+        H·d_k each, A_log (H), dt_bias (H·d_k), the gated norm's d_k and the output H·d_k × h."""
+        if not self.kda_layers:
+            return 0
+        H, Dk = self.linear_k_heads, self.linear_k_dim
+        w = H * Dk
+        return (self.hidden * (3 * w + H) + 3 * w * self.linear_conv + 2 * (self.hidden * Dk + Dk * w)
+                + H + w + Dk + w * self.hidden)
+
+    def kda_flops(self) -> float:
+        """Forward FLOPs per token of one KDA block's chunked delta rule (its projections are
+        matmul parameters): per head, inside its chunk of C tokens the decay-weighted q·kᵀ and
+        k·kᵀ channel by channel (3·C·d_k each: two products and a sum per channel, and the decay
+        C·d_k), the scores times the corrections (2·C·d_k) and the triangular solve (2·C·d_k);
+        across chunks the state read by the queries and the keys, and its update (3 × 2·d_k²);
+        the three convolutions 2·width per channel."""
+        C, Dk, H = self.linear_chunk, self.linear_k_dim, self.linear_k_heads
+        return float(H * (11 * C * Dk + 6 * Dk * Dk) + 2 * self.linear_conv * 3 * H * Dk)
 
     @property
     def mamba_params(self) -> int:
@@ -224,23 +256,24 @@ class ModelShape:
 
     @property
     def attention_share(self) -> float:
-        """The share of the layers whose token mixer is attention (not gated DeltaNet or Mamba-2)."""
-        return (self.layers - self.linear_layers - self.mamba_layers) / self.layers
+        """The share of the layers whose token mixer is attention (not gated DeltaNet, KDA or Mamba-2)."""
+        return self.attention_layers / self.layers
 
     def head_exchange_width(self) -> float:
         """Values per token (summed over heads) that context parallelism's head all-to-all moves
-        in one forward of a gated-DeltaNet or Mamba-2 layer, the mean over those layers: into the
+        in one forward of a gated-DeltaNet, KDA or Mamba-2 layer, the mean over those layers: into the
         recurrence what it reads (q, k, v, b, a; or x, B, C, dt) and back its output
         (:class:`moetrain.parallel.context.HeadAllToAll`); 0 without such layers."""
-        n = self.linear_layers + self.mamba_layers
+        n = self.linear_layers + self.kda_layers + self.mamba_layers
         if not n:
             return 0.0
+        kda = self.linear_k_heads * (5 * self.linear_k_dim + 1)  # q, k, v, f, b in; o back
         r = self.linear_v_heads // max(1, self.linear_k_heads)
         gdn = (self.linear_k_heads * (2 * self.linear_k_dim + r * self.linear_v_dim + 2 * r)
                + self.linear_v_heads * self.linear_v_dim)
         inner = self.mamba_heads * self.mamba_head_dim
         mamba = inner + 2 * self.mamba_groups * self.mamba_state + self.mamba_heads + inner
-        return (gdn * self.linear_layers + mamba * self.mamba_layers) / n
+        return (gdn * self.linear_layers + kda * self.kda_layers + mamba * self.mamba_layers) / n
 
     def mamba_flops(self) -> float:
         """Forward FLOPs per token of one Mamba-2 block's chunked scan (its projections are matmul
@@ -406,10 +439,9 @@ class ModelShape:
         layer attends to ``window`` keys (all of them, causal or not); a gated-DeltaNet block
         its delta rule (:meth:`linear_flops`, independent of s)."""
         full = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
-        if self.linear_layers or self.mamba_layers:
-            attention = self.layers - self.linear_layers - self.mamba_layers
-            return (full * attention + self.linear_flops() * self.linear_layers
-                    + self.mamba_flops() * self.mamba_layers) / self.layers
+        if self.linear_layers or self.kda_layers or self.mamba_layers:
+            return (full * self.attention_layers + self.linear_flops() * self.linear_layers
+                    + self.kda_flops() * self.kda_layers + self.mamba_flops() * self.mamba_layers) / self.layers
         if not self.window or not self.window_layers:
             return full
         windowed = 2.0 * min(self.window, self.seq_len) * (self.h_q + self.h_v)
