@@ -138,7 +138,9 @@ class ModelConfig:
       hidden state and the embedding of the token k ahead, through one block of the model's kind;
       they share the embedding and the output head with the model. Their mean loss, weighted by
       ``mtp_loss_coef``, adds to the objective and is logged as ``mtp_loss``; validation and
-      exports to architectures without MTP leave them out.
+      exports to architectures without MTP leave them out. In a hybrid the modules' blocks are
+      full attention (Qwen3-Next's MTP layer), their norms zero-centred with
+      ``zero_centered_norm``.
 
     Hybrid models (Qwen3-Next, :mod:`moetrain.model.gated_deltanet`; Mamba-2 as Nemotron-H has it,
     :mod:`moetrain.model.mamba2`):
@@ -1872,9 +1874,6 @@ def _check_model(cfg: Config, device: str | None) -> None:
             raise field_error("model.linear_num_value_heads", m.linear_num_value_heads, "is not a multiple of "
                               f"model.linear_num_key_heads={m.linear_num_key_heads} (each query/key head serves "
                               "whole value heads)", "use a multiple of it (Qwen3-Next: 16 key, 32 value heads)")
-        if m.mtp_depth:
-            raise field_error("model.mtp_depth", m.mtp_depth, "multi-token prediction is not built for hybrid models "
-                              "(Qwen3-Next's MTP layer differs from DeepSeek-V3's)", "set model.mtp_depth=0")
     if m.attention == "mla":
         _bounds(cfg, "model", positive="kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim q_lora_rank")
         if m.qk_rope_head_dim % 2:

@@ -104,11 +104,12 @@ HYBRID = {
 }
 
 
-def train_hybrid(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict) -> dict:
+def train_hybrid(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict,
+                 model: dict | None = None) -> dict:
     from moetrain.train.trainer import Trainer
 
-    cfg = tiny_config(data, run_dir, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"], data=data_section,
-                      train={"steps": STEPS, "grad_clip": 0.5})
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={**HYBRID["model"], **(model or {})}, moe=HYBRID["moe"],
+                      data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
     results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
 
@@ -152,6 +153,22 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
 
 
+@pytest.mark.slow
+def test_qwen3_next_mtp_trains_as_in_one_process_across_pipeline_stages(tiny_shards, tmp_path):
+    """The hybrid with Qwen3-Next's MTP module (a full-attention block, zero-centred norms) on the
+    last of two pipeline stages, dp2 × ep2 on each: equal to one process over 20 steps, the
+    module's weights included."""
+    mtp = {"mtp_depth": 1}
+    ref = run_distributed(train_hybrid, 1, str(tiny_shards), str(tmp_path / "ref"), {}, {}, mtp)[0]
+    assert any(n.startswith("mtp.") for n in ref["grads"]), "the MTP module must train"
+    results = run_distributed(train_hybrid, 4, str(tiny_shards), str(tmp_path / "run"),
+                              {"pp": 2, "dp": 2, "ep": 2}, {}, mtp)
+    got = {"losses": results[-1]["losses"], "grads": {}}
+    for r in results:
+        got["grads"].update(r["grads"])
+    assert_matches(got, ref)
+
+
 @pytest.mark.parametrize("parallel, field, why", [
     ({"tp": 4}, "parallel.tp = 4", r"model.linear_num_key_heads=2 over the tp ranks"),
     ({"cp": 4}, "parallel.cp = 4", r"the 2 key heads of a tp rank"),
@@ -174,6 +191,9 @@ def test_the_planner_counts_the_hybrids_parameters_and_flops(tmp_path):
     cfg = tiny_config(tmp_path, tmp_path, model=model, moe={**HYBRID["moe"], "shared_expert_gate": False})
     shape = ModelShape.from_config(cfg)
     assert shape.total_params == sum(p.numel() for p in Transformer.from_config(cfg).parameters())
+    with_mtp = cfg.replace(model={"mtp_depth": 1})  # a full-attention block (not the mean mixer's)
+    assert ModelShape.from_config(with_mtp).total_params == sum(
+        p.numel() for p in Transformer.from_config(with_mtp).parameters())
     long = ModelShape.from_config(cfg.replace(model={"seq_len": 4096}))
     assert long.linear_flops() == shape.linear_flops()
     all_attention = ModelShape.from_config(cfg.replace(model={"seq_len": 4096, "layer_types": []}))

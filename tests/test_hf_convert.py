@@ -531,3 +531,99 @@ def test_mxfp4_checkpoint_imports_exactly(tmp_path, caplog):
     for name, want in expected.items():
         assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], want), name
     assert cfg.model.attention_sinks
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_mtp(tmp_path_factory) -> dict:
+    """A tiny Qwen3-Next checkpoint with its MTP module as the published ones carry it (transformers
+    builds none): ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, one
+    full-attention MoE decoder layer ``mtp.layers.0.*`` and ``mtp.norm``, zero-centred norms."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("qwen3-next-mtp")
+    hf_dir = root / "hf"
+    hf = build_hf_model("qwen3_next", hf_dir, seed=13)
+    L, D = hf.config.num_hidden_layers, hf.config.hidden_size
+    g = torch.Generator().manual_seed(14)
+    mtp = {}
+    for name, t in _read_all(hf_dir).items():  # the last block is full attention with an MoE
+        if name.startswith(f"model.layers.{L - 1}."):
+            mtp[name.replace(f"model.layers.{L - 1}.", "mtp.layers.0.")] = (
+                0.3 * torch.randn(t.shape, generator=g) if "norm" in name else 0.15 * torch.randn(t.shape, generator=g))
+    mtp |= {f"mtp.{n}.weight": 0.3 * torch.randn(D, generator=g) for n in ("pre_fc_norm_embedding",
+                                                                           "pre_fc_norm_hidden", "norm")}
+    mtp["mtp.fc.weight"] = 0.15 * torch.randn(D, 2 * D, generator=g)
+    save_file(mtp, str(hf_dir / "model-mtp.safetensors"))
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1,
+                                                    "mtp_use_dedicated_embeddings": False}))
+    cfg = import_hf(hf_dir, root / "weights", progress=False, mtp_depth=1)
+    export_hf(root / "weights", root / "export", progress=False)
+    return {"hf": hf, "hf_dir": hf_dir, "cfg": cfg, "weights": root / "weights", "export": root / "export",
+            "mtp": mtp, "root": root}
+
+
+def test_qwen3_next_mtp_imports_and_exports_under_its_names(qwen3_next_mtp, tmp_path):
+    c = qwen3_next_mtp
+    assert c["cfg"].model.mtp_depth == 1
+    before, after = _read_all(c["hf_dir"]), _read_all(c["export"])
+    assert before.keys() == after.keys()
+    for name, t in before.items():
+        assert torch.equal(t, after[name]), name
+    assert json.loads((c["export"] / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    # Without mtp_depth the module is left behind; two modules' shared fc is refused by name.
+    assert import_hf(c["hf_dir"], tmp_path / "plain", progress=False).model.mtp_depth == 0
+    with pytest.raises(UnsupportedModel, match="mtp_num_hidden_layers = 1: mtp_depth 2 asks for more"):
+        import_hf(c["hf_dir"], tmp_path / "two", progress=False, mtp_depth=2)
+
+
+def test_qwen3_next_mtp_logits_equal_its_definition_with_transformers_layer(qwen3_next_mtp):
+    """The module's logits at position i: the head on mtp.norm of transformers' own full-attention
+    decoder layer (holding mtp.layers.0's weights) applied to fc[norm_e(Emb(t_{i+1}));
+    norm_h(h_i)], the norms zero-centred, h the main model's last block output — within 1e-5."""
+    from moetrain.model.transformer import future_tokens
+
+    c, hf = qwen3_next_mtp, qwen3_next_mtp["hf"]
+    L = hf.config.num_hidden_layers
+    ours = moetrain_model(c["cfg"], c["weights"]).train()
+    inputs, targets = tokens(4)
+    for moe in ours.moe_layers().values():
+        moe.begin_step(1)
+    logits = ours(inputs, future=future_tokens(targets, 1))
+
+    # The reference layer: block L of an (L + 1)-block Qwen3-Next holding the module's layer.
+    from safetensors.torch import save_file
+
+    big_dir = c["root"] / "big"
+    big_dir.mkdir()
+    weights = {k.replace("mtp.layers.0.", f"model.layers.{L}."): v for k, v in _read_all(c["hf_dir"]).items()
+               if not k.startswith("mtp.") or k.startswith("mtp.layers.")}
+    save_file(weights, str(big_dir / "model.safetensors"))
+    config = json.loads((c["hf_dir"] / "config.json").read_text())
+    (big_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": L + 1,
+                                                     "layer_types": config["layer_types"] + ["full_attention"],
+                                                     "mtp_num_hidden_layers": 0}))
+    big = AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    captured = {}
+    hf.model.layers[L - 1].register_forward_hook(lambda m, a, out: captured.update(h=out[0] if isinstance(out, tuple)
+                                                                                     else out))
+    w, eps = c["mtp"], hf.config.rms_norm_eps
+
+    def norm(x, name):  # Qwen3-Next's zero-centred RMSNorm
+        return F.rms_norm(x, (x.shape[-1],), 1.0 + w[f"mtp.{name}.weight"], eps)
+
+    with torch.no_grad():
+        main = hf(inputs).logits
+        h, e = captured["h"], hf.model.embed_tokens(targets)
+        x = F.linear(torch.cat([norm(e, "pre_fc_norm_embedding"), norm(h, "pre_fc_norm_hidden")], -1),
+                     w["mtp.fc.weight"])
+        S = x.shape[1]
+        pos = torch.arange(S)[None]
+        mask = torch.full((S, S), float("-inf")).triu(1)[None, None]
+        x = big.model.layers[L](x, attention_mask=mask, position_ids=pos,
+                                position_embeddings=big.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        ref = hf.lm_head(norm(x, "norm"))
+    assert rel(logits[:, :, 0], main) <= 1e-5
+    assert rel(logits[:, :, 1], ref) <= 1e-5
+    assert rel(logits[:, :, 1], main) > 1e-2  # the module's prediction is its own

@@ -26,7 +26,8 @@ GptOssForCausalLM           gpt_oss      attention sinks; sliding window on alte
 Qwen3NextForCausalLM        qwen3_next   hybrid: gated DeltaNet (``linear_attention``) and gated attention
                                          (``full_attention``) blocks from layer_types, the linear_* shapes;
                                          zero-centred RMSNorms; per-head q/k norm; partial rotary; a gated
-                                         shared expert; dense blocks from decoder_sparse_step / mlp_only_layers
+                                         shared expert; dense blocks from decoder_sparse_step / mlp_only_layers;
+                                         its MTP module (``mtp.*``, one layer) when asked for (``mtp_depth``)
 KimiLinearForCausalLM       kimi_linear  hybrid: Kimi Delta Attention (``kda``; HF ``linear_attention``) and MLA
                                          without RoPE (``model.rope: false``) blocks from layer_types (or
                                          linear_attn_config's 1-indexed kda_layers / full_attn_layers); the
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, QWEN_MOE, Names
+from moetrain.hf.tensors import DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, QWEN3_NEXT_NAMES, QWEN_MOE, Names
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -126,7 +127,8 @@ GLM4_MOE = Architecture("Glm4MoeForCausalLM", "glm4_moe", DEEPSEEK_MOE, _COMMON 
 GPT_OSS = Architecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_MOE, _COMMON | {
     "num_local_experts", "num_experts_per_tok", "attention_bias", "layer_types", "sliding_window", "swiglu_alpha",
     "swiglu_limit", "quantization_config"}, default_theta=150000.0)
-QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", "qwen3_next", QWEN_MOE, _COMMON | {
+QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", "qwen3_next", QWEN3_NEXT_NAMES, _COMMON | {
+    "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers", "layer_types", "attention_bias", "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval"})
@@ -295,7 +297,7 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0)
     elif arch is QWEN3_NEXT:
-        _read_qwen3_next(r, model, moe)
+        _read_qwen3_next(r, model, moe, mtp_depth)
     elif arch is KIMI_LINEAR:
         _read_kimi_linear(r, model, moe)
     elif arch in (QWEN3_MOE, QWEN2_MOE):
@@ -367,10 +369,22 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
     return arch, model, moe
 
 
-def _read_qwen3_next(r: _Reader, model: dict, moe: dict) -> None:
+def _read_qwen3_next(r: _Reader, model: dict, moe: dict, mtp_depth: int = 0) -> None:
     """Qwen3-Next: the blocks' token mixers from ``layer_types`` (or every
     ``full_attention_interval``-th block full attention), the gated-DeltaNet shapes, gated
-    attention with per-head q/k norm, zero-centred norms, and Qwen2-MoE's gated shared expert."""
+    attention with per-head q/k norm, zero-centred norms, and Qwen2-MoE's gated shared expert;
+    its MTP module when asked for (one: with several decoder layers the module shares its fc and
+    norms between them, which moetrain's modules do not)."""
+    available = int(r.get("mtp_num_hidden_layers", 0) or 0)
+    if mtp_depth > available:
+        raise r.refuse("mtp_num_hidden_layers", available, f"mtp_depth {mtp_depth} asks for more MTP layers")
+    if mtp_depth > 1:
+        raise r.refuse("mtp_num_hidden_layers", available, "its MTP layers share one fc and its norms; moetrain maps "
+                                                          "one (mtp_depth 1)")
+    if mtp_depth:
+        r.expect("mtp_use_dedicated_embeddings", lambda v: not v, False,
+                 "an MTP module with its own embedding is not mapped (moetrain's share the model's)")
+    model["mtp_depth"] = mtp_depth
     r.expect("attention_bias", lambda v: not v, False, "q/k/v/o biases are not part of Qwen3-Next's mapping")
     layers = model["layers"]
     types = r.get("layer_types", None)
@@ -546,7 +560,8 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     need("model.partial_rotary_factor", m.partial_rotary_factor,
          m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT),
          "rotates whole heads")
-    need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like and not kimi,
+    need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like and not kimi or next_ and m.mtp_depth == 1,
+         "maps one MTP module (its layers share one fc and norms)" if next_ else
          "has no multi-token prediction (leave it out: export with model.mtp_depth=0 in the config)")
     need("moe.router_bias", moe.router_bias, moe.router_bias == gpt_oss and moe.expert_biases == gpt_oss,
          "has router and expert biases" if gpt_oss else "has no router or expert biases")
@@ -638,6 +653,8 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
                        linear_conv_kernel_dim=m.linear_conv_kernel_dim, attention_bias=False,
                        shared_expert_intermediate_size=moe.shared_hidden)
             out.pop("full_attention_interval", None)
+            out["mtp_num_hidden_layers"] = m.mtp_depth
+            out.setdefault("mtp_use_dedicated_embeddings", False)
         else:
             out["use_sliding_window"] = False
             out.pop("layer_types", None)

@@ -48,7 +48,7 @@ import torch
 import yaml
 
 from moetrain.config import Config, ConfigError, config_from_dict, to_dict
-from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, Architecture, architecture_for, choose_architecture,
+from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT, Architecture, architecture_for, choose_architecture,
                               from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
@@ -162,7 +162,8 @@ def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config) -> None:
     mtp_left_out = "|".join(rf"model\.layers\.{i}\..*" for i in range(cfg.model.layers + cfg.model.mtp_depth,
                                                                         cfg.model.layers + 16))
     ignorable = re.compile(r".*rotary_emb\.inv_freq$" + (r"|lm_head\.weight$" if cfg.model.tie_embeddings else "")
-                           + (f"|{mtp_left_out}" if mtp_left_out else ""))
+                           + (f"|{mtp_left_out}" if mtp_left_out else "")
+                           + (r"|mtp\..*" if not cfg.model.mtp_depth else ""))  # Qwen3-Next's MTP module
     unexpected = sorted(n for n in have - want if not ignorable.match(n))
     if missing:
         raise WeightsError(f"{hf.dir}: {len(missing)} tensors of this architecture are missing, e.g. {missing[0]}")
@@ -308,7 +309,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
     if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:
         log.warning("moe.capacity_factor = %s: the exported model routes dropless, as inference engines do",
                     cfg.moe.capacity_factor)
-    if cfg.model.mtp_depth and arch not in (DEEPSEEK_V3, GLM4_MOE):
+    if cfg.model.mtp_depth and arch not in (DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT):
         # A training aid that inference does not need: left out, as DeepSeek-V3 leaves it out of
         # the models it serves.
         log.warning("model.mtp_depth = %d: %s has no multi-token-prediction layers; the export leaves the %d MTP "

@@ -64,12 +64,16 @@ class Names:
     shared: str = "shared_expert"
     experts: str = "per_expert"
     dense: str = "mlp"  # the dense blocks' MLP
+    # the multi-token-prediction modules: "deepseek" (blocks after the last, model.layers.{L}.*,
+    # DeepSeek-V3's and GLM-4.5's) or "qwen3_next" (mtp.fc, mtp.pre_fc_norm_*, mtp.layers.{k}.*)
+    mtp: str = "deepseek"
 
 
 MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
 QWEN_MOE = Names("mlp", "gate")
 DEEPSEEK_MOE = Names("mlp", "gate", shared="shared_experts")
 GPT_OSS_MOE = Names("mlp", "router", experts="fused")
+QWEN3_NEXT_NAMES = Names("mlp", "gate", mtp="qwen3_next")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
 
 
@@ -226,7 +230,7 @@ def tensor_maps(cfg: Config, names: Names, rope_interleaved: bool = False) -> li
     (``model.rope: false``, Kimi Linear), which leaves the rows' order free."""
     m = cfg.model
     rope_interleaved = rope_interleaved or not m.rope
-    mtp = [f"model.layers.{m.layers + k}" for k in range(m.mtp_depth)]
+    mtp = [f"model.layers.{m.layers + k}" for k in range(m.mtp_depth)] if names.mtp == "deepseek" else []
     maps = [TensorMap("tok_embeddings.weight", "model.embed_tokens.weight", "copy", (m.vocab_size, m.hidden),
                       also=tuple(f"{L}.embed_tokens.weight" for L in mtp))]
     for i in range(m.layers):
@@ -236,6 +240,15 @@ def tensor_maps(cfg: Config, names: Names, rope_interleaved: bool = False) -> li
         maps.append(TensorMap("output.weight", "lm_head.weight", "copy", (m.vocab_size, m.hidden),
                               also=tuple(f"{L}.shared_head.head.weight" for L in mtp)))
     D = m.hidden
+    if names.mtp == "qwen3_next":  # one module: its fc and norms, then its decoder layer
+        for k in range(m.mtp_depth):
+            ours = f"mtp.{m.layers + k}"
+            maps += [TensorMap(f"{ours}.enorm.weight", "mtp.pre_fc_norm_embedding.weight", "copy", (D,)),
+                     TensorMap(f"{ours}.hnorm.weight", "mtp.pre_fc_norm_hidden.weight", "copy", (D,)),
+                     TensorMap(f"{ours}.eh_proj.weight", "mtp.fc.weight", "copy", (D, 2 * D)),
+                     *_block_maps(cfg, f"{ours}.block", f"mtp.layers.{k}", m.layers + k, names, rope_interleaved),
+                     TensorMap(f"{ours}.norm.weight", "mtp.norm.weight", "copy", (D,))]
+        return maps
     for k in range(m.mtp_depth):
         L = m.layers + k
         ours, hf = f"mtp.{L}", f"model.layers.{L}"

@@ -137,11 +137,12 @@ class MTPModule(nn.Module):
 
     def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
-        self.enorm = RMSNorm(m.hidden, m.norm_eps)
-        self.hnorm = RMSNorm(m.hidden, m.norm_eps)
+        zc = m.zero_centered_norm  # Qwen3-Next's module scales its norms by 1 + weight, as its blocks
+        self.enorm = RMSNorm(m.hidden, m.norm_eps, zc)
+        self.hnorm = RMSNorm(m.hidden, m.norm_eps, zc)
         self.eh_proj = Linear(2 * m.hidden, m.hidden, bias=False)
         self.block = Block(m, moe, layer, dispatch_wire)
-        self.norm = RMSNorm(m.hidden, m.norm_eps)
+        self.norm = RMSNorm(m.hidden, m.norm_eps, zc)
 
     def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:

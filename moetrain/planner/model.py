@@ -203,17 +203,22 @@ class ModelShape:
         r_kv × a·(d_n + d_v) and the output a·d_v × h."""
         if self.attn_params_override is not None:
             return self.attn_params_override
-        h = self.hidden
-        if self.is_mla:
-            q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
-            full = q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
-        else:
-            full = h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
+        full = self.full_attn_params
         if not self.linear_layers and not self.kda_layers and not self.mamba_layers:
             return full
         # the mean over the layers of the token mixers (rounded: a count)
         return round((full * self.attention_layers + self.linear_params * self.linear_layers
                       + self.kda_params * self.kda_layers + self.mamba_params * self.mamba_layers) / self.layers)
+
+    @property
+    def full_attn_params(self) -> int:
+        """One attention layer's projections (GQA or MLA, as :attr:`attn_params` describes), what
+        a hybrid's attention blocks and every MTP module's block hold."""
+        h = self.hidden
+        if self.is_mla:
+            q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
+            return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
+        return h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
 
     @property
     def attention_layers(self) -> int:
@@ -402,8 +407,11 @@ class ModelShape:
 
     def mtp_params(self) -> tuple[int, int]:
         """(dense, expert) parameters of the ``mtp_depth`` MTP modules: each a block, the
-        projection W [h × 2h] and three norms (DeepSeek-V3 §2.2); embedding and head shared."""
+        projection W [h × 2h] and three norms (DeepSeek-V3 §2.2); embedding and head shared. Their
+        blocks are attention in a hybrid too (Qwen3-Next's MTP layer)."""
         d, e = self.layer_params(self.mtp_moe)
+        if self.attn_params_override is None:
+            d += self.full_attn_params - self.attn_params
         return self.mtp_depth * (d + 2 * self.hidden * self.hidden + 3 * self.hidden), self.mtp_depth * e
 
     @property
