@@ -88,7 +88,8 @@ class ModelConfig:
     evenly over tp). ``seq_len``: tokens per sample. ``rope_theta``: RoPE base (Su et al. 2021).
     ``rope``: ``false`` leaves the attention layers without positional encoding (NoPE, Kazemnejad
     et al. 2023: the causal mask and, in hybrids, the recurrent layers order the tokens), as Kimi
-    Linear's MLA layers have it.
+    Linear's MLA layers and Nemotron-H's attention have it. ``mlp_activation``: the dense MLP's —
+    ``swiglu`` (three matrices) or ``relu2``, relu(x w1)² then w2 (non-gated, Nemotron-H's).
     ``init_std``: std of the normal initialisation; output projections are scaled by
     1/sqrt(2·layers) (GPT-2 §2.3). ``attention_backend``: the core-attention kernel —
     ``sdpa`` (``F.scaled_dot_product_attention``; the reference, every device), ``flash``
@@ -150,6 +151,11 @@ class ModelConfig:
       Delta Attention, Kimi Team 2025: the gated delta rule with a decay per key channel;
       :mod:`moetrain.model.kda`) or ``mamba`` (Mamba-2, Dao & Gu 2024; :mod:`moetrain.model.mamba2`);
       empty: every block ``full_attention``. Its length is ``layers``.
+    * ``hybrid_override_pattern``: blocks of one sublayer each (Nemotron-H's layers), one symbol
+      per block as Megatron-Core's hybrid models write them — ``M`` Mamba-2, ``*`` attention,
+      ``-`` a dense MLP, ``E`` an MoE — each ``x + sublayer(RMSNorm(x))``; e.g. ``M-M*-ME`` (its
+      length is ``layers``; ``layer_types``, ``moe.every`` and ``moe.first_dense`` stay unset: the
+      pattern says where the MoE blocks are). Empty: every block has a token mixer and an MLP.
     * the Mamba-2 layers' shape, Nemotron-H's names: ``mamba_num_heads``, ``mamba_head_dim`` (P),
       ``ssm_state_size`` (N), ``n_groups`` (groups of heads sharing B and C), ``conv_kernel`` (the
       convolution's width, tokens), ``use_conv_bias``, ``time_step_min`` (Δ's lower bound),
@@ -186,6 +192,7 @@ class ModelConfig:
     seq_len: int = 256
     rope_theta: float = 10000.0
     rope: bool = True
+    mlp_activation: Literal["swiglu", "relu2"] = "swiglu"
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -217,6 +224,7 @@ class ModelConfig:
     mtp_depth: int = 0
     mtp_loss_coef: float = 0.3
     layer_types: tuple[str, ...] = ()
+    hybrid_override_pattern: str = ""
     linear_num_key_heads: int = 4
     linear_num_value_heads: int = 8
     linear_key_head_dim: int = 64
@@ -237,9 +245,19 @@ class ModelConfig:
     zero_centered_norm: bool = False
 
     def layer_type(self, layer: int) -> str:
-        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention``, ``kda`` or
-        ``mamba`` (the multi-token-prediction blocks after the last one: ``full_attention``)."""
+        """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention``, ``kda``,
+        ``mamba``, or ``none`` (an MLP / MoE block of ``hybrid_override_pattern``); the
+        multi-token-prediction blocks after the last one: ``full_attention``."""
+        if layer < len(self.hybrid_override_pattern):
+            return {"M": "mamba", "*": "full_attention"}.get(self.hybrid_override_pattern[layer], "none")
         return self.layer_types[layer] if layer < len(self.layer_types) else "full_attention"
+
+    def ffn_type(self, layer: int, moe: "MoEConfig") -> str:
+        """Block ``layer``'s feed-forward sublayer: ``moe``, ``dense``, or ``none`` (a token-mixer
+        block of ``hybrid_override_pattern``)."""
+        if layer < len(self.hybrid_override_pattern):
+            return {"E": "moe", "-": "dense"}.get(self.hybrid_override_pattern[layer], "none")
+        return "moe" if moe.is_moe_layer(layer) else "dense"
 
     @property
     def linear_attention(self) -> bool:
@@ -254,7 +272,7 @@ class ModelConfig:
     @property
     def mamba(self) -> bool:
         """Some block mixes its tokens with Mamba-2."""
-        return "mamba" in self.layer_types
+        return "mamba" in self.layer_types or "M" in self.hybrid_override_pattern
 
     @property
     def resolved_head_dim(self) -> int:
@@ -321,7 +339,8 @@ class MoEConfig:
     to the choice scores (DeepSeek-V3's ``e_score_correction_bias``; ``bias_update_rate`` > 0
     trains it, else it stays as imported). ``router_bias``: a learned bias of the router's
     projection (GPT-OSS). ``expert_biases``: biases on every expert's projections (GPT-OSS).
-    ``activation``: ``swiglu`` silu(x w1)·(x w3), or ``clamped_swiglu`` (GPT-OSS):
+    ``activation``: ``swiglu`` silu(x w1)·(x w3), ``relu2`` relu(x w1)² with no w3 (non-gated
+    experts and shared experts, Nemotron-H's: So et al. 2021, "Primer" §3), or ``clamped_swiglu`` (GPT-OSS):
     g = min(x w1, limit), u = clamp(x w3, ±limit), g·sigmoid(``swiglu_alpha``·g)·(u + 1) with
     limit = ``swiglu_limit``.
 
@@ -361,7 +380,7 @@ class MoEConfig:
     routing_bias: bool = False
     router_bias: bool = False
     expert_biases: bool = False
-    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    activation: Literal["swiglu", "clamped_swiglu", "relu2"] = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     dispatch_dtype: Literal["auto", "bf16", "fp8"] = "auto"
@@ -1497,7 +1516,7 @@ class LayoutFacts:
 
 def _has_dense_layers(cfg: "Config") -> bool:
     try:
-        return not all(cfg.moe.is_moe_layer(i) for i in range(cfg.model.layers))
+        return any(cfg.model.ffn_type(i, cfg.moe) == "dense" for i in range(cfg.model.layers))
     except (ZeroDivisionError, ValueError):  # moe.every out of bounds: _check_moe names it
         return True
 
@@ -1840,6 +1859,29 @@ def _check_model(cfg: Config, device: str | None) -> None:
     if m.sliding_window is not None and m.sliding_window < 1:
         raise field_error("model.sliding_window", m.sliding_window, "must be at least 1", "use null or e.g. 128")
     _bounds(cfg, "model", positive="window_every", non_negative="mtp_depth mtp_loss_coef")
+    if m.hybrid_override_pattern:
+        p = m.hybrid_override_pattern
+        bad_symbols = sorted(set(p) - set("M*-E"))
+        if bad_symbols:
+            raise field_error("model.hybrid_override_pattern", p, f"has the symbol {bad_symbols[0]!r}",
+                              "use M (Mamba-2), * (attention), - (dense MLP) and E (MoE), one per block")
+        if len(p) != m.layers:
+            raise field_error("model.hybrid_override_pattern", p, f"gives {len(p)} blocks, model.layers is "
+                              f"{m.layers}", f"set model.layers={len(p)}")
+        if m.layer_types:
+            raise field_error("model.layer_types", list(m.layer_types), "is set beside model.hybrid_override_pattern",
+                              "give the blocks in one of them")
+        if "E" in p and not cfg.moe.num_experts:
+            raise field_error("model.hybrid_override_pattern", p, "has MoE blocks (E) but moe.num_experts is 0",
+                              "set moe.num_experts, or use - for dense MLP blocks")
+        for name in ("every", "first_dense"):
+            if getattr(cfg.moe, name) != MoEConfig.__dataclass_fields__[name].default:
+                raise field_error(f"moe.{name}", getattr(cfg.moe, name), "does not apply beside "
+                                  "model.hybrid_override_pattern (its E blocks are the MoE ones)", "remove it")
+        if m.mtp_depth:
+            raise field_error("model.mtp_depth", m.mtp_depth, "multi-token prediction is not built for "
+                              "single-sublayer blocks (Nemotron's MTP layers have a pattern of their own)",
+                              "set model.mtp_depth=0")
     if m.layer_types:
         if len(m.layer_types) != m.layers:
             raise field_error("model.layer_types", list(m.layer_types), f"gives {len(m.layer_types)} blocks, "

@@ -15,27 +15,36 @@ from multiproc import run_distributed
 from test_equivalence import assert_matches, merged, train_and_capture
 
 
-def _experts(backend: str) -> GroupedExperts:
-    ex = GroupedExperts(16, 24, 4, backend=backend)
+def _experts(backend: str, activation: str = "swiglu") -> GroupedExperts:
+    ex = GroupedExperts(16, 24, 4, backend=backend, activation=activation)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for w in (ex.w1, ex.w3, ex.w2):
-            w.copy_(torch.randn(w.shape, generator=g) * 0.2)
+            if w is not None:
+                w.copy_(torch.randn(w.shape, generator=g) * 0.2)
     return ex
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
 @pytest.mark.parametrize("counts", [[3, 0, 9, 4], [0, 0, 16, 0], [4, 4, 4, 4]], ids=["one-empty", "one-busy", "even"])
-def test_grouped_mm_equals_loop(counts):
+def test_grouped_mm_equals_loop(counts, activation):
     x = torch.randn(sum(counts), 16, generator=torch.Generator().manual_seed(1))
     dy = torch.randn(sum(counts), 16, generator=torch.Generator().manual_seed(2))
     results = {}
     for backend in ("loop", "grouped_mm"):
-        ex, xi = _experts(backend), x.clone().requires_grad_()
+        ex, xi = _experts(backend, activation), x.clone().requires_grad_()
         y = ex(xi, torch.tensor(counts))
         y.backward(dy)
-        results[backend] = [y, xi.grad, ex.w1.grad, ex.w3.grad, ex.w2.grad]
+        results[backend] = [y, xi.grad, ex.w1.grad, ex.w3.grad if ex.w3 is not None else None, ex.w2.grad]
     for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], results["grouped_mm"], results["loop"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    if activation == "relu2":  # non-gated: relu(x w1_e)² w2_e per expert, and no w3 at all
+        ex = _experts("loop", "relu2")
+        assert ex.w3 is None
+        want = torch.cat([torch.relu(xe @ ex.w1[e]).square() @ ex.w2[e]
+                          for e, xe in enumerate(torch.split(x, counts))])
+        torch.testing.assert_close(results["loop"][0], want, rtol=1e-6, atol=1e-6)
     # An empty expert gets a zero gradient from both (FSDP and the optimizer need one).
     for e, n in enumerate(counts):
         if n == 0:
@@ -85,6 +94,7 @@ PADDED_MOE = {
     "capacity": {"capacity_factor": 1.0},
     "gpt-oss": {"expert_biases": True, "router_bias": True, "activation": "clamped_swiglu"},
     "sigmoid-bias": {"score_function": "sigmoid", "bias_update_rate": 0.001, "shared_experts": 0},
+    "relu2": {"activation": "relu2"},  # non-gated experts and shared experts (Nemotron-H's)
 }
 
 

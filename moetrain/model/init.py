@@ -76,6 +76,8 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
                     b.zero_()
             for pname in ("w1", "w3", "w2"):
                 p = getattr(module, pname)
+                if p is None:  # non-gated experts have no w3
+                    continue
                 s = out_std if pname == "w2" else std
                 # This rank's experts (offset[0]: the global id of the first; ep and FSDP shard
                 # dim 0) and, under expert-tensor parallelism, its columns of each.

@@ -335,17 +335,25 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x). x: [..., D] → [..., D]."""
+    """SwiGLU MLP (Shazeer 2020): w2(silu(w1 x) * w3 x); or, with ``activation = "relu2"``, the
+    non-gated squared-ReLU MLP w2(relu(w1 x)²) (So et al. 2021, "Primer" §3; Nemotron-H's), which
+    has no w3. x: [..., D] → [..., D].
 
-    def __init__(self, dim: int, hidden: int):
+    Raises:
+        ValueError: an unknown activation."""
+
+    def __init__(self, dim: int, hidden: int, activation: str = "swiglu"):
         super().__init__()
+        if activation not in ("swiglu", "relu2"):
+            raise ValueError(f"MLP activation {activation!r}: expected swiglu or relu2")
         self.w1 = Linear(dim, hidden, bias=False)
-        self.w3 = Linear(dim, hidden, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False) if activation == "swiglu" else None
         self.w2 = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x), self.w3(x)))
+        return self.w2(self.act(self.w1(x), self.w3(x) if self.w3 is not None else None))
 
-    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) · up, on plain (local) tensors also under tensor parallelism."""
-        return F.silu(gate) * up
+    def act(self, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+        """silu(gate) · up, or relu(gate)² without ``up``, on plain (local) tensors also under
+        tensor parallelism."""
+        return F.silu(gate) * up if up is not None else F.relu(gate).square()

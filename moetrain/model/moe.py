@@ -267,6 +267,9 @@ class GroupedExperts(nn.Module):
       bf16, with moetrain's router, dispatcher and losses so results stay comparable; it takes
       the row counts as a host tensor (one read per layer per micro-batch, as ``loop``).
 
+    ``activation``: ``swiglu`` silu(x w1)·(x w3), ``clamped_swiglu`` (GPT-OSS), or ``relu2``,
+    relu(x w1)² with no w3 (non-gated experts, Nemotron-H's): two matrices per expert.
+
     Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`). With ``fp8``
     (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`, ``train.precision: fp8``) each expert's three
     GEMMs run in fp8, forward and backward, on the ``loop`` backend (per expert, so every scale
@@ -281,14 +284,16 @@ class GroupedExperts(nn.Module):
                  activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
         self.backend = backend
+        gated = activation != "relu2"
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden)) if gated else None
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         # GPT-OSS: b1, b3 [E, F], b2 [E, D].
         self.b1 = nn.Parameter(torch.empty(num_experts, hidden)) if biases else None
-        self.b3 = nn.Parameter(torch.empty(num_experts, hidden)) if biases else None
+        self.b3 = nn.Parameter(torch.empty(num_experts, hidden)) if biases and gated else None
         self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if biases else None
-        self.act = partial(clamped_swiglu, alpha=alpha, limit=limit) if activation == "clamped_swiglu" else swiglu
+        self.act = {"clamped_swiglu": partial(clamped_swiglu, alpha=alpha, limit=limit), "relu2": relu2}.get(
+            activation, swiglu)
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None,
                 padding_rows: bool = False) -> torch.Tensor:
@@ -298,7 +303,7 @@ class GroupedExperts(nn.Module):
         computed, their output is 0 and they get no gradient."""
         if self.fp8 is not None and self.backend != "loop":
             raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
-        w1, w3, w2 = (local_cast(w, self.compute_dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (local_cast(w, self.compute_dtype) if w is not None else None for w in (self.w1, self.w3, self.w2))
         b1, b3, b2 = (local_cast(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
         x_ND = x_ND.to(w1.dtype)
         if self.backend == "grouped_mm":
@@ -310,17 +315,19 @@ class GroupedExperts(nn.Module):
                 # backward, their input gradient) unwritten: select zeros there, on the device.
                 real_N = (torch.arange(x_ND.shape[0], device=x_ND.device) < offs[-1]).unsqueeze(1)
                 x_ND = torch.where(real_N, x_ND, 0)
-            gate, up = wgrad.grouped_mm(x_ND, w1, offs), wgrad.grouped_mm(x_ND, w3, offs)
+            gate = wgrad.grouped_mm(x_ND, w1, offs)
+            up = wgrad.grouped_mm(x_ND, w3, offs) if w3 is not None else None
             if b1 is not None:  # each row's expert's biases (padding rows: the last expert's, unused)
                 experts = torch.arange(len(counts_El), device=x_ND.device)
                 row = torch.repeat_interleave(experts, counts_El, output_size=x_ND.shape[0]) if not padding_rows \
                     else torch.bucketize(torch.arange(x_ND.shape[0], device=x_ND.device), offs, right=True
                                          ).clamp(max=len(counts_El) - 1)
-                gate, up = gate + b1[row], up + b3[row]
+                gate, up = gate + b1[row], up + b3[row] if b3 is not None else up
             if real_N is not None:
                 # Zeros where the activation runs on padding rows: finite values forward, and no
                 # gradient back from the rows the second GEMM's backward leaves unwritten.
-                gate, up = torch.where(real_N, gate, 0), torch.where(real_N, up, 0)
+                gate = torch.where(real_N, gate, 0)
+                up = torch.where(real_N, up, 0) if up is not None else None
             out = wgrad.grouped_mm(self.act(gate, up), w2, offs)
             out = out + b2[row] if b2 is not None else out
             return out if real_N is None else torch.where(real_N, out, 0)
@@ -332,13 +339,19 @@ class GroupedExperts(nn.Module):
             out = self.forward(x_ND[:rows], counts_El, sizes)
             return torch.cat([out, out.new_zeros(x_ND.shape[0] - rows, out.shape[1])])
         if self.backend == "megablocks":
-            return _megablocks_swiglu(x_ND, w1, w3, w2, sizes)
+            return _megablocks_experts(x_ND, w1, w3, w2, sizes)
         return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2, self.fp8)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up (Shazeer 2020)."""
     return F.silu(gate) * up
+
+
+def relu2(gate: torch.Tensor, up: None = None) -> torch.Tensor:
+    """relu(gate)², the non-gated squared ReLU (So et al. 2021, "Primer" §3; Nemotron-H's
+    experts); there is no up projection."""
+    return F.relu(gate).square()
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -359,29 +372,31 @@ def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: to
         return fp8_mm(a, b, fp8) if fp8 is not None and a.shape[0] else wgrad.mm(a, b)
 
     outs = []
-    biases = (b1.unbind(0), b3.unbind(0), b2.unbind(0)) if b1 is not None else ((None,) * len(sizes),) * 3
+    none = (None,) * len(sizes)
+    biases = (b1.unbind(0), b3.unbind(0) if b3 is not None else none, b2.unbind(0)) if b1 is not None else (none,) * 3
     # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate and
     # zero-fill a whole [El, ...] gradient per expert).
-    for x, w1_e, w3_e, w2_e, b1_e, b3_e, b2_e in zip(torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0),
-                                                     w2.unbind(0), *biases):
+    for x, w1_e, w3_e, w2_e, b1_e, b3_e, b2_e in zip(torch.split(x_ND, sizes), w1.unbind(0),
+                                                     w3.unbind(0) if w3 is not None else none, w2.unbind(0), *biases):
         # Empty groups still touch the weights so every expert gets a (zero) gradient.
-        gate, up = matmul(x, w1_e), matmul(x, w3_e)
+        gate, up = matmul(x, w1_e), matmul(x, w3_e) if w3_e is not None else None
         if b1_e is not None:
-            gate, up = gate + b1_e, up + b3_e
+            gate, up = gate + b1_e, up + b3_e if b3_e is not None else up
         out = matmul(act(gate, up), w2_e)
         outs.append(out + b2_e if b2_e is not None else out)
     return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 
 
-def _megablocks_swiglu(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                       sizes: list[int]) -> torch.Tensor:
-    """SwiGLU experts through MegaBlocks' grouped GEMM: ``gmm(a [N, K], b [El, K, M],
-    batch_sizes)`` → [N, M] with ``a``'s rows grouped by expert, batch sizes a CPU int64 tensor
-    (CUDA, bf16; differentiable)."""
+def _megablocks_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor,
+                        sizes: list[int]) -> torch.Tensor:
+    """SwiGLU (or, without w3, squared-ReLU) experts through MegaBlocks' grouped GEMM:
+    ``gmm(a [N, K], b [El, K, M], batch_sizes)`` → [N, M] with ``a``'s rows grouped by expert,
+    batch sizes a CPU int64 tensor (CUDA, bf16; differentiable)."""
     from megablocks import grouped_gemm_util as gg
 
     batch_sizes = torch.tensor(sizes, dtype=torch.int64)
-    h_NF = F.silu(gg.ops.gmm(x_ND, w1, batch_sizes)) * gg.ops.gmm(x_ND, w3, batch_sizes)
+    gate = gg.ops.gmm(x_ND, w1, batch_sizes)
+    h_NF = F.silu(gate) * gg.ops.gmm(x_ND, w3, batch_sizes) if w3 is not None else relu2(gate)
     return gg.ops.gmm(h_NF, w2, batch_sizes)
 
 
@@ -460,7 +475,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden, num_experts, biases=expert_biases, activation=activation,
                                       alpha=swiglu_alpha, limit=swiglu_limit)
         width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
-        self.shared = FeedForward(dim, width) if width else None
+        self.shared = FeedForward(dim, width, "relu2" if activation == "relu2" else "swiglu") if width else None
         self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
         self.parallel = MoEParallel(LocalDispatcher(num_experts))
         # The gradient given to the aux losses in backward: 1 / micro-batches (begin_step).

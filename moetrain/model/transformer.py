@@ -41,16 +41,21 @@ class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)); then + mlp(norm(x)) where mlp is dense or MoE.
     ``attention`` is the block's token mixer: attention (GQA or MLA), or gated DeltaNet, Kimi
     Delta Attention or Mamba-2 where ``model.layer_types`` says ``linear_attention``, ``kda`` or
-    ``mamba``."""
+    ``mamba``. A block of ``model.hybrid_override_pattern`` has one of the two sublayers (its
+    norm with it): ``attention`` and ``attention_norm`` None in an MLP / MoE block, ``moe``,
+    ``feed_forward`` and ``ffn_norm`` None in a token-mixer block."""
 
     def __init__(self, m: ModelConfig, moe: MoEConfig, layer: int, dispatch_wire: torch.dtype | None = None):
         super().__init__()
         self.layer = layer
         zc = m.zero_centered_norm
-        self.attention_norm = RMSNorm(m.hidden, m.norm_eps, zc)
+        mixer, ffn = m.layer_type(layer), m.ffn_type(layer, moe)
+        self.attention_norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps, zc) if mixer != "none" else None
         window = m.window_of(layer)
-        self.attention: Attention | MLAttention | GatedDeltaNet | KimiDeltaAttention | Mamba2
-        if m.layer_type(layer) == "mamba":
+        self.attention: Attention | MLAttention | GatedDeltaNet | KimiDeltaAttention | Mamba2 | None
+        if mixer == "none":
+            self.attention = None
+        elif mixer == "mamba":
             self.attention = Mamba2(m.hidden, m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups,
                                     m.conv_kernel, m.use_conv_bias, m.norm_eps, m.mamba_chunk_size, m.time_step_min)
             self.attention.scan = ssd_scan(m.mamba_backend)
@@ -73,10 +78,10 @@ class Block(nn.Module):
                                        m.attention_output_gate, zc)
         if isinstance(self.attention, (Attention, MLAttention)):
             self.attention.kernel = attention_kernel(m.attention_backend)
-        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, zc)
+        self.ffn_norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps, zc) if ffn != "none" else None
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
-        if moe.is_moe_layer(layer):
+        if ffn == "moe":
             self.moe = MoE(m.hidden, moe.ffn_hidden, moe.num_experts, moe.top_k, moe.shared_experts,
                            moe.aux_loss_coef, moe.z_loss_coef, moe.capacity_factor, moe.norm_topk_prob,
                            moe.score_function, moe.routed_scaling_factor, moe.bias_update_rate,
@@ -85,8 +90,8 @@ class Block(nn.Module):
                            expert_biases=moe.expert_biases, activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
                            swiglu_limit=moe.swiglu_limit,
                            dispatch_wire=dispatch_wire)
-        else:
-            self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
+        elif ffn == "dense":
+            self.feed_forward = FeedForward(m.hidden, m.ffn_hidden, m.mlp_activation)
 
         # Full activation recomputation of this block (set by moetrain.parallel.activation).
         self.recompute = False
@@ -101,13 +106,17 @@ class Block(nn.Module):
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
-        if isinstance(self.attention, RECURRENT):  # no positions: its state orders the tokens
+        if self.attention is None:
+            h = x_BSD
+        elif isinstance(self.attention, RECURRENT):  # no positions: its state orders the tokens
             h = x_BSD + self.attention(self.attention_norm(x_BSD), doc)
         else:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
         if self.moe is not None:
             return h + self.moe(self.ffn_norm(h), tokens=tokens)
-        return h + self.feed_forward(self.ffn_norm(h))
+        if self.feed_forward is not None:
+            return h + self.feed_forward(self.ffn_norm(h))
+        return h
 
 
 def mla_scale(m: ModelConfig) -> float:

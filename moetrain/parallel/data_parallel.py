@@ -126,7 +126,8 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
         if moe is not None and (tp_split or policy.param_dtype != FP32_POLICY.param_dtype):
             groups.append(([moe.router], DP_CP_TP if tp_split else DP_CP, FP32_POLICY))
         split = [m for m in (moe.shared, moe.shared_gate) if m is not None] if tp_split and moe is not None else []
-        split += [m for m in block.attention.modules() if isinstance(m, (QKNorm, GatedRMSNorm))] if tp else []
+        if tp and block.attention is not None:
+            split += [m for m in block.attention.modules() if isinstance(m, (QKNorm, GatedRMSNorm))]
         if split:
             groups.append((split, DP_CP_TP, policy))
         groups.append(([block], DP_CP, policy))  # 3. the rest of the block

@@ -94,7 +94,7 @@ from torch.distributed.tensor import distribute_tensor
 from moetrain.config import Config
 from moetrain.model.gated_deltanet import GatedDeltaNet
 from moetrain.model.kda import KimiDeltaAttention
-from moetrain.model.layers import QKNormParallel
+from moetrain.model.layers import Attention, QKNormParallel
 from moetrain.model.mamba2 import Mamba2
 from moetrain.model.mla import MLAttention
 from moetrain.model.transformer import Transformer
@@ -188,10 +188,13 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
             for norm in ("enorm", "hnorm", "norm"):
                 plan[f"mtp.{name}.{norm}"] = SequenceParallel(use_local_output=True)
     for prefix, block in blocks.items():
-        if sequence_parallel:
-            plan[f"{prefix}.attention_norm"] = SequenceParallel()
-            plan[f"{prefix}.ffn_norm"] = SequenceParallel()
-        if isinstance(block.attention, KimiDeltaAttention):
+        if sequence_parallel:  # (a block of model.hybrid_override_pattern has one of the two)
+            for norm in ("attention_norm", "ffn_norm"):
+                if getattr(block, norm) is not None:
+                    plan[f"{prefix}.{norm}"] = SequenceParallel()
+        if block.attention is None:
+            pass
+        elif isinstance(block.attention, KimiDeltaAttention):
             # KDA: the whole (gathered) sequence, this rank's heads. Local input, as MLA's: the
             # rank-R down-projections of the gates (f_a_proj, g_a_proj) are plain, whole on every
             # rank, and each column-parallel projection sums its own input gradient over tp.
@@ -227,7 +230,7 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
                                                              desired_input_layouts=(Replicate(), None, None))
             for proj in ("wq", "wk", "wv"):
                 plan[f"{prefix}.attention.{proj}"] = ColwiseParallel()
-        if not isinstance(block.attention, (GatedDeltaNet, KimiDeltaAttention, Mamba2)):
+        if isinstance(block.attention, (Attention, MLAttention)):
             plan[f"{prefix}.attention.wo"] = RowwiseParallel(output_layouts=seq)
         if block.moe is not None:
             # etp = 1: each tp rank routes its own 1/tp of the sequence. etp = tp: every tp rank
@@ -237,11 +240,12 @@ def tensor_parallel_plan(model: Transformer, sequence_parallel: bool, expert_ten
             plan[f"{prefix}.moe"] = PrepareModuleInputOutput(
                 input_layouts=(seq,), desired_input_layouts=(local,), use_local_input=True,
                 output_layouts=(local,), desired_output_layouts=(seq,), use_local_output=True)
-        else:
+        elif block.feed_forward is not None:
             plan[f"{prefix}.feed_forward"] = PrepareModuleInput(input_layouts=(seq,),
                                                                 desired_input_layouts=(Replicate(),))
             plan[f"{prefix}.feed_forward.w1"] = ColwiseParallel()
-            plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
+            if block.feed_forward.w3 is not None:  # (a non-gated MLP has none)
+                plan[f"{prefix}.feed_forward.w3"] = ColwiseParallel()
             plan[f"{prefix}.feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
     return plan
 
@@ -270,6 +274,8 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
     tp_rank, group = ps.coord(TP), ps.group(TP)
     for block in model.blocks().values():
         attn = block.attention
+        if attn is None:  # an MLP / MoE block of model.hybrid_override_pattern
+            continue
         per_head = None
         if isinstance(attn, GatedDeltaNet):
             per_head = ((attn.conv1d, "weight"), (attn, "A_log"), (attn, "dt_bias"))

@@ -208,9 +208,10 @@ def _moe_terms(shape: ModelShape, etp: int = 1, imbalance: float = 1.0) -> list[
         ("router input", 2.0 * h, "repl"),
         ("router probabilities (fp32)", 8.0 * e, "repl"),
         ("permuted tokens", 2.0 * h * k * etp, "repl"),
-        ("expert gate and up outputs (fused SwiGLU)", 4.0 * f * k, "repl"),
+        # the activation's input: gate and up (fused SwiGLU), or the up projection (squared ReLU)
+        ("expert gate and up outputs (fused SwiGLU)", 2.0 * (shape.expert_matrices - 1) * f * k, "repl"),
         ("expert outputs", 2.0 * h * k * etp, "repl"),
-        ("shared experts", 4.0 * f * shape.shared_experts, "repl"),
+        ("shared experts", 2.0 * (shape.expert_matrices - 1) * f * shape.shared_experts, "repl"),
     ]
 
 

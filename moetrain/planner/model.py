@@ -81,7 +81,8 @@ class ModelShape:
     head_dim_override: int | None = None      # query/key width per head when not hidden/heads
     v_head_dim: int | None = None             # value width per head when not the query/key one
     attn_params_override: int | None = None   # attention projection parameters per layer (MLA)
-    mlp_matrices: int = 3                     # dense MLP: 3 = SwiGLU, 2 = GELU
+    mlp_matrices: int = 3                     # dense MLP: 3 = SwiGLU, 2 = GELU or squared ReLU
+    expert_matrices: int = 3                  # each routed / shared expert: 3 = SwiGLU, 2 = squared ReLU
     window: int | None = None                 # sliding-window span (tokens) of ``window_layers`` layers
     window_layers: int = 0
     # multi-head latent attention (DeepSeek-V2 §2.1): set kv_lora_rank; head_dim_override is then
@@ -113,6 +114,10 @@ class ModelShape:
     mamba_groups: int = 1
     mamba_conv: int = 0
     mamba_chunk: int = 128
+    # single-sublayer blocks (model.hybrid_override_pattern): blocks without a token mixer (MLP /
+    # MoE blocks) and without a feed-forward sublayer (Mamba-2 / attention blocks)
+    mixer_none: int = 0
+    ffn_none: int = 0
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "ModelShape":
@@ -123,7 +128,9 @@ class ModelShape:
             vocab = DEFAULT_VOCAB
         q = m.vocab_multiple
         vocab = -(-vocab // q) * q
-        flags = tuple(moe.is_moe_layer(i) for i in range(m.layers))
+        mixers = [m.layer_type(i) for i in range(m.layers)]
+        ffns = [m.ffn_type(i, moe) for i in range(m.layers)]
+        flags = tuple(f == "moe" for f in ffns)
         windowed = sum(1 for i in range(m.layers) if m.window_of(i) is not None)
         mla = m.attention == "mla"
         attn: dict = dict(head_dim_override=m.head_dim)
@@ -131,13 +138,13 @@ class ModelShape:
             attn = dict(head_dim_override=m.qk_nope_head_dim + m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                         q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_rope_dim=m.qk_rope_head_dim)
         if m.linear_attention:
-            attn.update(linear_layers=m.layer_types.count("linear_attention"), kda_layers=m.layer_types.count("kda"),
+            attn.update(linear_layers=mixers.count("linear_attention"), kda_layers=mixers.count("kda"),
                         linear_k_heads=m.linear_num_key_heads,
                         linear_v_heads=m.linear_num_value_heads, linear_k_dim=m.linear_key_head_dim,
                         linear_v_dim=m.linear_value_head_dim, linear_conv=m.linear_conv_kernel_dim,
                         linear_chunk=m.linear_chunk_size)
         if m.mamba:
-            attn.update(mamba_layers=m.layer_types.count("mamba"), mamba_heads=m.mamba_num_heads,
+            attn.update(mamba_layers=mixers.count("mamba"), mamba_heads=m.mamba_num_heads,
                         mamba_head_dim=m.mamba_head_dim, mamba_state=m.ssm_state_size, mamba_groups=m.n_groups,
                         mamba_conv=m.conv_kernel, mamba_chunk=m.mamba_chunk_size)
         if m.attention_output_gate:  # the gate's half of the query projection
@@ -153,7 +160,9 @@ class ModelShape:
                    dispatch_fp8=dispatch_wire(moe.dispatch_dtype, cfg.train.precision) == E4M3,
                    fp8_gemms=cfg.train.precision == "fp8",
                    window=m.sliding_window if windowed else None, window_layers=windowed,
-                   mtp_depth=m.mtp_depth, **attn)
+                   mlp_matrices=2 if m.mlp_activation == "relu2" else 3,
+                   expert_matrices=2 if moe.activation == "relu2" else 3, mtp_depth=m.mtp_depth,
+                   mixer_none=mixers.count("none"), ffn_none=ffns.count("none"), **attn)
 
     # -- widths ------------------------------------------------------------------------------
     @property
@@ -204,7 +213,7 @@ class ModelShape:
         if self.attn_params_override is not None:
             return self.attn_params_override
         full = self.full_attn_params
-        if not self.linear_layers and not self.kda_layers and not self.mamba_layers:
+        if not self.linear_layers and not self.kda_layers and not self.mamba_layers and not self.mixer_none:
             return full
         # the mean over the layers of the token mixers (rounded: a count)
         return round((full * self.attention_layers + self.linear_params * self.linear_layers
@@ -222,8 +231,8 @@ class ModelShape:
 
     @property
     def attention_layers(self) -> int:
-        """The layers whose token mixer is attention (not gated DeltaNet, KDA or Mamba-2)."""
-        return self.layers - self.linear_layers - self.kda_layers - self.mamba_layers
+        """The layers whose token mixer is attention (not gated DeltaNet, KDA, Mamba-2 or none)."""
+        return self.layers - self.linear_layers - self.kda_layers - self.mamba_layers - self.mixer_none
 
     @property
     def kda_params(self) -> int:
@@ -343,17 +352,23 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        return 2 * self.hidden
+        """A layer's norms: two, or one in a single-sublayer block (the mean over the layers)."""
+        return round((2 * self.layers - self.mixer_none - self.ffn_none) * self.hidden / self.layers)
 
     @property
     def mlp_params(self) -> int:
-        """Dense MLP of one layer: SwiGLU w1, w3 (h×F) and w2 (F×h); GELU w1 and w2."""
-        return self.mlp_matrices * self.hidden * self.ffn
+        """Dense MLP of one layer: SwiGLU w1, w3 (h×F) and w2 (F×h); GELU or squared ReLU w1 and
+        w2 — the mean over the non-MoE layers where some have no MLP (single-sublayer blocks)."""
+        full = self.mlp_matrices * self.hidden * self.ffn
+        if not self.ffn_none:
+            return full
+        non_moe = self.layers - sum(self.moe_layer_flags)
+        return round(full * (non_moe - self.ffn_none) / max(1, non_moe))
 
     @property
     def expert_params(self) -> int:
         """All routed experts of one MoE layer."""
-        return self.num_experts * 3 * self.hidden * self.expert_ffn
+        return self.num_experts * self.expert_matrices * self.hidden * self.expert_ffn
 
     @property
     def router_params(self) -> int:
@@ -361,7 +376,7 @@ class ModelShape:
 
     @property
     def shared_params(self) -> int:
-        return self.shared_experts * 3 * self.hidden * self.expert_ffn
+        return self.shared_experts * self.expert_matrices * self.hidden * self.expert_ffn
 
     @property
     def embedding_params(self) -> int:
@@ -417,6 +432,14 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         n = self.embedding_params + self.hidden + sum(self.mtp_params())  # final norm, MTP
+        if self.mixer_none or self.ffn_none:  # single-sublayer blocks: each kind counted exactly
+            full = self.attn_params_override if self.attn_params_override is not None else self.full_attn_params
+            moe = sum(self.moe_layer_flags)
+            return (n + full * self.attention_layers + self.linear_params * self.linear_layers
+                    + self.kda_params * self.kda_layers + self.mamba_params * self.mamba_layers
+                    + self.mlp_matrices * self.hidden * self.ffn * (self.layers - moe - self.ffn_none)
+                    + moe * (self.router_params + self.shared_params + self.expert_params)
+                    + (2 * self.layers - self.mixer_none - self.ffn_none) * self.hidden)
         for flag in self.moe_layer_flags:
             d, e = self.layer_params(flag)
             n += d + e
@@ -436,7 +459,8 @@ class ModelShape:
         """Forward matmul FLOPs per token of one layer (2 per multiply-add)."""
         f = 2.0 * self.attn_params
         if moe:
-            f += 2.0 * self.router_params + 2.0 * 3 * self.hidden * self.expert_ffn * (self.top_k + self.shared_experts)
+            f += 2.0 * self.router_params + 2.0 * self.expert_matrices * self.hidden * self.expert_ffn * (
+                self.top_k + self.shared_experts)
         else:
             f += 2.0 * self.mlp_params
         return f
