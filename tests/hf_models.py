@@ -15,7 +15,8 @@ with the score-correction bias (randomised: it is zero in transformers' init), s
 GLM-4.5 partial rotary, q/k/v bias and q/k norm; GPT-OSS sinks, a sliding window, biases, the
 clamped SwiGLU and YaRN; Qwen3-Next gated-DeltaNet and gated-attention blocks, zero-centred norms,
 partial rotary, a gated shared expert and a dense block; Kimi Linear KDA blocks beside MLA without
-RoPE, DeepSeek-V3's group-limited routing and a dense first block.
+RoPE, DeepSeek-V3's group-limited routing and a dense first block; Nemotron-H single-sublayer
+blocks (Mamba-2, squared-ReLU MLP, attention without RoPE, MoE with squared-ReLU experts).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next",
-         "kimi_linear")
+         "kimi_linear", "nemotron_h")
 
 
 def hf_config(arch: str, **over):
@@ -93,6 +94,18 @@ def hf_config(arch: str, **over):
             num_key_value_heads=4, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3,
             layer_types=["linear_attention", "full_attention", "linear_attention"],
             mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    elif arch == "nemotron_h":
+        # Single-sublayer blocks: Mamba-2, squared-ReLU MLP, attention without RoPE, MoE (sigmoid
+        # routing with the score-correction bias, 8 experts in 2 groups, a shared expert of its own
+        # width), then Mamba-2 and MoE again; two Mamba groups of two heads.
+        cls, kw = tf.NemotronHConfig, dict(
+            layers_block_type=["linear_attention", "mlp", "full_attention", "moe", "linear_attention", "moe"],
+            head_dim=8, intermediate_size=40, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+            conv_kernel=3, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            layer_norm_epsilon=1e-6, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+        common = {k: v for k, v in COMMON.items() if k not in ("rms_norm_eps", "num_hidden_layers")}
+        return cls(**{**common, **kw, **over})
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})

@@ -252,3 +252,32 @@ def test_multi_token_prediction_blocks_are_full_attention_beside_layer_types(tmp
 
     cfg = tiny_config(tmp_path, tmp_path, model={"layer_types": ["full_attention"] * 2, "mtp_depth": 1})
     assert isinstance(Transformer.from_config(cfg).mtp["2"].block.attention, Attention)
+
+
+def test_the_planner_keeps_what_the_recurrent_kernels_keep(tmp_path):
+    """Activation memory of a hybrid (moetrain.planner.memory.recurrent_terms): a gated-DeltaNet
+    layer keeps its chunk's WY matrix (C fp32 values per token and value head) and, for the layer
+    in flight, its chunk-boundary states (Dk × Dv fp32 per value head and chunk), so a longer
+    chunk grows the first and shrinks the second by what those sizes say; an all-attention
+    model's plan does not depend on the linear-attention fields."""
+    from moetrain.planner.layout import Layout
+    from moetrain.planner.memory import memory_per_gpu, recurrent_state_bytes, recurrent_terms
+    from moetrain.planner.model import ModelShape
+
+    model = {**HYBRID["model"], "layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    lay = Layout(tp=1, pp=1, dp=1, cp=1, ep=1, mbs=1, ac="none")
+    acts = {}
+    for C in (8, 16):
+        shape = ModelShape.from_config(tiny_config(tmp_path, tmp_path, model={**model, "linear_chunk_size": C},
+                                                   moe=HYBRID["moe"]))
+        wy = dict((n, b) for n, b, _ in recurrent_terms(shape)["linear_attention"])["chunk WY matrix (fp32)"]
+        assert wy == 4.0 * 4 * C  # Hv = 4 value heads
+        assert recurrent_state_bytes(shape) == 4.0 * 4 * 8 * 8 / C  # Hv · Dk · Dv / C
+        acts[C] = memory_per_gpu(shape, lay, global_batch=8).activations / shape.seq_len
+    layers, in_flight = 4, 1  # one micro-batch in flight
+    want = in_flight * 3 / 4 * layers * 4.0 * 4 * 8 + 4.0 * 4 * 8 * 8 * (1 / 16 - 1 / 8)
+    assert acts[16] - acts[8] == pytest.approx(want)
+    plain = {"layers": 4}
+    a = ModelShape.from_config(tiny_config(tmp_path, tmp_path, model=plain))
+    b = ModelShape.from_config(tiny_config(tmp_path, tmp_path, model={**plain, "linear_chunk_size": 32}))
+    assert memory_per_gpu(a, lay, 8).activations == memory_per_gpu(b, lay, 8).activations

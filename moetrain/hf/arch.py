@@ -35,6 +35,12 @@ KimiLinearForCausalLM       kimi_linear  hybrid: Kimi Delta Attention (``kda``; 
                                          DeepSeek-V3's routing (sigmoid, score-correction bias, groups, routed
                                          scaling) and shared experts; dense first blocks (mlp_layer_types or
                                          first_k_dense_replace)
+NemotronHForCausalLM        nemotron_h   single-sublayer blocks from layers_block_type (or
+                                         hybrid_override_pattern) → ``model.hybrid_override_pattern``: Mamba-2
+                                         (its in_proj rows and convolution channels regrouped by group),
+                                         attention without RoPE, squared-ReLU MLPs (``model.mlp_activation``)
+                                         and MoEs (squared-ReLU experts, ``moe.activation: relu2``; DeepSeek-V3's
+                                         routing; one shared expert of its own width); ``backbone.*`` names
 ==========================  ===========  ====================================================================
 
 All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention
@@ -66,7 +72,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, QWEN3_NEXT_NAMES, QWEN_MOE, Names
+from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES, QWEN3_NEXT_NAMES,
+                                 QWEN_MOE, Names)
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -144,9 +151,26 @@ KIMI_LINEAR = Architecture("KimiLinearForCausalLM", "kimi_linear", KIMI_MOE, _CO
     "first_k_dense_replace", "layer_types", "linear_attn_config", "linear_head_dim", "linear_num_heads",
     "linear_conv_kernel_dim", "model_max_length"})
 
+# Nemotron-H (Nemotron-H, Nemotron 3): the keys transformers writes; the old spellings
+# (hybrid_override_pattern, mamba_n_groups, ...) are read too. Keys that set only the
+# initialisation or the inference cache ride along.
+_NEMOTRON_H_INIT = frozenset({"time_step_max", "time_step_floor", "time_step_limit", "rescale_prenorm_residual",
+                              "use_mamba_kernels", "mamba_ssm_cache_dtype", "num_logits_to_keep",
+                              "moe_shared_expert_overlap", "mtp_layers_block_type", "expand"})
+NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES, _NEMOTRON_H_INIT | {
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "tie_word_embeddings", "attention_bias", "attention_dropout", "sliding_window", "mlp_hidden_act", "mlp_bias",
+    "layers_block_type", "hybrid_override_pattern", "num_hidden_layers", "ssm_state_size", "mamba_num_heads",
+    "mamba_head_dim", "mamba_hidden_act", "n_groups", "mamba_n_groups", "conv_kernel", "mamba_d_conv",
+    "time_step_min", "mamba_dt_min", "use_conv_bias", "mamba_conv_bias", "chunk_size", "mamba_chunk_size",
+    "mamba_proj_bias", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size", "moe_latent_size", "num_experts_per_tok", "routed_scaling_factor",
+    "n_group", "topk_group", "norm_topk_prob", "num_nextn_predict_layers", "use_bias", "layer_norm_epsilon",
+    "residual_in_fp32", "hidden_dropout"})
+
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
                                                                      DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
-                                                                     KIMI_LINEAR)}
+                                                                     KIMI_LINEAR, NEMOTRON_H)}
 
 
 def _supported() -> str:
@@ -278,6 +302,8 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
     quant = hf.get("quantization_config")
     if quant is not None and not (arch is GPT_OSS and quant.get("quant_method") == "mxfp4"):
         raise r.refuse("quantization_config", quant, "quantized weights are not read (GPT-OSS's MXFP4 experts are)")
+    if arch is NEMOTRON_H:
+        return (arch, *_read_nemotron_h(r, mtp_depth))
     r.expect("hidden_act", lambda v: v == "silu", "silu", "moetrain's MLPs are SwiGLU (silu)")
     r.expect("attention_dropout", lambda v: not v, 0.0, "attention dropout is not implemented")
     hidden, heads = r.get("hidden_size"), r.get("num_attention_heads")
@@ -463,6 +489,67 @@ def _read_kimi_linear(r: _Reader, model: dict, moe: dict) -> None:
                n_group=n_group if grouped else None, topk_group=r.get("topk_group", 1) if grouped else None)
 
 
+_NEMOTRON_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-",
+                     "moe": "E"}
+
+
+def _read_nemotron_h(r: _Reader, mtp_depth: int) -> tuple[dict, dict]:
+    """Nemotron-H: single-sublayer blocks (``layers_block_type`` or ``hybrid_override_pattern``
+    → ``model.hybrid_override_pattern``), Mamba-2 with its shape, attention without RoPE, squared-ReLU
+    MLPs and experts, DeepSeek-V3's routing (sigmoid scores, score-correction bias, groups, routed
+    scaling), one shared expert of its own width. Latent MoE projections, biases, fp32 residuals
+    and its MTP layers are refused."""
+    types = r.get("layers_block_type", None)
+    if types is not None:
+        bad = [t for t in types if t not in _NEMOTRON_SYMBOLS]
+        if bad:
+            raise r.refuse("layers_block_type", types, f"{bad[0]!r} is not a block moetrain maps")
+        pattern = "".join(_NEMOTRON_SYMBOLS[t] for t in types)
+    else:
+        pattern = r.get("hybrid_override_pattern")
+    if mtp_depth:
+        raise r.refuse("num_nextn_predict_layers", r.get("num_nextn_predict_layers", 0),
+                       "Nemotron's MTP layers (a pattern of their own) are not mapped")
+    for key, want, why in (("mlp_hidden_act", "relu2", "its MLPs are squared ReLU"),
+                           ("mamba_hidden_act", "silu", "its Mamba-2 convolution is followed by SiLU")):
+        r.expect(key, lambda v, want=want: v == want, want, why)
+    for key in ("attention_bias", "mlp_bias", "mamba_proj_bias", "use_bias", "residual_in_fp32"):
+        r.expect(key, lambda v: not v, False, "not part of moetrain's Nemotron-H mapping")
+    r.expect("moe_latent_size", lambda v: v is None, None, "latent MoE projections (Nemotron 3 Super) are not built")
+    r.expect("sliding_window", lambda v: v is None, None, "sliding-window attention is not part of Nemotron-H")
+    for key in ("attention_dropout", "hidden_dropout"):
+        r.expect(key, lambda v: not v, 0.0, "dropout is not implemented")
+    heads = r.get("num_attention_heads", 32)
+    model = {"vocab_size": r.get("vocab_size"), "hidden": r.get("hidden_size"), "layers": len(pattern),
+             "hybrid_override_pattern": pattern, "heads": heads, "kv_heads": r.get("num_key_value_heads", 8),
+             "head_dim": r.get("head_dim", 128), "ffn_hidden": r.get("intermediate_size", 21504),
+             "norm_eps": float(r.get("layer_norm_epsilon", 1e-5)),
+             "tie_embeddings": bool(r.get("tie_word_embeddings", False)),
+             "init_std": float(r.get("initializer_range", 0.02)),
+             "seq_len": min(int(r.get("max_position_embeddings", 4096)), 4096), "rope": False,
+             "mlp_activation": "relu2", "mamba_num_heads": r.get("mamba_num_heads", 128),
+             "mamba_head_dim": r.get("mamba_head_dim", 64), "ssm_state_size": r.get("ssm_state_size", 128),
+             "n_groups": _first(r, ("n_groups", "mamba_n_groups"), 8),
+             "conv_kernel": _first(r, ("conv_kernel", "mamba_d_conv"), 4),
+             "use_conv_bias": bool(_first(r, ("use_conv_bias", "mamba_conv_bias"), True)),
+             "time_step_min": float(_first(r, ("time_step_min", "mamba_dt_min"), 0.001)),
+             "mamba_chunk_size": _first(r, ("chunk_size", "mamba_chunk_size"), 128)}
+    moe: dict[str, Any] = {"num_experts": 0, "z_loss_coef": 0.0}
+    if "E" in pattern:
+        n_group = r.get("n_group", 1)
+        grouped = n_group is not None and n_group > 1
+        shared = int(r.get("n_shared_experts", 1) or 0)
+        moe = {"num_experts": r.get("n_routed_experts", 8), "top_k": r.get("num_experts_per_tok", 2),
+               "ffn_hidden": r.get("moe_intermediate_size", 7688), "activation": "relu2",
+               "shared_experts": shared, "shared_ffn_hidden": r.get("moe_shared_expert_intermediate_size", 7688)
+               if shared else None, "score_function": "sigmoid", "routing_bias": True,
+               "norm_topk_prob": bool(r.get("norm_topk_prob", True)),
+               "routed_scaling_factor": float(r.get("routed_scaling_factor", 1.0)),
+               "n_group": n_group if grouped else None, "topk_group": r.get("topk_group", 1) if grouped else None,
+               "aux_loss_coef": float(r.get("router_aux_loss_coef", 0.001)), "z_loss_coef": 0.0}
+    return model, moe
+
+
 def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> None:
     """DeepSeek-V3's (and GLM-4.5's) MoE: sigmoid scores with the score-correction bias,
     group-limited top-k, routed scaling, shared experts of n_shared_experts × the routed width,
@@ -485,13 +572,16 @@ def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> No
 
 
 def choose_architecture(cfg: Config) -> Architecture:
-    """The architecture a moetrain model exports to when none is asked for: KDA → Kimi Linear;
+    """The architecture a moetrain model exports to when none is asked for: single-sublayer blocks
+    (``model.hybrid_override_pattern``) → Nemotron-H; KDA → Kimi Linear;
     gated DeltaNet, gated attention or zero-centred norms → Qwen3-Next; MLA → DeepSeek-V3;
     sinks or expert biases → GPT-OSS; a routing bias, fixed expert groups or partial rotary →
     GLM-4.5; dense → Llama;
     per-head q/k norm → Qwen3-MoE; projection q/k norm → OLMoE; gated shared experts or q/k/v bias
     → Qwen2-MoE; otherwise Mixtral."""
     m, moe = cfg.model, cfg.moe
+    if m.hybrid_override_pattern:
+        return NEMOTRON_H
     if m.kda:
         return KIMI_LINEAR
     if m.linear_attention or m.attention_output_gate or m.zero_centered_norm:
@@ -534,13 +624,20 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         if not ok:
             raise _refuse_ours(arch, field, value, why)
 
+    if arch is NEMOTRON_H:
+        return _nemotron_h_to_hf(cfg, out, dtype, eos_token_id)
+    need("model.hybrid_override_pattern", m.hybrid_override_pattern, not m.hybrid_override_pattern,
+         "has a token mixer and an MLP in every block (single-sublayer blocks are Nemotron-H's)")
+    need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "swiglu", "has SwiGLU MLPs")
+    need("moe.activation", moe.activation, moe.activation != "relu2", "has gated experts")
     deepseek_like, gpt_oss, next_ = arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR), arch is GPT_OSS, arch is QWEN3_NEXT
     kimi = arch is KIMI_LINEAR
     gdn = "linear_attention" in m.layer_types
     need("model.layer_types", list(m.layer_types), not gdn or next_, "has no gated-DeltaNet layers")
     need("model.layer_types", list(m.layer_types), not m.kda or kimi, "has no Kimi Delta Attention layers")
     need("model.layer_types", list(m.layer_types), not m.mamba,
-         "has no Mamba-2 layers (no architecture moetrain exports has them yet: Nemotron-H's is not built)")
+         "has no Mamba-2 layers (Nemotron-H has them, in blocks of one sublayer each: "
+         "model.hybrid_override_pattern)")
     need("model.rope", m.rope, m.rope != kimi, "has no positional encoding in its MLA layers" if kimi
          else "rotates its queries and keys (RoPE)")
     need("model.attention_output_gate", m.attention_output_gate, m.attention_output_gate == next_,
@@ -707,6 +804,61 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         out.pop("quantization_config", None)  # export writes bf16 / fp32 experts
     else:
         out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+def _nemotron_h_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | None) -> dict:
+    """:func:`to_hf` for Nemotron-H (``out``: the base config.json's keys when it was one)."""
+    m, moe = cfg.model, cfg.moe
+
+    def need(field: str, value: Any, ok: bool, why: str) -> None:
+        if not ok:
+            raise _refuse_ours(NEMOTRON_H, field, value, why)
+
+    need("model.hybrid_override_pattern", m.hybrid_override_pattern, bool(m.hybrid_override_pattern),
+         "has blocks of one sublayer each (set model.hybrid_override_pattern)")
+    need("model.rope", m.rope, not m.rope, "has no positional encoding")
+    need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "relu2", "has squared-ReLU MLPs")
+    need("model.attention", m.attention, m.attention == "gqa", "has grouped-query attention, not MLA")
+    for field, value, default in (("qk_norm", m.qk_norm, "none"), ("qkv_bias", m.qkv_bias, False),
+                                  ("attention_out_bias", m.attention_out_bias, False),
+                                  ("attention_sinks", m.attention_sinks, False), ("sliding_window", m.sliding_window, None),
+                                  ("attention_output_gate", m.attention_output_gate, False),
+                                  ("zero_centered_norm", m.zero_centered_norm, False),
+                                  ("partial_rotary_factor", m.partial_rotary_factor, 1.0)):
+        need(f"model.{field}", value, value == default, "is not part of Nemotron-H")
+    if moe.num_experts:
+        need("moe.activation", moe.activation, moe.activation == "relu2", "has squared-ReLU experts")
+        need("moe.score_function", moe.score_function, moe.score_function == "sigmoid", "scores with sigmoids")
+        routing_bias = moe.routing_bias or moe.bias_update_rate > 0
+        need("moe.routing_bias", routing_bias, routing_bias, "routes with a score-correction bias")
+        need("moe.shared_experts", moe.shared_experts, moe.shared_experts <= 1 and not moe.shared_expert_gate,
+             "has one ungated shared expert")
+        need("moe.router_bias", moe.router_bias, not moe.router_bias and not moe.expert_biases, "has no biases")
+    symbols = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+    for key in ("hybrid_override_pattern", "num_hidden_layers", "mamba_n_groups", "mamba_d_conv", "mamba_dt_min",
+                "mamba_conv_bias", "mamba_chunk_size", "rope_theta", "rope_scaling", "rope_parameters"):
+        out.pop(key, None)  # written under transformers' current names below
+    out.update(architectures=[NEMOTRON_H.name], model_type=NEMOTRON_H.model_type, vocab_size=m.vocab_size,
+               hidden_size=m.hidden, layers_block_type=[symbols[c] for c in m.hybrid_override_pattern],
+               num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, head_dim=m.resolved_head_dim,
+               intermediate_size=m.ffn_hidden, mlp_hidden_act="relu2", mlp_bias=False, attention_bias=False,
+               attention_dropout=0.0, hidden_dropout=0.0, layer_norm_epsilon=m.norm_eps,
+               tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std, mamba_num_heads=m.mamba_num_heads,
+               mamba_head_dim=m.mamba_head_dim, ssm_state_size=m.ssm_state_size, n_groups=m.n_groups,
+               conv_kernel=m.conv_kernel, use_conv_bias=m.use_conv_bias, time_step_min=m.time_step_min,
+               chunk_size=m.mamba_chunk_size, mamba_hidden_act="silu", mamba_proj_bias=False, use_bias=False,
+               residual_in_fp32=False, moe_latent_size=None, num_nextn_predict_layers=0, torch_dtype=dtype)
+    out.pop("dtype", None)
+    if moe.num_experts:
+        out.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   moe_intermediate_size=moe.ffn_hidden, n_shared_experts=moe.shared_experts,
+                   moe_shared_expert_intermediate_size=moe.shared_hidden or moe.ffn_hidden,
+                   routed_scaling_factor=moe.routed_scaling_factor, norm_topk_prob=moe.norm_topk_prob,
+                   n_group=moe.n_group or 1, topk_group=moe.topk_group or 1, router_aux_loss_coef=moe.aux_loss_coef)
+    out.setdefault("max_position_embeddings", m.seq_len)
+    if eos_token_id is not None and "eos_token_id" not in out:
+        out["eos_token_id"] = eos_token_id
     return out
 
 

@@ -46,6 +46,7 @@ from typing import Callable, Iterator
 import torch
 
 from moetrain.config import Config
+from moetrain.model import mamba2
 from moetrain.model.gated_deltanet import conv_channels_in_hf_order
 
 
@@ -67,6 +68,11 @@ class Names:
     # the multi-token-prediction modules: "deepseek" (blocks after the last, model.layers.{L}.*,
     # DeepSeek-V3's and GLM-4.5's) or "qwen3_next" (mtp.fc, mtp.pre_fc_norm_*, mtp.layers.{k}.*)
     mtp: str = "deepseek"
+    # the model's own names: its prefix, the embedding and the final norm (Nemotron-H: backbone,
+    # embeddings, norm_f)
+    prefix: str = "model"
+    embed: str = "embed_tokens"
+    final_norm: str = "norm"
 
 
 MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
@@ -74,6 +80,8 @@ QWEN_MOE = Names("mlp", "gate")
 DEEPSEEK_MOE = Names("mlp", "gate", shared="shared_experts")
 GPT_OSS_MOE = Names("mlp", "router", experts="fused")
 QWEN3_NEXT_NAMES = Names("mlp", "gate", mtp="qwen3_next")
+NEMOTRON_H_NAMES = Names("mixer", "gate", "up_proj", "", "down_proj", shared="shared_experts", dense="mixer",
+                         prefix="backbone", embed="embeddings", final_norm="norm_f")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
 
 
@@ -231,11 +239,13 @@ def tensor_maps(cfg: Config, names: Names, rope_interleaved: bool = False) -> li
     m = cfg.model
     rope_interleaved = rope_interleaved or not m.rope
     mtp = [f"model.layers.{m.layers + k}" for k in range(m.mtp_depth)] if names.mtp == "deepseek" else []
-    maps = [TensorMap("tok_embeddings.weight", "model.embed_tokens.weight", "copy", (m.vocab_size, m.hidden),
+    P = names.prefix
+    maps = [TensorMap("tok_embeddings.weight", f"{P}.{names.embed}.weight", "copy", (m.vocab_size, m.hidden),
                       also=tuple(f"{L}.embed_tokens.weight" for L in mtp))]
     for i in range(m.layers):
-        maps += _block_maps(cfg, f"layers.{i}", f"model.layers.{i}", i, names, rope_interleaved)
-    maps.append(TensorMap("norm.weight", "model.norm.weight", "copy", (m.hidden,)))
+        block = _single_sublayer_maps if m.hybrid_override_pattern else _block_maps
+        maps += block(cfg, f"layers.{i}", f"{P}.layers.{i}", i, names, rope_interleaved)
+    maps.append(TensorMap("norm.weight", f"{P}.{names.final_norm}.weight", "copy", (m.hidden,)))
     if not m.tie_embeddings:
         maps.append(TensorMap("output.weight", "lm_head.weight", "copy", (m.vocab_size, m.hidden),
                               also=tuple(f"{L}.shared_head.head.weight" for L in mtp)))
@@ -257,6 +267,54 @@ def tensor_maps(cfg: Config, names: Names, rope_interleaved: bool = False) -> li
                  TensorMap(f"{ours}.eh_proj.weight", f"{hf}.eh_proj.weight", "copy", (D, 2 * D)),
                  *_block_maps(cfg, f"{ours}.block", hf, L, names, rope_interleaved),
                  TensorMap(f"{ours}.norm.weight", f"{hf}.shared_head.norm.weight", "copy", (D,))]
+    return maps
+
+
+def _single_sublayer_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_interleaved: bool
+                          ) -> list[TensorMap]:
+    """One block of ``model.hybrid_override_pattern`` (Nemotron-H's layers): its norm and its one
+    sublayer, ``mixer``: Mamba-2 (``in_proj`` rows and the convolution's channels regrouped by
+    group, :mod:`moetrain.model.mamba2`), attention (q/k/v/o), a squared-ReLU MLP (up / down) or an
+    MoE (router, score-correction bias, per-expert up / down, shared experts)."""
+    m, moe = cfg.model, cfg.moe
+    D, mixer, ffn = m.hidden, m.layer_type(layer), m.ffn_type(layer, moe)
+    mx = f"{hf}.{names.module}"
+    maps = [TensorMap(f"{ours}.{'attention_norm' if mixer != 'none' else 'ffn_norm'}.weight", f"{hf}.norm.weight",
+                      "copy", (D,))]
+    if mixer == "mamba":
+        H, Pd, N, G = m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups
+        inner, channels = H * Pd, H * Pd + 2 * G * N
+        rows = tuple(mamba2.in_proj_rows_in_hf_order(H, Pd, N, G).tolist())
+        conv = tuple(mamba2.conv_channels_in_hf_order(H, Pd, N, G).tolist())
+        a = f"{ours}.attention"
+        maps += [TensorMap(f"{a}.in_proj.weight", f"{mx}.in_proj.weight", "rows", (inner + channels + H, D), rows=rows),
+                 TensorMap(f"{a}.conv1d.weight", f"{mx}.conv1d.weight", "rows", (channels, 1, m.conv_kernel), rows=conv)]
+        if m.use_conv_bias:
+            maps.append(TensorMap(f"{a}.conv1d.bias", f"{mx}.conv1d.bias", "rows", (channels,), rows=conv))
+        maps += [TensorMap(f"{a}.{n}", f"{mx}.{n}", "copy", (H,)) for n in ("dt_bias", "A_log", "D")]
+        maps += [TensorMap(f"{a}.norm.weight", f"{mx}.norm.weight", "copy", (inner,)),
+                 TensorMap(f"{a}.out_proj.weight", f"{mx}.out_proj.weight", "copy", (D, inner))]
+    elif mixer == "full_attention":
+        H, G, Dh = m.heads, m.kv_heads, m.resolved_head_dim
+        rope = "copy" if rope_interleaved else "rope"
+        maps += [TensorMap(f"{ours}.attention.wq.weight", f"{mx}.q_proj.weight", rope, (H * Dh, D), H),
+                 TensorMap(f"{ours}.attention.wk.weight", f"{mx}.k_proj.weight", rope, (G * Dh, D), G),
+                 TensorMap(f"{ours}.attention.wv.weight", f"{mx}.v_proj.weight", "copy", (G * Dh, D)),
+                 TensorMap(f"{ours}.attention.wo.weight", f"{mx}.o_proj.weight", "copy", (D, H * Dh))]
+    elif ffn == "dense":
+        F = m.ffn_hidden
+        maps += [TensorMap(f"{ours}.feed_forward.w1.weight", f"{mx}.up_proj.weight", "copy", (F, D)),
+                 TensorMap(f"{ours}.feed_forward.w2.weight", f"{mx}.down_proj.weight", "copy", (D, F))]
+    else:
+        E, F, ex = moe.num_experts, moe.ffn_hidden, f"{ours}.moe.experts"
+        maps += [TensorMap(f"{ours}.moe.router.weight", f"{mx}.{names.router}.weight", "copy", (E, D)),
+                 TensorMap(f"{ours}.moe.expert_bias", f"{mx}.{names.router}.e_score_correction_bias", "copy", (E,)),
+                 TensorMap(f"{ex}.w1", f"{mx}.experts.{{e}}.{names.w1}.weight", "experts", (E, D, F)),
+                 TensorMap(f"{ex}.w2", f"{mx}.experts.{{e}}.{names.w2}.weight", "experts", (E, F, D))]
+        if moe.shared_hidden:
+            S, sh = moe.shared_hidden, f"{mx}.{names.shared}"
+            maps += [TensorMap(f"{ours}.moe.shared.w1.weight", f"{sh}.up_proj.weight", "copy", (S, D)),
+                     TensorMap(f"{ours}.moe.shared.w2.weight", f"{sh}.down_proj.weight", "copy", (D, S))]
     return maps
 
 

@@ -24,6 +24,16 @@ sbh(34 + 5as/h) bytes, sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34 + 5as/h)/t with
 34·sbh/t with selective recomputation and SP, 2·sbh with full recomputation.
 The pipeline keeps several micro-batches in flight: p on the first stage of 1F1B (so L layers'
 worth in all, §4.2.3), L(1 + (p−1)/(p·v)) with the interleaved schedule, all m with GPipe.
+
+Hybrid models (:func:`recurrent_terms`): a gated-DeltaNet, KDA or Mamba-2 layer keeps what its
+GPU kernel saves for backward (flash-linear-attention's chunked delta rules, mamba-ssm's chunked
+scan): its projections' outputs (the convolution's input and the output gate), the convolution's
+output, the gates in fp32, the chunk's WY matrix (C values per token and head, fp32; the delta
+rules), its output and the gated norm's output; the chunk-boundary states (Dk × Dv, or P × N, per
+head and chunk, fp32) are recomputed in backward by both kernels, so they are counted once, for
+the layer in flight (:func:`recurrent_state_bytes`). Per layer, the token mixer's tensors are the
+mean over the layers of their kinds, as the parameters are (:class:`ModelShape`); blocks of one
+sublayer (``model.hybrid_override_pattern``) keep their one sublayer's.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from moetrain.planner.model import ModelShape
 
 __all__ = ["MemoryAssumptions", "MemoryBreakdown", "ActivationArch", "zero_model_state_bytes",
            "korthikanti_layer_bytes", "activation_terms", "attention_terms", "mlp_terms", "layer_activation_bytes", "recomputed",
+           "recurrent_terms", "recurrent_state_bytes", "mixer_terms",
            "stage_layers",
            "stage_counts", "memory_per_gpu", "GIB"]
 
@@ -177,6 +188,81 @@ def attention_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
     if arch.dropout:
         t.append(("attention dropout mask", 1.0 * h, "repl"))
     return t
+
+
+def recurrent_terms(shape: ModelShape) -> dict[str, list[tuple[str, float, str]]]:
+    """Per recurrent layer kind (``linear_attention``, ``kda``, ``mamba``, those the model has),
+    the tensors one layer keeps per token after its input norm, as :func:`activation_terms`
+    counts them (the module docstring says which); bytes with 2-byte activations, fp32 where the
+    kernels keep fp32."""
+    h = shape.hidden
+    out: dict[str, list[tuple[str, float, str]]] = {}
+    if shape.linear_layers:
+        Hk, Hv, Dk, Dv, C = (shape.linear_k_heads, shape.linear_v_heads, shape.linear_k_dim, shape.linear_v_dim,
+                             shape.linear_chunk)
+        qkv = 2 * Hk * Dk + Hv * Dv
+        out["linear_attention"] = [
+            ("mixer input", 2.0 * h, "repl"),
+            ("q, k, v, z, b, a projections", 2.0 * (qkv + Hv * Dv + 2 * Hv), "shard"),
+            ("convolution output", 2.0 * qkv, "shard"),
+            ("gates g, β (fp32)", 8.0 * Hv, "shard"),
+            ("chunk WY matrix (fp32)", 4.0 * Hv * C, "shard"),
+            ("delta-rule output", 2.0 * Hv * Dv, "shard"),
+            ("gated-norm output", 2.0 * Hv * Dv, "shard")]
+    if shape.kda_layers:
+        H, Dh, C = shape.linear_k_heads, shape.linear_k_dim, shape.linear_chunk
+        w = H * Dh
+        out["kda"] = [
+            ("mixer input", 2.0 * h, "repl"),
+            ("gate bottleneck latents", 2.0 * 2 * Dh, "repl"),
+            ("q, k, v, f, z, b projections", 2.0 * (5 * w + H), "shard"),
+            ("convolution outputs", 2.0 * 3 * w, "shard"),
+            ("gates g (per channel), β (fp32)", 4.0 * (w + H), "shard"),
+            ("chunk WY and score matrices (fp32)", 8.0 * H * C, "shard"),
+            ("delta-rule output", 2.0 * w, "shard"),
+            ("gated-norm output", 2.0 * w, "shard")]
+    if shape.mamba_layers:
+        H, P, N, G = shape.mamba_heads, shape.mamba_head_dim, shape.mamba_state, shape.mamba_groups
+        xbc = H * P + 2 * G * N
+        out["mamba"] = [
+            ("mixer input", 2.0 * h, "repl"),
+            ("in_proj output (z, xBC, dt)", 2.0 * (H * P + xbc + H), "shard"),
+            ("convolution output", 2.0 * xbc, "shard"),
+            ("Δ and its cumulative decay (fp32)", 8.0 * H, "shard"),
+            ("scan output", 2.0 * H * P, "shard"),
+            ("gated-norm output", 2.0 * H * P, "shard")]
+    return out
+
+
+def recurrent_state_bytes(shape: ModelShape) -> float:
+    """Bytes per token of the chunk-boundary states one recurrent layer computes (fp32: Dk × Dv
+    per value head, Dh² per KDA head, P × N per Mamba-2 head, per chunk of C tokens), the
+    largest of the model's kinds; 0 without recurrent layers. Both kernels recompute them in
+    backward, so they live for the layer in flight only."""
+    out = 0.0
+    if shape.linear_layers:
+        out = max(out, 4.0 * shape.linear_v_heads * shape.linear_k_dim * shape.linear_v_dim / shape.linear_chunk)
+    if shape.kda_layers:
+        out = max(out, 4.0 * shape.linear_k_heads * shape.linear_k_dim ** 2 / shape.linear_chunk)
+    if shape.mamba_layers:
+        out = max(out, 4.0 * shape.mamba_heads * shape.mamba_head_dim * shape.mamba_state / shape.mamba_chunk)
+    return out
+
+
+def mixer_terms(shape: ModelShape, arch: ActivationArch) -> list[tuple[str, float, str]]:
+    """The token mixer's tensors of one layer: :func:`attention_terms`, or in a hybrid the mean
+    over the layers of their kinds (attention's, :func:`recurrent_terms`', none for the MLP / MoE
+    blocks of ``model.hybrid_override_pattern``); the block's input first, whole."""
+    att = attention_terms(arch)
+    kinds = recurrent_terms(shape)
+    if not kinds and not shape.mixer_none:
+        return att
+    L = shape.layers
+    counts = {"linear_attention": shape.linear_layers, "kda": shape.kda_layers, "mamba": shape.mamba_layers}
+    out = [att[0]] + [(name, b * shape.attention_layers / L, kind) for name, b, kind in att[1:]]
+    for kind, terms in kinds.items():
+        out += [(f"{kind}: {name}", b * counts[kind] / L, k) for name, b, k in terms]
+    return out
 
 
 def mlp_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
@@ -332,8 +418,12 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
     sp = layout.sp and tp > 1
     act_scale = A.act_bytes / 2.0
     arch = ActivationArch.of(shape)
-    dense_terms = activation_terms(arch)
-    att_terms = attention_terms(arch)
+    att_terms = mixer_terms(shape, arch)
+    dense_share = 1.0
+    if shape.ffn_none:  # blocks of one sublayer: the non-MoE blocks' MLP tensors, their mean
+        non_moe = shape.layers - sum(shape.moe_layer_flags)
+        dense_share = (non_moe - shape.ffn_none) / max(1, non_moe)
+    dense_terms = att_terms + [(n, b * dense_share, k) for n, b, k in mlp_terms(arch)]
 
     mods = layout.recompute_modules
 
@@ -379,6 +469,8 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         acts = _inflight(layout, m, r) * stage_act
         if layout.ac == "full" and n_dense + n_moe:
             acts += a_moe_full if n_moe else a_dense_full  # one layer recomputed at a time
+        if n_dense + n_moe:  # a recurrent layer's chunk-boundary states, while it runs
+            acts += tokens * recurrent_state_bytes(shape) / tp
         if r == pp - 1:
             acts += tokens * shape.vocab / tp * (2 + 4) * act_scale  # bf16 logits + fp32 loss softmax
         if r == pp - 1 and shape.mtp_depth:

@@ -16,8 +16,9 @@ and Mamba-2 blocks (``mamba_layers``: :attr:`mamba_params`, :meth:`mamba_flops`)
 which the published runs state the same way. Where a quantity is per layer (the token mixer's
 parameters and FLOPs), it is the mean over the layers of their kinds; context parallelism's
 traffic is the ring's for the attention layers and the head exchange's for the others
-(:meth:`head_exchange_width`); the activation memory and tp traffic of a gated-DeltaNet or
-Mamba-2 block are taken as attention's (not modelled apart).
+(:meth:`head_exchange_width`); their activation memory is :mod:`moetrain.planner.memory`'s, and
+their tp traffic is taken as attention's (the same all-gather into and reduce-scatter out of the
+layer under SP).
 
 FLOP convention (the one MFU is reported in, as Megatron-LM eq. 3 of Narayanan et al. 2021 and
 PaLM appendix B): a matmul of m×k by k×n costs 2mkn; backward costs twice forward; attention
