@@ -29,7 +29,7 @@ VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next",
-         "kimi_linear", "nemotron_h")
+         "qwen3_5_moe", "kimi_linear", "nemotron_h")
 
 
 def hf_config(arch: str, **over):
@@ -84,6 +84,16 @@ def hf_config(arch: str, **over):
             num_experts=4, num_experts_per_tok=2, head_dim=16, mlp_only_layers=[0], linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    elif arch == "qwen3_5_moe":
+        # Qwen3.5's MoE text model: Qwen3-Next's blocks with gated DeltaNet's projections split,
+        # every block MoE, the multimodal RoPE's sections in its parameters (text: plain RoPE).
+        cls, kw = tf.Qwen3_5MoeTextConfig, dict(
+            num_hidden_layers=4, moe_intermediate_size=24, shared_expert_intermediate_size=20, num_experts=4,
+            num_experts_per_tok=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True})
     elif arch == "kimi_linear":
         # Blocks: KDA (dense MLP), MLA without RoPE (MoE), KDA (MoE); 8 experts in 4 groups (2 kept),
         # a shared expert, routed scaling; token ids none (Kimi's defaults lie outside the vocabulary).
@@ -120,7 +130,7 @@ def build_hf_model(arch: str, out: Path, seed: int = 0, **over):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(arch, **over), dtype=torch.float32)
     for name, p in model.named_parameters():
-        if "norm" in name and arch == "qwen3_next" and "linear_attn.norm" not in name:
+        if "norm" in name and arch in ("qwen3_next", "qwen3_5_moe") and "linear_attn.norm" not in name:
             p.copy_(0.3 * torch.randn_like(p))  # zero-centred: the scale is 1 + weight
         elif "norm" in name:
             p.copy_(1.0 + 0.3 * torch.randn_like(p))

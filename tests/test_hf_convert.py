@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from moetrain.config import ConfigError, config_from_dict
 from moetrain.hf.__main__ import main as hf_main
-from moetrain.hf.arch import ARCHITECTURES, UnsupportedModel, choose_architecture, from_hf, to_hf
+from moetrain.hf.arch import ARCHITECTURES, UnsupportedModel, architecture_for, choose_architecture, from_hf, to_hf
 from moetrain.hf.convert import export_hf, import_hf
 from moetrain.hf.tensors import interleaved_to_rope, rope_to_interleaved, tensor_maps
 from moetrain.model.loss import lm_loss
@@ -87,13 +87,18 @@ def test_logits_loss_and_gradients_match_transformers(case, converted):
     # transformers' gradients in its checkpoint layout (its own save-time conversion), then ours.
     hf_grads = revert_weight_conversion(hf, {n: p.grad for n, p in hf.named_parameters()})
     grads = dict((n, p.grad) for n, p in ours.named_parameters())
-    arch = ARCHITECTURES[CASES[case][0]]
+    arch = architecture_for(json.loads((c["hf_dir"] / "config.json").read_text()))
     maps = tensor_maps(c["cfg"], arch.moe_names, arch.name == "DeepseekV3ForCausalLM")
+    # KDA's chunked rule multiplies each key channel by its own decays, e^(g_i − g_j) over a
+    # chunk, so two fp32 orders of the same sums part further than for one decay per head: the
+    # layer alone differs from transformers' by 3e-7 in float64 (transformers' own fp32 inside)
+    # and 1.6e-6 in fp32, and three blocks carry that to ~1.4e-5 of a gradient's largest entry.
+    rel_tol = 1e-4 if c["cfg"].model.kda else 1e-5
     for m in maps:
         if m.ours not in grads:  # a buffer (the routing bias): no gradient
             continue
         want = torch.cat(list(m.to_ours(hf_grads.__getitem__)))
-        tol = 1e-5 * want.abs().max().item() + 1e-8
+        tol = rel_tol * want.abs().max().item() + 1e-8
         err = (grads[m.ours] - want).abs().max().item()
         assert err <= tol, f"{m.ours}: gradient error {err:.3e} > {tol:.3e}"
         assert want.abs().sum() > 0 or "experts" in m.ours, f"{m.ours}: zero gradient, the check is empty"

@@ -28,6 +28,11 @@ Qwen3NextForCausalLM        qwen3_next   hybrid: gated DeltaNet (``linear_attent
                                          zero-centred RMSNorms; per-head q/k norm; partial rotary; a gated
                                          shared expert; dense blocks from decoder_sparse_step / mlp_only_layers;
                                          its MTP module (``mtp.*``, one layer) when asked for (``mtp_depth``)
+Qwen3_5MoeForCausalLM       qwen3_5_moe  Qwen3-Next's blocks with gated DeltaNet's input projections split
+                            _text        (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: regrouped by key head),
+                                         every block MoE, partial rotary 0.25 by default; the multimodal RoPE's
+                                         sections dropped (text positions make it the 1D RoPE); the MTP module
+                                         as Qwen3-Next's. The multimodal checkpoint (qwen3_5_moe) is refused
 KimiLinearForCausalLM       kimi_linear  hybrid: Kimi Delta Attention (``kda``; HF ``linear_attention``) and MLA
                                          without RoPE (``model.rope: false``) blocks from layer_types (or
                                          linear_attn_config's 1-indexed kda_layers / full_attn_layers); the
@@ -72,8 +77,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES, QWEN3_NEXT_NAMES,
-                                 QWEN_MOE, Names)
+from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES, QWEN3_5_NAMES,
+                                 QWEN3_NEXT_NAMES, QWEN_MOE, Names)
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -140,6 +145,15 @@ QWEN3_NEXT = Architecture("Qwen3NextForCausalLM", "qwen3_next", QWEN3_NEXT_NAMES
     "mlp_only_layers", "layer_types", "attention_bias", "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim",
     "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval"})
 
+# Qwen3.5's MoE text model: Qwen3-Next's blocks with gated DeltaNet's input projections split
+# (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), every block MoE, and the multimodal RoPE's
+# sections in its rope parameters.
+QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", QWEN3_5_NAMES, _COMMON | {
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "layer_types", "attention_bias",
+    "shared_expert_intermediate_size", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval", "mtp_num_hidden_layers",
+    "mtp_use_dedicated_embeddings"})
+
 # Kimi Linear: transformers writes its config.json with the names of its attribute_map
 # (num_experts_per_token, moe_renormalize, ...); Moonshot's checkpoints carry the others and
 # linear_attn_config. Both are read.
@@ -170,7 +184,7 @@ NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
                                                                      DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
-                                                                     KIMI_LINEAR, NEMOTRON_H)}
+                                                                     QWEN3_5_MOE, KIMI_LINEAR, NEMOTRON_H)}
 
 
 def _supported() -> str:
@@ -235,8 +249,14 @@ def _read_rope(r: _Reader) -> dict:
     params = dict(r.get(field, None) or {})
     theta = float(params.pop("rope_theta", r.get("rope_theta", r.arch.default_theta)))
     kind = params.pop("rope_type", params.pop("type", "default"))
-    partial = params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and r.arch not in (GLM4_MOE, QWEN3_NEXT):
+    partial = params.pop("partial_rotary_factor", r.get("partial_rotary_factor",
+                                                         0.25 if r.arch is QWEN3_5_MOE else 1.0))
+    if r.arch is QWEN3_5_MOE:
+        # The multimodal RoPE's sections: text tokens carry one position for all three, which makes
+        # it the 1D RoPE whatever the sections.
+        params.pop("mrope_section", None)
+        params.pop("mrope_interleaved", None)
+    if partial != 1.0 and r.arch not in (GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE):
         raise r.refuse("partial_rotary_factor", partial, f"{r.arch.name} rotates whole heads in moetrain's mapping")
     out: dict[str, Any] = {"rope_theta": theta}
     if partial != 1.0:
@@ -310,7 +330,9 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
     head_dim = r.get("head_dim", None)
     model = {"vocab_size": r.get("vocab_size"), "hidden": hidden, "layers": r.get("num_hidden_layers"),
              "heads": heads, "kv_heads": r.get("num_key_value_heads", None) or heads,
-             "ffn_hidden": r.get("intermediate_size"), "norm_eps": float(r.get("rms_norm_eps")),
+             # (Qwen3.5's MoE model has no dense MLP, nor its width: the experts' stands in)
+             "ffn_hidden": r.get("intermediate_size", r.get("moe_intermediate_size") if arch is QWEN3_5_MOE else _MISSING),
+             "norm_eps": float(r.get("rms_norm_eps")),
              "tie_embeddings": bool(r.get("tie_word_embeddings", False)),
              "init_std": float(r.get("initializer_range", 0.02)),
              "head_dim": None if head_dim is None or (head_dim * heads == hidden) else head_dim,
@@ -322,7 +344,7 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         r.expect("router_jitter_noise", lambda v: not v, 0.0, "router jitter noise is not implemented")
         moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0)
-    elif arch is QWEN3_NEXT:
+    elif arch in (QWEN3_NEXT, QWEN3_5_MOE):
         _read_qwen3_next(r, model, moe, mtp_depth)
     elif arch is KIMI_LINEAR:
         _read_kimi_linear(r, model, moe)
@@ -431,7 +453,7 @@ def _read_qwen3_next(r: _Reader, model: dict, moe: dict, mtp_depth: int = 0) -> 
         model["head_dim"] = r.get("head_dim")
     moe.update(num_experts=num_experts, top_k=r.get("num_experts_per_tok"), ffn_hidden=r.get("moe_intermediate_size"),
                norm_topk_prob=bool(r.get("norm_topk_prob", True)), shared_experts=1, shared_ffn_hidden=shared,
-               shared_expert_gate=True, **_moe_layer_pattern(r, layers, num_experts))
+               shared_expert_gate=True, **_moe_layer_pattern(r, layers, num_experts))  # (Qwen3.5: every block)
 
 
 def _first(r: _Reader, keys: tuple[str, ...], default: Any) -> Any:
@@ -630,7 +652,8 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
          "has a token mixer and an MLP in every block (single-sublayer blocks are Nemotron-H's)")
     need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "swiglu", "has SwiGLU MLPs")
     need("moe.activation", moe.activation, moe.activation != "relu2", "has gated experts")
-    deepseek_like, gpt_oss, next_ = arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR), arch is GPT_OSS, arch is QWEN3_NEXT
+    deepseek_like, gpt_oss, next_ = (arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR), arch is GPT_OSS,
+                                     arch in (QWEN3_NEXT, QWEN3_5_MOE))
     kimi = arch is KIMI_LINEAR
     gdn = "linear_attention" in m.layer_types
     need("model.layer_types", list(m.layer_types), not gdn or next_, "has no gated-DeltaNet layers")
@@ -655,7 +678,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
          "has attention sinks" if gpt_oss else "has no attention sinks")
     need("model.sliding_window", m.sliding_window, m.sliding_window is None or gpt_oss, "has no sliding window")
     need("model.partial_rotary_factor", m.partial_rotary_factor,
-         m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT),
+         m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE),
          "rotates whole heads")
     need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like and not kimi or next_ and m.mtp_depth == 1,
          "maps one MTP module (its layers share one fc and norms)" if next_ else
@@ -679,7 +702,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         need("moe.score_function", moe.score_function, moe.score_function == "softmax", "scores with a softmax")
         need("moe.routed_scaling_factor", moe.routed_scaling_factor, moe.routed_scaling_factor == 1.0,
              "does not scale the routed output")
-    qk = {QWEN3_MOE: "head", OLMOE: "projection", QWEN3_NEXT: "head"}.get(arch, "none")
+    qk = {QWEN3_MOE: "head", OLMOE: "projection", QWEN3_NEXT: "head", QWEN3_5_MOE: "head"}.get(arch, "none")
     if arch is GLM4_MOE:
         need("model.qk_norm", m.qk_norm, m.qk_norm in ("none", "head"), "has q/k norm 'head' or none")
     else:
@@ -688,12 +711,12 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         need("moe.num_experts", moe.num_experts, moe.num_experts == 0, "is dense")
     else:
         need("moe.num_experts", moe.num_experts, moe.num_experts > 0, "is a mixture of experts")
-        if arch in (QWEN2_MOE, QWEN3_NEXT):
+        if arch in (QWEN2_MOE, QWEN3_NEXT, QWEN3_5_MOE):
             need("moe.shared_experts", moe.shared_experts, moe.shared_experts > 0 and moe.shared_expert_gate,
                  "has one shared expert with a sigmoid gate (set moe.shared_expert_gate)")
         elif not deepseek_like:
             need("moe.shared_experts", moe.shared_experts, moe.shared_experts == 0, "has no shared experts")
-        if arch in (MIXTRAL, OLMOE, GPT_OSS):
+        if arch in (MIXTRAL, OLMOE, GPT_OSS, QWEN3_5_MOE):
             dense = [i for i in range(m.layers) if not moe.is_moe_layer(i)]
             need("moe.every", moe.every, not dense, f"has an MoE in every block (blocks {dense} are dense)")
         if arch in (MIXTRAL, GPT_OSS):
@@ -739,7 +762,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     elif arch is OLMOE:
         out.update(num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, norm_topk_prob=moe.norm_topk_prob,
                    clip_qkv=None, attention_bias=False)
-    elif arch in (QWEN3_MOE, QWEN2_MOE, QWEN3_NEXT):
+    elif arch in (QWEN3_MOE, QWEN2_MOE, QWEN3_NEXT, QWEN3_5_MOE):
         out.pop("num_local_experts", None)
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden,
                    norm_topk_prob=moe.norm_topk_prob)
@@ -755,6 +778,13 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         else:
             out["use_sliding_window"] = False
             out.pop("layer_types", None)
+        if arch is QWEN3_5_MOE:  # every block MoE, the partial rotary a key of its own
+            need("model.rope_scaling", m.rope_scaling, m.rope_scaling == "none", "has the default RoPE")
+            for key in ("rope_scaling", "rope_theta", "intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+                out.pop(key, None)
+            out.update(rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta,
+                                        "partial_rotary_factor": m.partial_rotary_factor})
+            return out
         # Keep the base's dense/MoE keys when they give the same blocks; else spell the dense ones out.
         out.setdefault("decoder_sparse_step", 1)
         out.setdefault("mlp_only_layers", [])

@@ -332,7 +332,7 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
     def out_dtype(m: TensorMap) -> torch.dtype:
         return have[m.ours][1] if dtype == "auto" else DTYPES[dtype]
 
-    entries = [(name, out_dtype(m), m.hf_shape()) for m in maps for name in m.hf_names()]
+    entries = [(name, out_dtype(m), shape) for m in maps for name, shape in zip(m.hf_names(), m.hf_shapes())]
     main_dtype = max({d for _, d, _ in entries}, key=lambda d: sum(1 for e in entries if e[1] == d))
     dtype_name = str(main_dtype).removeprefix("torch.")
     to_hf(cfg, arch, base, dtype_name)  # refuses what the architecture cannot hold, before writing

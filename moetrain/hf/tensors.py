@@ -73,6 +73,9 @@ class Names:
     prefix: str = "model"
     embed: str = "embed_tokens"
     final_norm: str = "norm"
+    # gated DeltaNet's input projections: "fused" (Qwen3-Next: in_proj_qkvz and in_proj_ba grouped
+    # by key head, as moetrain's) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    gdn: str = "fused"
 
 
 MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
@@ -80,6 +83,7 @@ QWEN_MOE = Names("mlp", "gate")
 DEEPSEEK_MOE = Names("mlp", "gate", shared="shared_experts")
 GPT_OSS_MOE = Names("mlp", "router", experts="fused")
 QWEN3_NEXT_NAMES = Names("mlp", "gate", mtp="qwen3_next")
+QWEN3_5_NAMES = Names("mlp", "gate", mtp="qwen3_next", gdn="split")
 NEMOTRON_H_NAMES = Names("mixer", "gate", "up_proj", "", "down_proj", shared="shared_experts", dense="mixer",
                          prefix="backbone", embed="embeddings", final_norm="norm_f")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
@@ -129,15 +133,26 @@ class TensorMap:
     also: tuple[str, ...] = ()  # HF copies written on export, optional on import (DeepSeek's MTP layers)
     rows: tuple[int, ...] = ()
     hf_view: tuple[int, ...] = ()
+    # several HF tensors whose rows, concatenated in this order, are moetrain's (before ``rows``
+    # reorders them): (name, rows) pairs (Qwen3.5's split gated-DeltaNet projections)
+    hf_cat: tuple[tuple[str, int], ...] = ()
 
     def hf_names(self) -> list[str]:
         """The HF tensor names, in order (E of them for ``experts``; none for a part that another
         map writes)."""
         if self.layout == "experts":
             return [self.hf.format(e=e) for e in range(self.shape[0])]
+        if self.hf_cat:
+            return [name for name, _ in self.hf_cat]
         if self.part is not None and self.part.index:
             return []
         return [self.hf, *self.also]
+
+    def hf_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each HF tensor, in :meth:`hf_names` order."""
+        if self.hf_cat:
+            return [(rows, *self.shape[1:]) for _, rows in self.hf_cat]
+        return [self.hf_shape()] * len(self.hf_names())
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of each HF tensor."""
@@ -163,7 +178,10 @@ class TensorMap:
             for name in self.hf_names():
                 yield _checked(name, get_hf(name), self.hf_shape()).t().contiguous().unsqueeze(0)
             return
-        t = _checked(self.hf, get_hf(self.hf), self.hf_shape())
+        if self.hf_cat:
+            t = torch.cat([_checked(n, get_hf(n), s) for n, s in zip(self.hf_names(), self.hf_shapes())])
+        else:
+            t = _checked(self.hf, get_hf(self.hf), self.hf_shape())
         if self.hf_view:
             t = t.reshape(self.shape)
         if self.part is not None:
@@ -191,12 +209,30 @@ class TensorMap:
             ours = _checked(self.ours, ours, self.shape)
             for e, name in enumerate(self.hf_names()):
                 yield name, ours[e].t().contiguous()
+        elif self.hf_cat:
+            t = self.hf_layout(ours)
+            yield from zip(self.hf_names(), t.split([rows for _, rows in self.hf_cat]))
         elif self.part is None:
             t = self.hf_layout(ours)
             for name in (self.hf, *self.also):
                 yield name, t
         elif self.part.index == 0:
             yield self.hf, self.part.assemble([parts[m] for m in self.part.members]).contiguous()
+
+
+def gdn_projection_rows_in_hf_order(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm_qkvz, perm_ba) int64: moetrain's ``in_proj_qkvz`` row i is row perm_qkvz[i] of
+    Qwen3.5's [in_proj_qkv; in_proj_z] (all q, all k, all v, then all z), and ``in_proj_ba`` row i
+    is row perm_ba[i] of [in_proj_b; in_proj_a]; moetrain groups both by key head."""
+    Hk, Hv, Dk, Dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    r = Hv // Hk
+    qkv = conv_channels_in_hf_order(Hk, Hv, Dk, Dv).view(Hk, -1)  # per key head: its q, k, v rows
+    z0 = 2 * Hk * Dk + Hv * Dv
+    qkvz = torch.cat([torch.cat([qkv[h], z0 + torch.arange(h * r * Dv, (h + 1) * r * Dv)]) for h in range(Hk)])
+    ba = torch.cat([torch.cat([torch.arange(h * r, (h + 1) * r), Hv + torch.arange(h * r, (h + 1) * r)])
+                    for h in range(Hk)])
+    return qkvz, ba
 
 
 def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -329,8 +365,19 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
         la, mix = f"{hf}.linear_attn", f"{ours}.attention"
         Hk, Hv, Dk, Dv = m.linear_num_key_heads, m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
         channels = 2 * Hk * Dk + Hv * Dv
-        for name, shape in (("in_proj_qkvz.weight", (2 * Hk * Dk + 2 * Hv * Dv, D)), ("in_proj_ba.weight", (2 * Hv, D)),
-                            ("A_log", (Hv,)), ("dt_bias", (Hv,)), ("norm.weight", (Dv,)),
+        qkvz, ba = (2 * Hk * Dk + 2 * Hv * Dv, D), (2 * Hv, D)
+        if names.gdn == "split":  # Qwen3.5: q, k, v, z, b, a each all heads in order
+            qkvz_rows, ba_rows = gdn_projection_rows_in_hf_order(Hk, Hv, Dk, Dv)
+            maps += [TensorMap(f"{mix}.in_proj_qkvz.weight", f"{la}.in_proj_qkv.weight", "rows", qkvz,
+                               rows=tuple(qkvz_rows.tolist()),
+                               hf_cat=((f"{la}.in_proj_qkv.weight", channels), (f"{la}.in_proj_z.weight", Hv * Dv))),
+                     TensorMap(f"{mix}.in_proj_ba.weight", f"{la}.in_proj_b.weight", "rows", ba,
+                               rows=tuple(ba_rows.tolist()),
+                               hf_cat=((f"{la}.in_proj_b.weight", Hv), (f"{la}.in_proj_a.weight", Hv)))]
+        else:
+            maps += [TensorMap(f"{mix}.in_proj_qkvz.weight", f"{la}.in_proj_qkvz.weight", "copy", qkvz),
+                     TensorMap(f"{mix}.in_proj_ba.weight", f"{la}.in_proj_ba.weight", "copy", ba)]
+        for name, shape in (("A_log", (Hv,)), ("dt_bias", (Hv,)), ("norm.weight", (Dv,)),
                             ("out_proj.weight", (D, Hv * Dv))):
             maps.append(TensorMap(f"{mix}.{name}", f"{la}.{name}", "copy", shape))
         maps.append(TensorMap(f"{mix}.conv1d.weight", f"{la}.conv1d.weight", "rows",
