@@ -153,7 +153,8 @@ class ModelConfig:
       empty: every block ``full_attention``. Its length is ``layers``.
     * ``hybrid_override_pattern``: blocks of one sublayer each (Nemotron-H's layers), one symbol
       per block as Megatron-Core's hybrid models write them — ``M`` Mamba-2, ``*`` attention,
-      ``-`` a dense MLP, ``E`` an MoE — each ``x + sublayer(RMSNorm(x))``; e.g. ``M-M*-ME`` (its
+      ``-`` a dense MLP, ``E`` an MoE, and moetrain's ``G`` gated DeltaNet and ``K`` KDA — each
+      ``x + sublayer(RMSNorm(x))``; e.g. ``M-M*-ME`` or a Qwen3-Next-like ``GEGEGE*E`` (its
       length is ``layers``; ``layer_types``, ``moe.every`` and ``moe.first_dense`` stay unset: the
       pattern says where the MoE blocks are). Empty: every block has a token mixer and an MLP.
     * the Mamba-2 layers' shape, Nemotron-H's names: ``mamba_num_heads``, ``mamba_head_dim`` (P),
@@ -249,7 +250,7 @@ class ModelConfig:
         ``mamba``, or ``none`` (an MLP / MoE block of ``hybrid_override_pattern``); the
         multi-token-prediction blocks after the last one: ``full_attention``."""
         if layer < len(self.hybrid_override_pattern):
-            return {"M": "mamba", "*": "full_attention"}.get(self.hybrid_override_pattern[layer], "none")
+            return PATTERN_MIXERS.get(self.hybrid_override_pattern[layer], "none")
         return self.layer_types[layer] if layer < len(self.layer_types) else "full_attention"
 
     def ffn_type(self, layer: int, moe: "MoEConfig") -> str:
@@ -262,12 +263,12 @@ class ModelConfig:
     @property
     def linear_attention(self) -> bool:
         """Some block mixes its tokens with gated DeltaNet or KDA (the ``linear_*`` fields)."""
-        return "linear_attention" in self.layer_types or self.kda
+        return "linear_attention" in self.layer_types or "G" in self.hybrid_override_pattern or self.kda
 
     @property
     def kda(self) -> bool:
         """Some block mixes its tokens with Kimi Delta Attention."""
-        return "kda" in self.layer_types
+        return "kda" in self.layer_types or "K" in self.hybrid_override_pattern
 
     @property
     def mamba(self) -> bool:
@@ -292,6 +293,10 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of block ``layer`` (None: full causal attention)."""
         return self.sliding_window if self.sliding_window is not None and layer % self.window_every == 0 else None
+
+
+# model.hybrid_override_pattern's token-mixer symbols (the others, - and E, are MLP / MoE blocks).
+PATTERN_MIXERS = {"M": "mamba", "*": "full_attention", "G": "linear_attention", "K": "kda"}
 
 
 @dataclass(frozen=True)
@@ -1861,10 +1866,11 @@ def _check_model(cfg: Config, device: str | None) -> None:
     _bounds(cfg, "model", positive="window_every", non_negative="mtp_depth mtp_loss_coef")
     if m.hybrid_override_pattern:
         p = m.hybrid_override_pattern
-        bad_symbols = sorted(set(p) - set("M*-E"))
+        bad_symbols = sorted(set(p) - set("M*-EGK"))
         if bad_symbols:
             raise field_error("model.hybrid_override_pattern", p, f"has the symbol {bad_symbols[0]!r}",
-                              "use M (Mamba-2), * (attention), - (dense MLP) and E (MoE), one per block")
+                              "use M (Mamba-2), * (attention), G (gated DeltaNet), K (KDA), - (dense MLP) and "
+                              "E (MoE), one per block")
         if len(p) != m.layers:
             raise field_error("model.hybrid_override_pattern", p, f"gives {len(p)} blocks, model.layers is "
                               f"{m.layers}", f"set model.layers={len(p)}")

@@ -61,20 +61,43 @@ def test_a_pattern_it_cannot_take_is_refused_by_field(model, moe, field, tmp_pat
         tiny_config(tmp_path, tmp_path, model={**NEMOTRON["model"], **model}, moe={**NEMOTRON["moe"], **moe})
 
 
+GK = {"hybrid_override_pattern": "GEK-*E", "layers": 6, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+      "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_chunk_size": 8}
+
+
+def test_gated_deltanet_and_kda_blocks_take_their_symbols(tmp_path):
+    """G and K: single-sublayer gated-DeltaNet and KDA blocks beside the others, and a pattern
+    that Nemotron-H cannot hold is refused on export by field."""
+    from moetrain.hf.arch import NEMOTRON_H, UnsupportedModel, to_hf
+    from moetrain.model.gated_deltanet import GatedDeltaNet
+    from moetrain.model.kda import KimiDeltaAttention
+    from moetrain.model.transformer import Transformer
+
+    cfg = tiny_config(tmp_path, tmp_path, model={**NEMOTRON["model"], **GK}, moe=NEMOTRON["moe"])
+    blocks = list(Transformer.from_config(cfg).layers.values())
+    assert isinstance(blocks[0].attention, GatedDeltaNet) and isinstance(blocks[2].attention, KimiDeltaAttention)
+    assert blocks[0].moe is None and blocks[1].attention is None and blocks[1].moe is not None
+    with pytest.raises(UnsupportedModel, match=r"model.hybrid_override_pattern = 'GEK-\*E': NemotronHForCausalLM"):
+        to_hf(cfg, NEMOTRON_H)
+
+
 def test_the_planner_counts_the_single_sublayer_blocks(tmp_path):
     from moetrain.model.transformer import Transformer
     from moetrain.planner.model import ModelShape
 
     # (the planner leaves out the score-correction bias: a buffer)
-    cfg = tiny_config(tmp_path, tmp_path, model={**NEMOTRON["model"], "vocab_size": 384}, moe=NEMOTRON["moe"])
-    assert ModelShape.from_config(cfg).total_params == sum(p.numel() for p in Transformer.from_config(cfg).parameters())
+    for model in (NEMOTRON["model"], {**NEMOTRON["model"], **GK}):
+        cfg = tiny_config(tmp_path, tmp_path, model={**model, "vocab_size": 384}, moe=NEMOTRON["moe"])
+        assert ModelShape.from_config(cfg).total_params == sum(
+            p.numel() for p in Transformer.from_config(cfg).parameters()), model["hybrid_override_pattern"]
 
 
-def train_nemotron(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict) -> dict:
+def train_nemotron(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict,
+                   model: dict | None = None) -> dict:
     from moetrain.train.trainer import Trainer
 
-    cfg = tiny_config(data, run_dir, parallel=parallel, model=NEMOTRON["model"], moe=NEMOTRON["moe"],
-                      data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={**NEMOTRON["model"], **(model or {})},
+                      moe=NEMOTRON["moe"], data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
     results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
 
@@ -112,3 +135,19 @@ def test_a_nemotron_h_like_model_trains_as_in_one_process(layout, tiny_shards, s
     assert_matches(got, ref)
     for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+
+
+@pytest.mark.slow
+def test_gated_deltanet_and_kda_blocks_train_as_in_one_process_under_tp_and_cp(short_doc_shards, tmp_path):
+    """The G and K blocks of a pattern, with documents, in dp2 × tp2 + SP × ep2 and cp2 × ep2."""
+    data = {"document_mask": True}
+    ref = run_distributed(train_nemotron, 1, str(short_doc_shards), str(tmp_path / "ref"), {}, data, GK)[0]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
+    for name, parallel in (("tp", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}), ("cp", {"cp": 2, "ep": 2})):
+        world = parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
+        results = run_distributed(train_nemotron, world, str(short_doc_shards), str(tmp_path / name), parallel, data,
+                                  GK)
+        got = {"losses": results[-1]["losses"], "grads": {}}
+        for r in results:
+            got["grads"].update(r["grads"])
+        assert_matches(got, ref)

@@ -85,4 +85,13 @@ control mtp-divisor-per-rank moetrain/train/trainer.py \
         divisor = count.clamp(min=1.0) / (len(micro_batches) * self.ps.size(DP_CP))
         if depths == 1:" \
     "tests/test_finetune_data.py::test_multi_token_prediction_with_a_loss_mask_equals_one_process[dp2-ep2]"
+control kda-decay-per-head-under-tp moetrain/parallel/tensor.py \
+    '(attn.v_conv1d, "weight"),
+                        (attn, "A_log"), (attn, "dt_bias"))' \
+    '(attn.v_conv1d, "weight"),
+                        (attn, "dt_bias"))' \
+    "tests/test_kda.py::test_a_kimi_linear_like_model_trains_as_in_one_process[dp2-tp2-sp-ep2]"
+control mtp-norms-zero-centred moetrain/model/transformer.py \
+    "zc = m.zero_centered_norm  # Qwen3-Next's" "zc = False  # Qwen3-Next's" \
+    "tests/test_hf_convert.py::test_qwen3_next_mtp_logits_equal_its_definition_with_transformers_layer"
 exit $bad

@@ -845,8 +845,9 @@ def _nemotron_h_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | No
         if not ok:
             raise _refuse_ours(NEMOTRON_H, field, value, why)
 
-    need("model.hybrid_override_pattern", m.hybrid_override_pattern, bool(m.hybrid_override_pattern),
-         "has blocks of one sublayer each (set model.hybrid_override_pattern)")
+    need("model.hybrid_override_pattern", m.hybrid_override_pattern, bool(m.hybrid_override_pattern)
+         and set(m.hybrid_override_pattern) <= set("M*-E"),
+         "has blocks of one sublayer each: Mamba-2 (M), attention (*), MLP (-) and MoE (E)")
     need("model.rope", m.rope, not m.rope, "has no positional encoding")
     need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "relu2", "has squared-ReLU MLPs")
     need("model.attention", m.attention, m.attention == "gqa", "has grouped-query attention, not MLA")
