@@ -632,3 +632,40 @@ def test_qwen3_next_mtp_logits_equal_its_definition_with_transformers_layer(qwen
     assert rel(logits[:, :, 0], main) <= 1e-5
     assert rel(logits[:, :, 1], ref) <= 1e-5
     assert rel(logits[:, :, 1], main) > 1e-2  # the module's prediction is its own
+
+
+def test_qwen3_5_multimodal_checkpoint_imports_its_text_model(tmp_path):
+    """Qwen3.5's MoE checkpoints are multimodal (Qwen3_5MoeForConditionalGeneration): the text
+    model under model.language_model imports (the vision tower left out), gives the multimodal
+    model's text logits, and exports as the text model, which transformers loads with the same
+    logits and which imports back to the same tensors."""
+    import transformers as tf
+
+    from hf_models import hf_config
+
+    text = hf_config("qwen3_5_moe").to_dict()
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+              "patch_size": 4, "num_position_embeddings": 16}
+    torch.manual_seed(0)
+    hf = tf.Qwen3_5MoeForConditionalGeneration(tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(0.3 * torch.randn_like(p) + (1.0 if "norm" in name and "linear_attn.norm" in name else 0.0))
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = import_hf(tmp_path / "hf", tmp_path / "weights", progress=False)
+    assert cfg.model.linear_attention and cfg.moe.shared_expert_gate
+    inputs, _ = tokens(5)
+    with torch.no_grad():
+        want = hf(input_ids=inputs).logits
+        assert rel(moetrain_model(cfg, tmp_path / "weights")(inputs), want) <= 1e-5
+    export_hf(tmp_path / "weights", tmp_path / "export", progress=False)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["Qwen3_5MoeForCausalLM"]
+    text_only = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel(text_only(inputs).logits, want) <= 1e-5
+    back = _read_all(tmp_path / "export")
+    for name, t in _read_all(tmp_path / "hf").items():
+        if name.startswith("model.language_model."):
+            assert torch.equal(back[name.replace("model.language_model.", "model.", 1)], t), name
+    with pytest.raises(UnsupportedModel, match="--arch qwen3_5_moe_text"):
+        to_hf(cfg, ARCHITECTURES["qwen3_5_moe"])

@@ -178,8 +178,10 @@ def test_a_mamba_model_is_refused_by_every_export(tmp_path):
 
     cfg = tiny_config(tmp_path, tmp_path, model=HYBRID["model"], moe=HYBRID["moe"])
     for arch in ARCHITECTURES.values():
-        # (Nemotron-H holds Mamba-2 layers in blocks of one sublayer each, which this model has not)
-        why = (r"model.hybrid_override_pattern = '': NemotronHForCausalLM has blocks of one sublayer"
-               if arch.model_type == "nemotron_h" else r"model.layer_types = .*has no Mamba-2 layers")
+        # (Nemotron-H holds Mamba-2 layers in blocks of one sublayer each, which this model has not;
+        # Qwen3.5's multimodal model exports as its text model only)
+        why = {"nemotron_h": r"model.hybrid_override_pattern = '': NemotronHForCausalLM has blocks of one sublayer",
+               "qwen3_5_moe": r"exports its text model only"}.get(
+            arch.model_type, r"model.layer_types = .*has no Mamba-2 layers")
         with pytest.raises(UnsupportedModel, match=why):
             to_hf(cfg, arch)

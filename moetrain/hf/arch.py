@@ -32,7 +32,9 @@ Qwen3_5MoeForCausalLM       qwen3_5_moe  Qwen3-Next's blocks with gated DeltaNet
                             _text        (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: regrouped by key head),
                                          every block MoE, partial rotary 0.25 by default; the multimodal RoPE's
                                          sections dropped (text positions make it the 1D RoPE); the MTP module
-                                         as Qwen3-Next's. The multimodal checkpoint (qwen3_5_moe) is refused
+                                         as Qwen3-Next's
+Qwen3_5MoeForConditional-   qwen3_5_moe  the published multimodal checkpoint: its text model (model.language_model),
+Generation                               read from text_config; the vision tower left out; exported as the text model
 KimiLinearForCausalLM       kimi_linear  hybrid: Kimi Delta Attention (``kda``; HF ``linear_attention``) and MLA
                                          without RoPE (``model.rope: false``) blocks from layer_types (or
                                          linear_attn_config's 1-indexed kda_layers / full_attn_layers); the
@@ -78,7 +80,7 @@ from typing import Any, Callable
 
 from moetrain.config import Config
 from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES, QWEN3_5_NAMES,
-                                 QWEN3_NEXT_NAMES, QWEN_MOE, Names)
+                                 QWEN3_5_VL_NAMES, QWEN3_NEXT_NAMES, QWEN_MOE, Names)
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -154,6 +156,13 @@ QWEN3_5_MOE = Architecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", QWEN3_5_
     "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval", "mtp_num_hidden_layers",
     "mtp_use_dedicated_embeddings"})
 
+# Qwen3.5's MoE checkpoints as published: the multimodal model, its text model under
+# model.language_model and its text_config; the vision tower (model.visual) is left out on import,
+# and the export writes the text model (QWEN3_5_MOE).
+QWEN3_5_MOE_VL = Architecture("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", QWEN3_5_VL_NAMES, frozenset({
+    "text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+    "vision_end_token_id", "tie_word_embeddings"}))
+
 # Kimi Linear: transformers writes its config.json with the names of its attribute_map
 # (num_experts_per_token, moe_renormalize, ...); Moonshot's checkpoints carry the others and
 # linear_attn_config. Both are read.
@@ -184,7 +193,8 @@ NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
                                                                      DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
-                                                                     QWEN3_5_MOE, KIMI_LINEAR, NEMOTRON_H)}
+                                                                     QWEN3_5_MOE, QWEN3_5_MOE_VL, KIMI_LINEAR,
+                                                                     NEMOTRON_H)}
 
 
 def _supported() -> str:
@@ -324,6 +334,10 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         raise r.refuse("quantization_config", quant, "quantized weights are not read (GPT-OSS's MXFP4 experts are)")
     if arch is NEMOTRON_H:
         return (arch, *_read_nemotron_h(r, mtp_depth))
+    if arch is QWEN3_5_MOE_VL:  # its text model, read as the text checkpoint's config
+        text = {**r.get("text_config"), "model_type": QWEN3_5_MOE.model_type, "architectures": [QWEN3_5_MOE.name],
+                "tie_word_embeddings": r.get("tie_word_embeddings", False)}
+        return (arch, *from_hf(text, mtp_depth)[1:])
     r.expect("hidden_act", lambda v: v == "silu", "silu", "moetrain's MLPs are SwiGLU (silu)")
     r.expect("attention_dropout", lambda v: not v, 0.0, "attention dropout is not implemented")
     hidden, heads = r.get("hidden_size"), r.get("num_attention_heads")
@@ -648,6 +662,9 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
 
     if arch is NEMOTRON_H:
         return _nemotron_h_to_hf(cfg, out, dtype, eos_token_id)
+    if arch is QWEN3_5_MOE_VL:
+        raise UnsupportedModel(f"{arch.name}: moetrain trains and exports its text model only (the vision tower is "
+                               f"not imported). Fix: export with --arch {QWEN3_5_MOE.model_type}")
     need("model.hybrid_override_pattern", m.hybrid_override_pattern, not m.hybrid_override_pattern,
          "has a token mixer and an MLP in every block (single-sublayer blocks are Nemotron-H's)")
     need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "swiglu", "has SwiGLU MLPs")

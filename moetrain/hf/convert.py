@@ -48,7 +48,7 @@ import torch
 import yaml
 
 from moetrain.config import Config, ConfigError, config_from_dict, to_dict
-from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT, Architecture, architecture_for, choose_architecture,
+from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, QWEN3_5_MOE, QWEN3_5_MOE_VL, QWEN3_NEXT, Architecture, architecture_for, choose_architecture,
                               from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
@@ -152,7 +152,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2).transpose(1, 2).contiguous()
 
 
-def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config) -> None:
+def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config, left_out: str | None = None) -> None:
+    """Refuse a checkpoint whose tensors are not the maps' (missing, or unexpected unless the
+    regular expression ``left_out`` names them: what the import leaves behind on purpose)."""
     want = {n for m in maps for n in m.hf_names()}
     optional = {n for m in maps for n in m.also}
     have = hf.names()
@@ -163,7 +165,8 @@ def _check_names(maps: list[TensorMap], hf: HFTensors, cfg: Config) -> None:
                                                                         cfg.model.layers + 16))
     ignorable = re.compile(r".*rotary_emb\.inv_freq$" + (r"|lm_head\.weight$" if cfg.model.tie_embeddings else "")
                            + (f"|{mtp_left_out}" if mtp_left_out else "")
-                           + (r"|mtp\..*" if not cfg.model.mtp_depth else ""))  # Qwen3-Next's MTP module
+                           + (r"|mtp\..*" if not cfg.model.mtp_depth else "")  # Qwen3-Next's MTP module
+                           + (f"|{left_out}" if left_out else ""))
     unexpected = sorted(n for n in have - want if not ignorable.match(n))
     if missing:
         raise WeightsError(f"{hf.dir}: {len(missing)} tensors of this architecture are missing, e.g. {missing[0]}")
@@ -206,7 +209,11 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
                             "checkpoint": {"init_from": str(out)}})
     maps = _maps_for(cfg, arch, bool(hf_config.get("rope_interleave", False)))
     hf = HFTensors(hf_dir)
-    _check_names(maps, hf, cfg)
+    vision = r"model\.visual\..*" if arch is QWEN3_5_MOE_VL else None
+    if vision:
+        log.info("%s: the vision tower (%d tensors) is left out; moetrain trains the text model", arch.name,
+                 sum(1 for n in hf.names() if re.match(vision, n)))
+    _check_names(maps, hf, cfg, vision)
     entries = [(m.ours, hf.dtype((m.hf_names() or [m.hf])[0]), m.shape) for m in maps]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -306,10 +313,15 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         arch = architecture_for(base)
     else:
         arch = choose_architecture(cfg)
+    if arch is QWEN3_5_MOE_VL and arch_name is None:  # imported without its vision tower: the text model
+        log.warning("%s was imported without its vision tower: the export is its text model, %s", arch.name,
+                    QWEN3_5_MOE.name)
+        arch = QWEN3_5_MOE
+        base = {**base["text_config"], "model_type": arch.model_type} if base is not None else None
     if cfg.moe.num_experts and cfg.moe.capacity_factor is not None:
         log.warning("moe.capacity_factor = %s: the exported model routes dropless, as inference engines do",
                     cfg.moe.capacity_factor)
-    if cfg.model.mtp_depth and arch not in (DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT):
+    if cfg.model.mtp_depth and arch not in (DEEPSEEK_V3, GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE):
         # A training aid that inference does not need: left out, as DeepSeek-V3 leaves it out of
         # the models it serves.
         log.warning("model.mtp_depth = %d: %s has no multi-token-prediction layers; the export leaves the %d MTP "

@@ -84,6 +84,7 @@ DEEPSEEK_MOE = Names("mlp", "gate", shared="shared_experts")
 GPT_OSS_MOE = Names("mlp", "router", experts="fused")
 QWEN3_NEXT_NAMES = Names("mlp", "gate", mtp="qwen3_next")
 QWEN3_5_NAMES = Names("mlp", "gate", mtp="qwen3_next", gdn="split")
+QWEN3_5_VL_NAMES = Names("mlp", "gate", mtp="qwen3_next", gdn="split", prefix="model.language_model")
 NEMOTRON_H_NAMES = Names("mixer", "gate", "up_proj", "", "down_proj", shared="shared_experts", dense="mixer",
                          prefix="backbone", embed="embeddings", final_norm="norm_f")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
