@@ -669,3 +669,32 @@ def test_qwen3_5_multimodal_checkpoint_imports_its_text_model(tmp_path):
             assert torch.equal(back[name.replace("model.language_model.", "model.", 1)], t), name
     with pytest.raises(UnsupportedModel, match="--arch qwen3_5_moe_text"):
         to_hf(cfg, ARCHITECTURES["qwen3_5_moe"])
+
+
+def test_kimi_linears_published_config_reads_as_transformers_reads_it():
+    """Moonshot's own config.json for Kimi Linear (linear_attn_config with 1-indexed layer lists,
+    first_k_dense_replace, its MoE spellings and flags) gives the same sections as transformers'
+    spelling of the same model; a flag moetrain does not map is refused by name."""
+    moonshot = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 320,
+                "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "head_dim": 72, "kv_lora_rank": 16, "q_lora_rank": None,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "rms_norm_eps": 1e-5,
+                "hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_scaling": None,
+                "first_k_dense_replace": 1, "moe_layer_freq": 1, "moe_intermediate_size": 16, "num_experts": 8,
+                "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": True,
+                "moe_router_activation_func": "sigmoid", "num_expert_group": 1, "topk_group": 1,
+                "use_grouped_topk": True, "routed_scaling_factor": 2.446, "mla_use_nope": True,
+                "num_nextn_predict_layers": 0, "model_max_length": 64, "auto_map": {"AutoConfig": "x.Config"},
+                "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 8,
+                                       "num_heads": 2, "short_conv_kernel_size": 4}}
+    transformers_way = {k: v for k, v in moonshot.items() if k not in (
+        "linear_attn_config", "first_k_dense_replace", "mla_use_nope", "moe_router_activation_func",
+        "use_grouped_topk", "moe_layer_freq", "auto_map", "num_nextn_predict_layers")}
+    transformers_way |= {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_heads": 2,
+                         "linear_head_dim": 8, "linear_conv_kernel_dim": 4,
+                         "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
+    _, model, moe = from_hf(moonshot)
+    assert (model, moe) == from_hf(transformers_way)[1:]
+    assert model["layer_types"] == ["kda", "full_attention"] * 2 and not model["rope"] and moe["first_dense"] == 1
+    with pytest.raises(UnsupportedModel, match="mla_use_nope = False"):
+        from_hf({**moonshot, "mla_use_nope": False})

@@ -172,7 +172,8 @@ KIMI_LINEAR = Architecture("KimiLinearForCausalLM", "kimi_linear", KIMI_MOE, _CO
     "num_local_experts", "num_experts_per_token", "num_experts_per_tok", "num_shared_experts", "n_shared_experts",
     "moe_renormalize", "norm_topk_prob", "num_expert_group", "n_group", "topk_group", "mlp_layer_types",
     "first_k_dense_replace", "layer_types", "linear_attn_config", "linear_head_dim", "linear_num_heads",
-    "linear_conv_kernel_dim", "model_max_length"})
+    "linear_conv_kernel_dim", "model_max_length", "mla_use_nope", "moe_router_activation_func", "use_grouped_topk",
+    "moe_layer_freq", "num_nextn_predict_layers", "auto_map"})
 
 # Nemotron-H (Nemotron-H, Nemotron 3): the keys transformers writes; the old spellings
 # (hybrid_override_pattern, mamba_n_groups, ...) are read too. Keys that set only the
@@ -480,6 +481,10 @@ def _read_kimi_linear(r: _Reader, model: dict, moe: dict) -> None:
     """Kimi Linear: KDA and MLA-without-RoPE blocks, DeepSeek-V3's MoE (the defaults are
     transformers' ``KimiLinearConfig``'s)."""
     r.expect("attention_bias", lambda v: not v, False, "q/k/v/o biases are not part of Kimi Linear's mapping")
+    r.expect("mla_use_nope", lambda v: v, True, "moetrain maps Kimi Linear's MLA without RoPE")
+    r.expect("moe_router_activation_func", lambda v: v == "sigmoid", "sigmoid", "only sigmoid routing is mapped")
+    r.expect("moe_layer_freq", lambda v: v == 1, 1, "every block after the dense ones is MoE in moetrain's mapping")
+    r.expect("num_nextn_predict_layers", lambda v: not v, 0, "Kimi Linear's MTP layers are not mapped")
     layers = model["layers"]
     lac = dict(r.get("linear_attn_config", None) or {})
     extra = sorted(set(lac) - {"head_dim", "num_heads", "short_conv_kernel_size", "full_attn_layers", "kda_layers"})
