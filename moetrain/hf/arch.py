@@ -94,7 +94,7 @@ _INERT = frozenset({
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_router_logits", "output_attentions",
     "output_hidden_states", "return_dict", "tokenizer_class", "max_position_embeddings", "initializer_range",
-    "router_aux_loss_coef",
+    "router_aux_loss_coef", "auto_map",  # (auto_map: where remote code lives; moetrain runs none)
 })
 _MISSING = object()
 
@@ -173,14 +173,15 @@ KIMI_LINEAR = Architecture("KimiLinearForCausalLM", "kimi_linear", KIMI_MOE, _CO
     "moe_renormalize", "norm_topk_prob", "num_expert_group", "n_group", "topk_group", "mlp_layer_types",
     "first_k_dense_replace", "layer_types", "linear_attn_config", "linear_head_dim", "linear_num_heads",
     "linear_conv_kernel_dim", "model_max_length", "mla_use_nope", "moe_router_activation_func", "use_grouped_topk",
-    "moe_layer_freq", "num_nextn_predict_layers", "auto_map"})
+    "moe_layer_freq", "num_nextn_predict_layers"})
 
 # Nemotron-H (Nemotron-H, Nemotron 3): the keys transformers writes; the old spellings
 # (hybrid_override_pattern, mamba_n_groups, ...) are read too. Keys that set only the
 # initialisation or the inference cache ride along.
 _NEMOTRON_H_INIT = frozenset({"time_step_max", "time_step_floor", "time_step_limit", "rescale_prenorm_residual",
                               "use_mamba_kernels", "mamba_ssm_cache_dtype", "num_logits_to_keep",
-                              "moe_shared_expert_overlap", "mtp_layers_block_type", "expand"})
+                              "moe_shared_expert_overlap", "mtp_layers_block_type", "mtp_hybrid_override_pattern",
+                              "expand"})
 NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES, _NEMOTRON_H_INIT | {
     "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "tie_word_embeddings", "attention_bias", "attention_dropout", "sliding_window", "mlp_hidden_act", "mlp_bias",
