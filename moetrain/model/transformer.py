@@ -59,12 +59,12 @@ class Block(nn.Module):
             self.attention = Mamba2(m.hidden, m.mamba_num_heads, m.mamba_head_dim, m.ssm_state_size, m.n_groups,
                                     m.conv_kernel, m.use_conv_bias, m.norm_eps, m.mamba_chunk_size, m.time_step_min)
             self.attention.scan = ssd_scan(m.mamba_backend)
-        elif m.layer_type(layer) == "linear_attention":
+        elif mixer == "linear_attention":
             self.attention = GatedDeltaNet(m.hidden, m.linear_num_key_heads, m.linear_num_value_heads,
                                            m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim,
                                            m.norm_eps, m.linear_chunk_size)
             self.attention.rule = delta_rule(m.linear_attention_backend)
-        elif m.layer_type(layer) == "kda":
+        elif mixer == "kda":
             self.attention = KimiDeltaAttention(m.hidden, m.linear_num_key_heads, m.linear_key_head_dim,
                                                 m.linear_conv_kernel_dim, m.norm_eps, m.linear_chunk_size)
             self.attention.rule = kda_rule(m.linear_attention_backend)
