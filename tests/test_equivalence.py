@@ -77,6 +77,36 @@ def merged(results: list[dict]) -> dict:
     return {"losses": results[0]["losses"], "grads": grads}
 
 
+def train_layout(rank: int, world: int, data: str, run_dir: str, parallel: dict, model: dict, moe: dict,
+                 data_section: dict, steps: int = 20) -> dict:
+    """``steps`` optimizer steps of the tiny model with ``model`` / ``moe`` over its sections,
+    gradients clipped at 0.5: the losses, the global gradient norms and the first step's gradients
+    (the architecture proofs' run: 20 steps let a small error grow visible)."""
+    cfg = tiny_config(data, run_dir, parallel=parallel, model=model, moe=moe, data=data_section,
+                      train={"steps": steps, "grad_clip": 0.5})
+    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), steps)
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
+
+
+def layout_world(parallel: dict) -> int:
+    """The ranks of a ``parallel`` section: pp × dp × cp × tp."""
+    return parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
+
+
+def assert_layout_matches(results: list[dict], ref: dict, norms: bool = True) -> None:
+    """A layout's run (every rank's :func:`train_layout`) against the single-process ``ref``: the
+    last rank's losses (the last pipeline stage's) and the union of the ranks' gradients
+    (:func:`assert_matches`), and with ``norms`` the global gradient norm of every step within
+    1e-5 relative."""
+    got = {"losses": results[-1]["losses"], "grads": {}}
+    for r in results:
+        got["grads"].update(r["grads"])
+    assert_matches(got, ref)
+    if norms:
+        for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+
+
 def assert_matches(result: dict, ref: dict) -> None:
     for step, (a, b) in enumerate(zip(result["losses"], ref["losses"]), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs single-process {b}"

@@ -18,7 +18,7 @@ from moetrain.model.gated_deltanet import (GatedDeltaNet, chunk_gated_delta_rule
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, steps_with_first_grads
+from test_equivalence import assert_layout_matches, layout_world, train_layout
 
 B, S, HK, HV, DK, DV = 2, 37, 2, 4, 8, 6  # S not a multiple of the chunk: the last chunk is short
 
@@ -94,7 +94,6 @@ def test_documents_restart_the_state_and_the_convolution():
 
 # -- a Qwen3-Next-like hybrid in every layout it takes ------------------------------------------
 
-STEPS = 20
 HYBRID = {
     "model": {"layers": 2, "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
               "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
@@ -104,14 +103,6 @@ HYBRID = {
 }
 
 
-def train_hybrid(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict,
-                 model: dict | None = None) -> dict:
-    from moetrain.train.trainer import Trainer
-
-    cfg = tiny_config(data, run_dir, parallel=parallel, model={**HYBRID["model"], **(model or {})}, moe=HYBRID["moe"],
-                      data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
-    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
 
 
 HYBRID_LAYOUTS = {
@@ -138,19 +129,15 @@ def test_a_hybrid_model_trains_as_in_one_process(layout, tiny_shards, short_doc_
     parallel, docs = HYBRID_LAYOUTS[layout]
     shards, data_section = (short_doc_shards, {"document_mask": True}) if docs else (tiny_shards, {})
     if docs not in _REFERENCES:
-        _REFERENCES[docs] = run_distributed(train_hybrid, 1, str(shards), str(tmp_path / "ref"), {}, data_section)[0]
+        _REFERENCES[docs] = run_distributed(train_layout, 1, str(shards), str(tmp_path / "ref"), {}, HYBRID["model"], HYBRID["moe"],
+                                            data_section)[0]
     ref = _REFERENCES[docs]
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any(".attention.A_log" in n for n in ref["grads"]), "a gated-DeltaNet block must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
-    results = run_distributed(train_hybrid, world, str(shards), str(tmp_path / "run"), parallel, data_section)
-    got = {"losses": results[-1]["losses"], "grads": {}}
-    for r in results:
-        got["grads"].update(r["grads"])
-    assert_matches(got, ref)
-    for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+    results = run_distributed(train_layout, layout_world(parallel), str(shards), str(tmp_path / "run"), parallel,
+                              HYBRID["model"], HYBRID["moe"], data_section)
+    assert_layout_matches(results, ref)
 
 
 @pytest.mark.slow
@@ -158,15 +145,12 @@ def test_qwen3_next_mtp_trains_as_in_one_process_across_pipeline_stages(tiny_sha
     """The hybrid with Qwen3-Next's MTP module (a full-attention block, zero-centred norms) on the
     last of two pipeline stages, dp2 × ep2 on each: equal to one process over 20 steps, the
     module's weights included."""
-    mtp = {"mtp_depth": 1}
-    ref = run_distributed(train_hybrid, 1, str(tiny_shards), str(tmp_path / "ref"), {}, {}, mtp)[0]
+    model = {**HYBRID["model"], "mtp_depth": 1}
+    ref = run_distributed(train_layout, 1, str(tiny_shards), str(tmp_path / "ref"), {}, model, HYBRID["moe"], {})[0]
     assert any(n.startswith("mtp.") for n in ref["grads"]), "the MTP module must train"
-    results = run_distributed(train_hybrid, 4, str(tiny_shards), str(tmp_path / "run"),
-                              {"pp": 2, "dp": 2, "ep": 2}, {}, mtp)
-    got = {"losses": results[-1]["losses"], "grads": {}}
-    for r in results:
-        got["grads"].update(r["grads"])
-    assert_matches(got, ref)
+    results = run_distributed(train_layout, 4, str(tiny_shards), str(tmp_path / "run"),
+                              {"pp": 2, "dp": 2, "ep": 2}, model, HYBRID["moe"], {})
+    assert_layout_matches(results, ref, norms=False)
 
 
 @pytest.mark.parametrize("parallel, field, why", [

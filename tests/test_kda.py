@@ -18,7 +18,7 @@ from moetrain.model.kda import KimiDeltaAttention
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, steps_with_first_grads
+from test_equivalence import assert_layout_matches, layout_world, train_layout
 
 B, S, H, DH, D = 2, 37, 3, 8, 32  # S not a multiple of the chunk: the last chunk is short
 
@@ -99,7 +99,6 @@ def test_documents_restart_the_state_and_the_convolutions():
 
 # -- a Kimi-Linear-like hybrid in the layouts it takes ------------------------------------------
 
-STEPS = 20
 KIMI = {
     "model": {"layers": 2, "layer_types": ["kda", "full_attention"], "linear_num_key_heads": 2,
               "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
@@ -110,13 +109,6 @@ KIMI = {
 }
 
 
-def train_kimi(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict) -> dict:
-    from moetrain.train.trainer import Trainer
-
-    cfg = tiny_config(data, run_dir, parallel=parallel, model=KIMI["model"], moe=KIMI["moe"], data=data_section,
-                      train={"steps": STEPS, "grad_clip": 0.5})
-    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
 
 
 KIMI_LAYOUTS = {
@@ -136,19 +128,15 @@ def test_a_kimi_linear_like_model_trains_as_in_one_process(layout, tiny_shards, 
     parallel, docs = KIMI_LAYOUTS[layout]
     shards, data_section = (short_doc_shards, {"document_mask": True}) if docs else (tiny_shards, {})
     if docs not in _REFERENCES:
-        _REFERENCES[docs] = run_distributed(train_kimi, 1, str(shards), str(tmp_path / "ref"), {}, data_section)[0]
+        _REFERENCES[docs] = run_distributed(train_layout, 1, str(shards), str(tmp_path / "ref"), {}, KIMI["model"], KIMI["moe"],
+                                            data_section)[0]
     ref = _REFERENCES[docs]
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any(".attention.f_a_proj" in n for n in ref["grads"]), "a KDA block must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
-    results = run_distributed(train_kimi, world, str(shards), str(tmp_path / "run"), parallel, data_section)
-    got = {"losses": results[-1]["losses"], "grads": {}}
-    for r in results:
-        got["grads"].update(r["grads"])
-    assert_matches(got, ref)
-    for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+    results = run_distributed(train_layout, layout_world(parallel), str(shards), str(tmp_path / "run"), parallel,
+                              KIMI["model"], KIMI["moe"], data_section)
+    assert_layout_matches(results, ref)
 
 
 def test_without_rope_attention_ignores_positions(tmp_path):

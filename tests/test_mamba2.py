@@ -18,7 +18,7 @@ from moetrain.model.mamba2 import (Mamba2, chunk_ssd, conv_channels_in_hf_order,
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, steps_with_first_grads
+from test_equivalence import assert_layout_matches, layout_world, train_layout
 
 B, S, H, P, G, N = 2, 37, 4, 6, 2, 5  # S not a multiple of the chunk: the last chunk is short
 
@@ -96,7 +96,6 @@ def test_documents_restart_the_state_and_the_convolution():
 
 # -- a Mamba-2 hybrid in the layouts it takes ----------------------------------------------------
 
-STEPS = 20
 HYBRID = {
     "model": {"layers": 2, "layer_types": ["mamba", "full_attention"], "mamba_num_heads": 4, "mamba_head_dim": 8,
               "ssm_state_size": 8, "n_groups": 2, "mamba_chunk_size": 8, "vocab_size": 260},
@@ -105,13 +104,6 @@ HYBRID = {
 }
 
 
-def train_hybrid(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict) -> dict:
-    from moetrain.train.trainer import Trainer
-
-    cfg = tiny_config(data, run_dir, parallel=parallel, model=HYBRID["model"], moe=HYBRID["moe"], data=data_section,
-                      train={"steps": STEPS, "grad_clip": 0.5})
-    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
 
 
 HYBRID_LAYOUTS = {
@@ -133,19 +125,15 @@ def test_a_mamba_hybrid_trains_as_in_one_process(layout, tiny_shards, short_doc_
     parallel, docs = HYBRID_LAYOUTS[layout]
     shards, data_section = (short_doc_shards, {"document_mask": True}) if docs else (tiny_shards, {})
     if docs not in _REFERENCES:
-        _REFERENCES[docs] = run_distributed(train_hybrid, 1, str(shards), str(tmp_path / "ref"), {}, data_section)[0]
+        _REFERENCES[docs] = run_distributed(train_layout, 1, str(shards), str(tmp_path / "ref"), {}, HYBRID["model"], HYBRID["moe"],
+                                            data_section)[0]
     ref = _REFERENCES[docs]
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any(".attention.A_log" in n for n in ref["grads"]), "a Mamba-2 block must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
-    results = run_distributed(train_hybrid, world, str(shards), str(tmp_path / "run"), parallel, data_section)
-    got = {"losses": results[-1]["losses"], "grads": {}}
-    for r in results:
-        got["grads"].update(r["grads"])
-    assert_matches(got, ref)
-    for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+    results = run_distributed(train_layout, layout_world(parallel), str(shards), str(tmp_path / "run"), parallel,
+                              HYBRID["model"], HYBRID["moe"], data_section)
+    assert_layout_matches(results, ref)
 
 
 @pytest.mark.parametrize("parallel, field, why", [

@@ -16,9 +16,8 @@ from moetrain.model.mamba2 import Mamba2
 
 from conftest import tiny_config
 from multiproc import run_distributed
-from test_equivalence import assert_matches, steps_with_first_grads
+from test_equivalence import assert_layout_matches, layout_world, train_layout
 
-STEPS = 20
 NEMOTRON = {
     "model": {"layers": 4, "hybrid_override_pattern": "M-*E", "mamba_num_heads": 4, "mamba_head_dim": 8,
               "ssm_state_size": 8, "n_groups": 2, "mamba_chunk_size": 8, "rope": False, "mlp_activation": "relu2",
@@ -92,14 +91,6 @@ def test_the_planner_counts_the_single_sublayer_blocks(tmp_path):
             p.numel() for p in Transformer.from_config(cfg).parameters()), model["hybrid_override_pattern"]
 
 
-def train_nemotron(rank: int, world: int, data: str, run_dir: str, parallel: dict, data_section: dict,
-                   model: dict | None = None) -> dict:
-    from moetrain.train.trainer import Trainer
-
-    cfg = tiny_config(data, run_dir, parallel=parallel, model={**NEMOTRON["model"], **(model or {})},
-                      moe=NEMOTRON["moe"], data=data_section, train={"steps": STEPS, "grad_clip": 0.5})
-    results, grads = steps_with_first_grads(Trainer(cfg, write_files=False), STEPS)
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads}
 
 
 NEMOTRON_LAYOUTS = {
@@ -120,34 +111,27 @@ def test_a_nemotron_h_like_model_trains_as_in_one_process(layout, tiny_shards, s
     parallel, docs = NEMOTRON_LAYOUTS[layout]
     shards, data_section = (short_doc_shards, {"document_mask": True}) if docs else (tiny_shards, {})
     if docs not in _REFERENCES:
-        _REFERENCES[docs] = run_distributed(train_nemotron, 1, str(shards), str(tmp_path / "ref"), {},
+        _REFERENCES[docs] = run_distributed(train_layout, 1, str(shards), str(tmp_path / "ref"), {}, NEMOTRON["model"], NEMOTRON["moe"],
                                             data_section)[0]
     ref = _REFERENCES[docs]
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     assert max(ref["norms"]) > 0.5, "the test must clip"
     assert any("layers.1.feed_forward.w1" in n for n in ref["grads"]) and any(
         "layers.0.attention.A_log" in n for n in ref["grads"]), "the MLP and the Mamba-2 blocks must train"
-    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
-    results = run_distributed(train_nemotron, world, str(shards), str(tmp_path / "run"), parallel, data_section)
-    got = {"losses": results[-1]["losses"], "grads": {}}
-    for r in results:
-        got["grads"].update(r["grads"])
-    assert_matches(got, ref)
-    for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+    results = run_distributed(train_layout, layout_world(parallel), str(shards), str(tmp_path / "run"), parallel,
+                              NEMOTRON["model"], NEMOTRON["moe"], data_section)
+    assert_layout_matches(results, ref)
 
 
 @pytest.mark.slow
 def test_gated_deltanet_and_kda_blocks_train_as_in_one_process_under_tp_and_cp(short_doc_shards, tmp_path):
     """The G and K blocks of a pattern, with documents, in dp2 × tp2 + SP × ep2 and cp2 × ep2."""
     data = {"document_mask": True}
-    ref = run_distributed(train_nemotron, 1, str(short_doc_shards), str(tmp_path / "ref"), {}, data, GK)[0]
+    model = {**NEMOTRON["model"], **GK}
+    ref = run_distributed(train_layout, 1, str(short_doc_shards), str(tmp_path / "ref"), {}, model, NEMOTRON["moe"],
+                          data)[0]
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must learn"
     for name, parallel in (("tp", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}), ("cp", {"cp": 2, "ep": 2})):
-        world = parallel.get("dp", 1) * parallel.get("cp", 1) * parallel.get("tp", 1)
-        results = run_distributed(train_nemotron, world, str(short_doc_shards), str(tmp_path / name), parallel, data,
-                                  GK)
-        got = {"losses": results[-1]["losses"], "grads": {}}
-        for r in results:
-            got["grads"].update(r["grads"])
-        assert_matches(got, ref)
+        results = run_distributed(train_layout, layout_world(parallel), str(short_doc_shards), str(tmp_path / name),
+                                  parallel, model, NEMOTRON["moe"], data)
+        assert_layout_matches(results, ref, norms=False)

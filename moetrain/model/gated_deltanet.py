@@ -223,6 +223,20 @@ def over_documents(mixed: torch.Tensor, doc: DocumentMask | None, mix) -> torch.
                       for i, row in enumerate(lengths)])
 
 
+def over_heads(mixed: torch.Tensor, doc: DocumentMask | None, context: HeadExchange | None, mix) -> torch.Tensor:
+    """A recurrent layer's heads mixed per document (:func:`over_documents`), with context
+    parallelism's head exchange around them: ``mixed`` [B, S, h, W], per head (this rank's tokens
+    under ``context``) what the recurrence reads; ``mix(part, first_head)`` → [1, n, h', W'], with
+    ``first_head`` the first of the heads it gets among this rank's (0 without ``context``, else
+    the whole sequence of 1/cp of them). → [B, S, h', W'] for this rank's tokens."""
+    first = 0
+    if context is not None:  # the whole sequence of some heads
+        first = context.rank * (mixed.shape[2] // context.size)
+        mixed = context.to_heads(mixed)
+    o = over_documents(mixed, doc, lambda part: mix(part, first))
+    return context.to_sequence(o) if context is not None else o  # back to this rank's tokens, every head
+
+
 def conv_channels_in_hf_order(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
                               ) -> torch.Tensor:
     """perm [2·Hk·Dk + Hv·Dv] int64 with moetrain's convolution channel i = Hugging Face's
@@ -344,13 +358,7 @@ class GatedDeltaNet(nn.Module):
         z = qkvz[..., 2 * Dk + r * Dv:].reshape(B, S, -1, Dv)
         # Per key head what the recurrence reads: q, k, v (its value heads), b, a.
         mixed = torch.cat([qkvz[..., :2 * Dk + r * Dv], ba], dim=-1)
-        first = 0
-        if self.context is not None:  # the whole sequence of some heads
-            first = self.context.rank * (mixed.shape[2] // self.context.size)
-            mixed = self.context.to_heads(mixed)
-        o = over_documents(mixed, doc, lambda part: self._mix(part, first))
-        if self.context is not None:  # back to this rank's tokens, every head
-            o = self.context.to_sequence(o)
+        o = over_heads(mixed, doc, self.context, self._mix)
         o = self.norm(o, z.to(o.dtype))
         return self.out_proj(o.reshape(B, S, -1))
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.attention import DocumentMask
-from moetrain.model.gated_deltanet import GatedRMSNorm, HeadExchange, chunk_gated_delta_rule, over_documents
+from moetrain.model.gated_deltanet import GatedRMSNorm, HeadExchange, chunk_gated_delta_rule, over_heads
 from moetrain.model.layers import Linear, local_cast
 
 __all__ = ["KimiDeltaAttention", "fla_kda", "kda_rule"]
@@ -153,12 +153,6 @@ class KimiDeltaAttention(nn.Module):
         b = self.b_proj(x_BSD).view(B, S, -1, 1)
         z = self.g_b_proj(self.g_a_proj(x_BSD)).view(B, S, -1, Dh)
         mixed = torch.cat([q, k, v, f.to(q.dtype), b.to(q.dtype)], dim=-1)  # per head what the recurrence reads
-        first = 0
-        if self.context is not None:  # the whole sequence of some heads
-            first = self.context.rank * (mixed.shape[2] // self.context.size)
-            mixed = self.context.to_heads(mixed)
-        o = over_documents(mixed, doc, lambda part: self._mix(part, first))
-        if self.context is not None:  # back to this rank's tokens, every head
-            o = self.context.to_sequence(o)
+        o = over_heads(mixed, doc, self.context, self._mix)
         o = self.o_norm(o, z.to(o.dtype))
         return self.o_proj(o.reshape(B, S, -1))
