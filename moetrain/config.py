@@ -39,6 +39,7 @@ __all__ = [
     "BlendSource",
     "TrainConfig",
     "AnomalyConfig",
+    "LoraConfig",
     "ProfileConfig",
     "CheckpointConfig",
     "LaunchConfig",
@@ -615,6 +616,38 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """``train.lora``: low-rank adapters (LoRA, Hu et al. 2021 §4.1) on a frozen base; the field
+    names are PEFT's ``LoraConfig``'s. ``r``: the rank (0: off, every parameter trains). Each
+    targeted weight W [out, in] gains A [r, in] and B [out, r] and computes
+    W x + (``lora_alpha`` / r) · B A dropout(x), with ``lora_dropout`` on the adapter's input
+    only; A starts as PEFT's (Kaiming-uniform, bound 1/√in), B at 0, so training starts from the
+    base model itself. ``target_modules``: names that select the weights, PEFT's rule (a module
+    whose path is the name or ends with ``.`` + name): ``wq``, ``wk``, ``wv``, ``wo`` (attention),
+    MLA's ``wq``/``wq_a``/``wq_b``/``wkv_a``/``wkv_b``/``wo``, ``w1``/``w2``/``w3`` (dense MLPs,
+    shared experts and the routed experts; ``experts.w1`` or ``shared.w1`` narrow it), the linear
+    attention / SSM projections (``in_proj_qkvz``, ``in_proj``, ``out_proj``, ...), or
+    ``all-linear`` — every projection of the blocks and the experts (not the embedding, the head
+    or the router). ``router`` (the MoE routers) trains whole, not as an adapter (PEFT's
+    ``modules_to_save``); otherwise the router, norms, embedding and head stay frozen.
+    ``experts``: the routed experts' adapters — ``per_expert``, one pair per expert (A [E, in,
+    r], B [E, r, out], placed with the experts over ep / etp and computed in the experts' own
+    pass), or ``shared``, one pair per layer for all its experts (Megatron-Bridge's shared expert
+    LoRA). The base gets no gradient, no optimizer state and no gradient reduction."""
+
+    r: int = 0
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    experts: Literal["per_expert", "shared"] = "per_expert"
+
+    @property
+    def scaling(self) -> float:
+        """lora_alpha / r, the factor of B A x (Hu et al. 2021 §4.1)."""
+        return self.lora_alpha / self.r
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``steps``: optimizer steps. ``micro_batch_size``: sequences per rank per forward.
     ``global_batch_size``: sequences per optimizer step over all data-parallel ranks
@@ -658,7 +691,8 @@ class TrainConfig:
     query and key projections scaled by γ = τ / max (√γ each; MLA: its per-head query and key
     parts √γ, its RoPE query γ, the shared RoPE key untouched), so that logit would have been τ;
     costs one more q·kᵀ per attention forward; the step's largest logit is in the metrics
-    (``max_logit``). Not with context parallelism, q/k norms or compile."""
+    (``max_logit``). Not with context parallelism, q/k norms or compile. ``lora``: fine-tune
+    low-rank adapters on a frozen base instead of every parameter (:class:`LoraConfig`)."""
 
     steps: int = 100
     micro_batch_size: int = 2
@@ -689,6 +723,7 @@ class TrainConfig:
     straggler_threshold: float = 0.2
     straggler_windows: int = 3
     qk_clip: float | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def resolved_decay_steps(self) -> int:
@@ -1344,7 +1379,8 @@ def render_config(cfg: Config, layers: Layers | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "launch.elastic", "train.anomaly", "train.profile"}
+_NESTED_KEYS = {"metrics.wandb", "launch.container", "launch.env", "launch.elastic", "train.anomaly", "train.profile",
+                "train.lora"}
 
 
 def explain(layers: Layers, cfg: Config, key: str) -> str:
@@ -2075,6 +2111,7 @@ def _check_train(cfg: Config, device: str | None) -> None:
         if tr.compile:
             raise field_error("train.qk_clip", tr.qk_clip, "the max-logit record inside the compiled attention "
                               "core is not proved under train.compile", "set train.compile=false or qk_clip: null")
+    _check_lora(cfg)
     if (pr := tr.profile) is not None:
         if pr.start < 1 or pr.steps < 1:
             raise field_error("train.profile.start" if pr.start < 1 else "train.profile.steps",
@@ -2084,6 +2121,33 @@ def _check_train(cfg: Config, device: str | None) -> None:
         if policy == "rollback" and not cfg.checkpoint.every:
             raise field_error(f"train.anomaly.{name}", "rollback", "rolls back to the latest checkpoint, and "
                               "checkpoint.every is 0", "set checkpoint.every (e.g. 100), or use skip")
+
+
+def _check_lora(cfg: Config) -> None:
+    lo = cfg.train.lora
+    if lo.r < 0:
+        raise field_error("train.lora.r", lo.r, "a rank cannot be negative", "use e.g. 16, or 0 to train every "
+                          "parameter")
+    if not lo.r:
+        return
+    if not lo.lora_alpha > 0:
+        raise field_error("train.lora.lora_alpha", lo.lora_alpha, "the adapter's scale alpha / r must be positive",
+                          "use e.g. 2 * r (32 for r = 16)")
+    if not 0 <= lo.lora_dropout < 1:
+        raise field_error("train.lora.lora_dropout", lo.lora_dropout, "a dropout probability lies in [0, 1)",
+                          "use 0 or e.g. 0.05")
+    if not lo.target_modules:
+        raise field_error("train.lora.target_modules", [], "no weight would train", "use [all-linear], or names "
+                          "such as [wq, wk, wv, wo, w1, w2, w3]")
+    if cfg.train.optimizer != "adamw":
+        raise field_error("train.optimizer", cfg.train.optimizer, "the adapters train with AdamW (Muon's "
+                          "orthogonalised update is not proved on rank-r factors)", "set train.optimizer: adamw")
+    if cfg.train.qk_clip is not None:
+        raise field_error("train.qk_clip", cfg.train.qk_clip, "QK-clip rescales W_q and W_k, which train.lora "
+                          "freezes", "set train.qk_clip: null")
+    if cfg.moe.num_experts and cfg.moe.expert_backend == "megablocks":
+        raise field_error("moe.expert_backend", "megablocks", "the experts' adapters run in moetrain's own expert "
+                          "pass", "use moe.expert_backend: grouped_mm or loop")
 
 
 def _check_data(cfg: Config, device: str | None) -> None:

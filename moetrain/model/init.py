@@ -7,6 +7,8 @@ some blocks, gets exactly the values the single-process model has. Norm weights 
 [1, 16], dt_bias 1 (Qwen3-Next's), the convolution normal with std kernel^−½. Mamba-2: A_log =
 log(1 … H), D and dt_bias 1 (Nemotron-H's), the convolution as gated DeltaNet's, its bias 0.
 Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
+Low-rank adapters (:mod:`moetrain.model.lora`): A uniform in ±1/√in, per expert for the experts'
+stacks, B zero.
 """
 
 from __future__ import annotations
@@ -74,6 +76,16 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             for b in (module.b1, module.b3, module.b2):
                 if b is not None:
                     b.zero_()
+            for i in ("1", "3", "2"):  # low-rank adapters: A as PEFT draws it, per expert; B at 0
+                a = getattr(module, f"lora_A{i}")
+                if a is not None:
+                    local, offset = _local_and_offset(a)
+                    for e in range(local.shape[0]):
+                        one = _uniform(a.shape[1:], a.shape[1] ** -0.5, seed, f"{full}.lora_A{i}.{offset[0] + e}")
+                        for dim, (first, size) in enumerate(zip(offset[1:], local.shape[1:])):
+                            one = one.narrow(dim, first, size)
+                        local[e].copy_(one.to(local.dtype))
+                    getattr(module, f"lora_B{i}").zero_()
             for pname in ("w1", "w3", "w2"):
                 p = getattr(module, pname)
                 if p is None:  # non-gated experts have no w3
@@ -95,6 +107,10 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
             _fill_normal(module.weight, s, seed, f"{full}.weight")
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
+            if getattr(module, "lora_A", None) is not None:
+                a = module.lora_A
+                _fill(a, _uniform(a.shape, a.shape[1] ** -0.5, seed, f"{full}.lora_A"))
+                module.lora_B.zero_()
 
 
 def _local_and_offset(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -116,6 +132,12 @@ def local_piece(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     and FSDP shards are contiguous blocks of the whole tensor."""
     local, offset = _local_and_offset(p)
     return local, tuple(slice(s, s + n) for s, n in zip(offset, local.shape))
+
+
+def _uniform(shape: torch.Size, bound: float, seed: int, name: str) -> torch.Tensor:
+    """Uniform in [-bound, bound): a low-rank adapter's A, whose bound 1/√in is what PEFT's
+    Kaiming-uniform (a = √5) gives for fan-in ``in``."""
+    return (torch.rand(shape, generator=_generator(seed, name)) * 2 - 1) * bound
 
 
 def _fill_normal(p: torch.Tensor, std: float, seed: int, name: str) -> None:

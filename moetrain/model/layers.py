@@ -44,26 +44,63 @@ def local_cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return cast(w.to_local() if isinstance(w, DTensor) else w, dtype)
 
 
+def adapter_local(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """As :func:`local_cast`, for a low-rank adapter stacked with the experts
+    (:mod:`moetrain.model.lora`). Where the adapter is replicated over a mesh axis — one pair for
+    all experts (replicated over ep), or under expert-tensor parallelism the factor that does not
+    split the ffn width (replicated over tp) — each rank's gradient holds only the terms of its
+    own rows or columns: the local piece's gradient is declared ``Partial`` along those axes, and
+    the data-parallel wrapper sums it there before its own reduction."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if isinstance(w, DTensor):
+        w = w.to_local(grad_placements=[Partial() if pl.is_replicate() else pl for pl in w.placements])
+    return cast(w, dtype)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (tensor parallelism styles accept it) computing in ``compute_dtype``:
     x: [..., in] → [..., out] in ``compute_dtype`` (or the weight's dtype when ``None``). With
     ``fp8`` (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`) its GEMMs run in fp8, forward and
     backward; the bias is added in the compute dtype. Without bias and fp8 its weight gradient
-    may be deferred (``defer_wgrad``, :mod:`moetrain.model.wgrad`)."""
+    may be deferred (``defer_wgrad``, :mod:`moetrain.model.wgrad`).
+
+    With a low-rank adapter (``lora_A`` [r, in], ``lora_B`` [out, r]; set by
+    :func:`moetrain.model.lora.add_adapters`, None without) it adds ``lora_scaling`` ·
+    B A dropout(x), in the compute dtype, never in fp8 (Hu et al. 2021 §4.1)."""
 
     compute_dtype: torch.dtype | None = None
     fp8: Fp8Recipe | None = None
     defer_wgrad = True
+    lora_scaling = 1.0
+    lora_dropout = 0.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lora_A: nn.Parameter | None = None
+        self.lora_B: nn.Parameter | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = cast(self.weight, self.compute_dtype)
         b = None if self.bias is None else cast(self.bias, self.compute_dtype)
         if self.fp8 is not None:
             y = fp8_linear(x.to(w.dtype), w, self.fp8)
-            return y if b is None else y + b
-        if b is None and self.defer_wgrad:
-            return wgrad.linear(x.to(w.dtype), w)
-        return F.linear(x.to(w.dtype), w, b)
+            y = y if b is None else y + b
+        elif b is None and self.defer_wgrad:
+            y = wgrad.linear(x.to(w.dtype), w)
+        else:
+            y = F.linear(x.to(w.dtype), w, b)
+        return y if self.lora_A is None else y + self.adapter(x.to(y.dtype))
+
+    def adapter(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's term scaling · B A dropout(x): x [..., in] → [..., out] in the compute
+        dtype. Under tensor parallelism the operands are DTensors placed as the weight is
+        (:mod:`moetrain.parallel.lora`): a column-parallel B gives this rank's output columns, a
+        row-parallel A a partial sum that the layer's own output reduction adds up."""
+        a, b = cast(self.lora_A, self.compute_dtype), cast(self.lora_B, self.compute_dtype)
+        if self.lora_dropout and self.training:
+            x = F.dropout(x, self.lora_dropout)
+        return F.linear(F.linear(x.to(a.dtype), a), b) * self.lora_scaling
 
 
 class Embedding(nn.Embedding):

@@ -46,7 +46,7 @@ from torch import nn
 from moetrain.model import wgrad
 from moetrain.model.fp8 import round_trip
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_mm
-from moetrain.model.layers import FeedForward, Linear, local_cast
+from moetrain.model.layers import FeedForward, Linear, adapter_local, local_cast
 from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
@@ -270,6 +270,13 @@ class GroupedExperts(nn.Module):
     ``activation``: ``swiglu`` silu(x w1)·(x w3), ``clamped_swiglu`` (GPT-OSS), or ``relu2``,
     relu(x w1)² with no w3 (non-gated experts, Nemotron-H's): two matrices per expert.
 
+    Low-rank adapters (:func:`moetrain.model.lora.add_adapters`): ``lora_A1`` [E, D, r] /
+    ``lora_B1`` [E, r, F] beside w1, the same for w3, ``lora_A2`` [E, F, r] / ``lora_B2`` [E, r, D]
+    beside w2 (None where a matrix has none); each row of expert e gains ``lora_scaling`` ·
+    dropout(x) A_e B_e, in the same pass (``loop``: in the expert's own step; ``grouped_mm``: two
+    more grouped GEMMs on the same offsets). With ``lora_shared`` the stacks hold one pair,
+    [1, ...], for every expert of the layer. Not on ``megablocks``.
+
     Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`). With ``fp8``
     (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`, ``train.precision: fp8``) each expert's three
     GEMMs run in fp8, forward and backward, on the ``loop`` backend (per expert, so every scale
@@ -294,6 +301,37 @@ class GroupedExperts(nn.Module):
         self.b2 = nn.Parameter(torch.empty(num_experts, dim)) if biases else None
         self.act = {"clamped_swiglu": partial(clamped_swiglu, alpha=alpha, limit=limit), "relu2": relu2}.get(
             activation, swiglu)
+        self.lora_A1 = self.lora_B1 = self.lora_A3 = self.lora_B3 = self.lora_A2 = self.lora_B2 = None
+        self.lora_scaling, self.lora_dropout, self.lora_shared = 1.0, 0.0, False
+
+    def adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The matrices that carry an adapter ("1", "3", "2") → this rank's (A, B) pieces in the
+        compute dtype (:func:`~moetrain.model.layers.adapter_local`)."""
+        out = {}
+        for i in ("1", "3", "2"):
+            a = getattr(self, f"lora_A{i}")
+            if a is not None:
+                out[i] = (adapter_local(a, self.compute_dtype), adapter_local(getattr(self, f"lora_B{i}"),
+                                                                               self.compute_dtype))
+        return out
+
+    def _adapter_rows(self, x_ND: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor] | None,
+                      offs: torch.Tensor) -> torch.Tensor | int:
+        """scaling · dropout(x) A B for the rows of every expert at once ([N, in] → [N, out]), or 0
+        without an adapter."""
+        if pair is None:
+            return 0
+        a, b = pair
+        if self.lora_dropout and self.training:
+            x_ND = F.dropout(x_ND, self.lora_dropout)
+        if self.lora_shared:
+            return (x_ND @ a[0]) @ b[0] * self.lora_scaling
+        r = a.shape[-1]
+        align = 16 // a.element_size()  # grouped_mm wants 16-byte strides: r padded with zero ranks
+        if r % align:
+            a = F.pad(a, (0, align - r % align))
+            b = F.pad(b, (0, 0, 0, align - r % align))
+        return F.grouped_mm(F.grouped_mm(x_ND, a, offs=offs), b, offs=offs) * self.lora_scaling
 
     def forward(self, x_ND: torch.Tensor, counts_El: torch.Tensor, host_counts: list[int] | None = None,
                 padding_rows: bool = False) -> torch.Tensor:
@@ -306,6 +344,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (local_cast(w, self.compute_dtype) if w is not None else None for w in (self.w1, self.w3, self.w2))
         b1, b3, b2 = (local_cast(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
         x_ND = x_ND.to(w1.dtype)
+        lora = self.adapters()
         if self.backend == "grouped_mm":
             # offs[e] = end row of expert e; empty experts are empty groups (zero gradient).
             offs = torch.cumsum(counts_El, 0, dtype=torch.int32)
@@ -315,8 +354,9 @@ class GroupedExperts(nn.Module):
                 # backward, their input gradient) unwritten: select zeros there, on the device.
                 real_N = (torch.arange(x_ND.shape[0], device=x_ND.device) < offs[-1]).unsqueeze(1)
                 x_ND = torch.where(real_N, x_ND, 0)
-            gate = wgrad.grouped_mm(x_ND, w1, offs)
-            up = wgrad.grouped_mm(x_ND, w3, offs) if w3 is not None else None
+            gate = wgrad.grouped_mm(x_ND, w1, offs) + self._adapter_rows(x_ND, lora.get("1"), offs)
+            up = wgrad.grouped_mm(x_ND, w3, offs) + self._adapter_rows(x_ND, lora.get("3"), offs) \
+                if w3 is not None else None
             if b1 is not None:  # each row's expert's biases (padding rows: the last expert's, unused)
                 experts = torch.arange(len(counts_El), device=x_ND.device)
                 row = torch.repeat_interleave(experts, counts_El, output_size=x_ND.shape[0]) if not padding_rows \
@@ -328,7 +368,8 @@ class GroupedExperts(nn.Module):
                 # gradient back from the rows the second GEMM's backward leaves unwritten.
                 gate = torch.where(real_N, gate, 0)
                 up = torch.where(real_N, up, 0) if up is not None else None
-            out = wgrad.grouped_mm(self.act(gate, up), w2, offs)
+            h_NF = self.act(gate, up)
+            out = wgrad.grouped_mm(h_NF, w2, offs) + self._adapter_rows(h_NF, lora.get("2"), offs)
             out = out + b2[row] if b2 is not None else out
             return out if real_N is None else torch.where(real_N, out, 0)
         if self.backend not in EXPERT_BACKENDS:
@@ -339,8 +380,13 @@ class GroupedExperts(nn.Module):
             out = self.forward(x_ND[:rows], counts_El, sizes)
             return torch.cat([out, out.new_zeros(x_ND.shape[0] - rows, out.shape[1])])
         if self.backend == "megablocks":
+            if lora:
+                raise ValueError("expert adapters (train.lora) run on expert backend 'loop' or 'grouped_mm', "
+                                 "not 'megablocks'")
             return _megablocks_experts(x_ND, w1, w3, w2, sizes)
-        return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2, self.fp8)
+        return _loop_experts(x_ND, w1, w3, w2, sizes, self.act, b1, b3, b2, self.fp8,
+                             _LoopAdapters(lora, self.lora_scaling, self.lora_dropout if self.training else 0.0,
+                                           self.lora_shared, len(sizes)) if lora else None)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -361,12 +407,33 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
+class _LoopAdapters:
+    """The experts' adapters as the loop takes them: for matrix "1", "3" or "2", expert e's
+    (A_e, B_e), and the term scaling · dropout(x) A_e B_e."""
+
+    def __init__(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, dropout: float,
+                 shared: bool, experts: int):
+        self.scaling, self.dropout = scaling, dropout
+        self.per_expert = {i: ([a[0]] * experts, [b[0]] * experts) if shared else (a.unbind(0), b.unbind(0))
+                           for i, (a, b) in pairs.items()}
+
+    def term(self, i: str, e: int, x: torch.Tensor) -> torch.Tensor | int:
+        if i not in self.per_expert:
+            return 0
+        a, b = self.per_expert[i]
+        if self.dropout:
+            x = F.dropout(x, self.dropout)
+        return (x @ a[e]) @ b[e] * self.scaling
+
+
 @torch.compiler.disable  # per-expert GEMMs of data-dependent sizes: nothing to fuse, endless recompiles
 def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, sizes: list[int],
                   act: Callable = swiglu, b1: torch.Tensor | None = None, b3: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, fp8: Fp8Recipe | None = None,
+                  adapters: _LoopAdapters | None = None) -> torch.Tensor:
     """The reference expert computation: one gated MLP per expert on its ``sizes[e]`` rows, its
-    GEMMs in fp8 with ``fp8`` (an empty expert's plain: no scale to take of zero rows)."""
+    GEMMs in fp8 with ``fp8`` (an empty expert's plain: no scale to take of zero rows), each
+    matrix plus its low-rank adapter's term where ``adapters`` has one (in the compute dtype)."""
 
     def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return fp8_mm(a, b, fp8) if fp8 is not None and a.shape[0] else wgrad.mm(a, b)
@@ -376,13 +443,16 @@ def _loop_experts(x_ND: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: to
     biases = (b1.unbind(0), b3.unbind(0) if b3 is not None else none, b2.unbind(0)) if b1 is not None else (none,) * 3
     # unbind: one backward node stacks the experts' gradients (indexing w[e] would allocate and
     # zero-fill a whole [El, ...] gradient per expert).
-    for x, w1_e, w3_e, w2_e, b1_e, b3_e, b2_e in zip(torch.split(x_ND, sizes), w1.unbind(0),
-                                                     w3.unbind(0) if w3 is not None else none, w2.unbind(0), *biases):
+    lora = adapters.term if adapters is not None else lambda i, e, x: 0
+    for e, (x, w1_e, w3_e, w2_e, b1_e, b3_e, b2_e) in enumerate(zip(
+            torch.split(x_ND, sizes), w1.unbind(0), w3.unbind(0) if w3 is not None else none, w2.unbind(0), *biases)):
         # Empty groups still touch the weights so every expert gets a (zero) gradient.
-        gate, up = matmul(x, w1_e), matmul(x, w3_e) if w3_e is not None else None
+        gate = matmul(x, w1_e) + lora("1", e, x)
+        up = matmul(x, w3_e) + lora("3", e, x) if w3_e is not None else None
         if b1_e is not None:
             gate, up = gate + b1_e, up + b3_e if b3_e is not None else up
-        out = matmul(act(gate, up), w2_e)
+        h = act(gate, up)
+        out = matmul(h, w2_e) + lora("2", e, h)
         outs.append(out + b2_e if b2_e is not None else out)
     return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
 

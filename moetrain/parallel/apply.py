@@ -9,6 +9,8 @@ The order is fixed; each step says why it sits where it does:
 4. the MoE layers' spread — the experts placed over ep (and tp under expert-tensor
    parallelism), the token dispatcher, the losses of sequences split over cp × tp ranks,
    node-limited routing: one :class:`~moetrain.model.moe.MoEParallel` per layer;
+4b. low-rank adapters (``train.lora``) — beside the weights they adapt, placed as those are
+   (so after 3-4), the base frozen before FSDP takes the parameters over;
 5. context parallelism — swap the attention kernel for ring attention over cp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
    then ``train.compile`` compiles each block's computation (the recomputation wraps it);
@@ -33,6 +35,7 @@ from moetrain.config import Config, check_supported
 from moetrain.model.init import init_weights
 from moetrain.model.fp8_gemm import set_fp8
 from moetrain.model.layers import set_compute_dtype
+from moetrain.model.lora import adapter_targets, add_adapters
 from moetrain.model.moe import GroupedExperts, resolve_expert_backend
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
@@ -42,6 +45,7 @@ from moetrain.parallel.data_parallel import apply_data_parallel
 from moetrain.parallel.ep_overlap import InTurnExchange
 from moetrain.parallel.exchange import Exchange
 from moetrain.parallel.expert import apply_expert_parallel, hierarchical_groups
+from moetrain.parallel.lora import place_adapters
 from moetrain.parallel.pipeline import pipeline_parts
 from moetrain.parallel.precision import compute_dtype, fp8_recipe
 from moetrain.parallel.runner import StepRunner, build_runner
@@ -90,6 +94,9 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
     with torch.device("meta"):
         model = Transformer.from_config(cfg)
 
+    if cfg.train.lora.r:  # names in train.lora.target_modules that select nothing are refused here
+        adapter_targets(model, cfg.train.lora)
+
     # 2. pipeline split (pp > 1): one part per stage this rank holds, each a copy of the model
     #    with only that stage's blocks (names stay global); see moetrain.parallel.pipeline.
     parts, stages = pipeline_parts(model, cfg, ps) if ps.size(PP) > 1 else ([model], [0])
@@ -109,6 +116,10 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         #    turn with the partner micro-batch of a merged pair.
         if part.moe_layers() and ps.world_size > 1:
             apply_expert_parallel(part.moe_layers(), ps, cfg, InTurnExchange if cfg.parallel.ep_overlap else Exchange)
+        # 4b. LoRA: adapters beside the targeted weights, placed as they are; the base frozen.
+        if cfg.train.lora.r:
+            add_adapters(part, cfg.train.lora)
+            place_adapters(part)
         # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
         if ps.size(CP) > 1:
             apply_context_parallel(part, ps.group(CP), cfg.model.seq_len)

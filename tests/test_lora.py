@@ -1,0 +1,210 @@
+"""Low-rank adapters (train.lora; moetrain/model/lora.py, moetrain/parallel/lora.py).
+
+The adapter's term against its formula; the experts' adapters the same on the loop and
+grouped_mm backends, per expert and shared; a fine-tune that moves the adapters only (the base
+bit for bit unchanged, no optimizer state for it); and the layouts — FSDP2 / ZeRO 1-3, HSDP, tp +
+SP, pp, ep, etp, cp — equal to one process over 20 steps: losses, global gradient norms and the
+adapters' gradients at the last step (at the first, B = 0 gives A no gradient: a comparison
+there could not fail for A)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from moetrain.config import ConfigError, validate
+from moetrain.model.layers import Linear
+from moetrain.model.moe import GroupedExperts
+
+from conftest import tiny_config
+from multiproc import run_distributed
+from test_equivalence import assert_matches, layout_world
+
+LORA = {"r": 4, "lora_alpha": 8}
+
+
+def test_the_adapter_adds_its_low_rank_term():
+    torch.manual_seed(0)
+    lin = Linear(6, 5, bias=False)
+    x = torch.randn(3, 6)
+    base = lin(x)
+    lin.lora_A = torch.nn.Parameter(torch.randn(2, 6))
+    lin.lora_B = torch.nn.Parameter(torch.randn(5, 2))
+    lin.lora_scaling = 0.5
+    torch.testing.assert_close(lin(x), base + 0.5 * x @ lin.lora_A.T @ lin.lora_B.T)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+def test_expert_adapters_are_the_same_on_both_backends(shared, activation):
+    torch.manual_seed(1)
+    E, D, F, r = 3, 8, 12, 2  # r = 2: 8-byte rows, which grouped_mm pads
+    experts = GroupedExperts(D, F, E, activation=activation)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    stacks = 1 if shared else E
+    for i, (d_in, d_out) in (("1", (D, F)), ("3", (D, F)), ("2", (F, D))):
+        if i == "3" and activation == "relu2":
+            continue
+        setattr(experts, f"lora_A{i}", torch.nn.Parameter(torch.randn(stacks, d_in, r)))
+        setattr(experts, f"lora_B{i}", torch.nn.Parameter(torch.randn(stacks, r, d_out)))
+    experts.lora_scaling, experts.lora_shared = 0.7, shared
+    sizes = [4, 0, 3]
+    x = torch.randn(sum(sizes), D)
+    counts = torch.tensor(sizes)
+    # The formula, expert by expert.
+    want = []
+    for e, rows in enumerate(torch.split(x, sizes)):
+        s = 0 if shared else e
+
+        def mat(i, h):
+            w = getattr(experts, f"w{i}")[e]
+            return h @ w + 0.7 * (h @ getattr(experts, f"lora_A{i}")[s]) @ getattr(experts, f"lora_B{i}")[s]
+
+        gate = mat("1", rows)
+        h = torch.nn.functional.silu(gate) * mat("3", rows) if activation == "swiglu" else torch.relu(gate).square()
+        want.append(mat("2", h))
+    want = torch.cat(want)
+    runs = []
+    for backend in ("loop", "grouped_mm"):
+        experts.backend = backend
+        out = experts(x, counts)
+        out.pow(2).sum().backward()
+        runs.append((out.detach(), {n: p.grad.clone() for n, p in experts.named_parameters()}))
+        experts.zero_grad()
+    torch.testing.assert_close(runs[0][0], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[1][0], want, rtol=1e-5, atol=1e-5)
+    for name, g in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], g, rtol=1e-5, atol=1e-4, msg=name)
+
+
+def _cfg(tmp_path, **lora):
+    return tiny_config(tmp_path / "data", tmp_path / "run", train={"lora": {**LORA, **lora}})
+
+
+@pytest.mark.parametrize("lora, field", [
+    ({"r": -1}, "train.lora.r"),
+    ({"lora_alpha": 0}, "train.lora.lora_alpha"),
+    ({"lora_dropout": 1.0}, "train.lora.lora_dropout"),
+    ({"target_modules": []}, "train.lora.target_modules"),
+])
+def test_bad_lora_settings_name_the_field(tmp_path, lora, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate(_cfg(tmp_path, **lora))
+
+
+def test_a_target_that_selects_nothing_is_refused(tmp_path):
+    from moetrain.model.lora import adapter_targets
+    from moetrain.model.transformer import Transformer
+
+    cfg = _cfg(tmp_path, target_modules=["wq", "q_proj"])
+    with torch.device("meta"):
+        model = Transformer.from_config(cfg)
+    with pytest.raises(ConfigError, match=r"\['q_proj'\] select no weight.*'wq'"):
+        adapter_targets(model, cfg.train.lora)
+    chosen, routers = adapter_targets(model, _cfg(tmp_path, target_modules=["experts.w2", "router"]).train.lora)
+    assert chosen == ["layers.0.moe.experts.w2", "layers.1.moe.experts.w2"]
+    assert routers == ["layers.0.moe.router", "layers.1.moe.router"]
+
+
+def train_lora(rank: int, world: int, data: str, run_dir: str, parallel: dict, lora: dict, model: dict | None = None,
+               moe: dict | None = None, data_section: dict | None = None, steps: int = 20) -> dict:
+    """``steps`` steps of the tiny model with ``lora``, gradients clipped at 0.2: losses, global
+    gradient norms, the last step's gradients (full tensors, by name), which parameters train,
+    and whether every frozen one is still bit for bit its initial value."""
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260, **(model or {})}, moe=moe or {},
+                      data=data_section or {},
+                      train={"steps": steps, "grad_clip": 0.2, "lora": {**LORA, **lora}})
+    trainer = Trainer(cfg, write_files=False)
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    frozen = {n: whole(p) for part in trainer.model_parts for n, p in part.named_parameters() if not p.requires_grad}
+    captured: dict = {}
+    count = [0]
+
+    def hook(opt, args, kwargs):
+        count[0] += 1
+        if count[0] == steps:
+            captured.update({n: whole(p.grad) for part in trainer.model_parts for n, p in part.named_parameters()
+                             if p.grad is not None})
+
+    handle = trainer.optimizers[0].register_step_pre_hook(hook)
+    results = [trainer.train_step() for _ in range(steps)]
+    handle.remove()
+    params = {n: p for part in trainer.model_parts for n, p in part.named_parameters()}
+    unchanged = all(torch.equal(whole(params[n]), v) for n, v in frozen.items())
+    grads = {n: g for n, g in captured.items() if params[n].requires_grad}
+    state = sum(len(s) > 0 for s in trainer.optimizers[0].state.values())
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
+            "trainable": sorted(grads), "frozen_unchanged": unchanged, "optimizer_states": state,
+            "frozen_grads": [n for n in frozen if params[n].grad is not None]}
+
+
+def test_a_fine_tune_moves_the_adapters_only(tiny_shards, tmp_path):
+    out = run_distributed(train_lora, 1, str(tiny_shards), str(tmp_path / "run"), {},
+                          {"target_modules": ["all-linear", "router"]}, None, None, None, 6)[0]
+    assert out["frozen_unchanged"] and not out["frozen_grads"]
+    assert out["losses"][-1] < out["losses"][0]
+    trainable = out["trainable"]
+    assert all("lora_" in n or ".router." in n for n in trainable), trainable
+    for name in ("layers.0.attention.wq.lora_A", "layers.0.moe.experts.lora_B2", "layers.1.moe.shared.w3.lora_B",
+                 "layers.1.moe.router.weight"):
+        assert name in trainable
+    assert not any(n.startswith(("output.", "tok_embeddings.")) for n in trainable)
+    assert out["optimizer_states"] == len(trainable)
+    assert all(out["grads"][n].abs().sum() > 0 for n in trainable), "every adapter must learn by step 6"
+
+
+_REFS: dict = {}
+
+
+def _reference(key, shards, tmp_path, lora, model, moe, data_section):
+    if key not in _REFS:
+        _REFS[key] = run_distributed(train_lora, 1, shards, str(tmp_path / "ref"), {}, lora, model, moe,
+                                     data_section)[0]
+        ref = _REFS[key]
+        assert ref["losses"][-1] < ref["losses"][0], "the reference must learn"
+        assert max(ref["norms"]) > 0.2, "the test must clip"
+    return _REFS[key]
+
+
+MLA = {"attention": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+       "v_head_dim": 8}
+
+# layout → (parallel, lora, model, documents)
+LAYOUTS = {
+    "dp2-ep2-zero1": ({"dp": 2, "ep": 2, "zero_stage": 1}, {}, {}, False),
+    "dp2-ep2-zero3-shared": ({"dp": 2, "ep": 2, "zero_stage": 3}, {"experts": "shared"}, {}, False),
+    "hsdp-dp4-shard2-ep2": ({"dp": 4, "dp_shard": 2, "ep": 2, "zero_stage": 2}, {}, {}, False),
+    "dp2-tp2-sp-ep2": ({"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {}, {}, False),
+    "dp2-tp2-sp-ep2-mla": ({"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2}, {"experts": "shared"}, MLA, False),
+    "dp2-tp2-ep2-etp2": ({"dp": 2, "tp": 2, "ep": 2, "etp": 2}, {}, {}, False),
+    "tp2-etp2-shared": ({"tp": 2, "etp": 2, "dp": 2, "ep": 2}, {"experts": "shared"}, {}, False),
+    "pp2-dp2-ep2": ({"pp": 2, "dp": 2, "ep": 2}, {}, {}, False),
+    "cp2-ep2-docs": ({"cp": 2, "ep": 2}, {"target_modules": ["all-linear", "router"]}, {}, True),
+}
+
+
+@pytest.mark.slow(fast=["dp2-tp2-ep2-etp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_trains_as_in_one_process(layout, tiny_shards, short_doc_shards, tmp_path):
+    parallel, lora, model, docs = LAYOUTS[layout]
+    shards, data_section = (short_doc_shards, {"document_mask": True}) if docs else (tiny_shards, {})
+    key = (str(sorted(lora.items())), str(sorted(model.items())), docs)
+    ref = _reference(key, str(shards), tmp_path, lora, model, {}, data_section)
+    results = run_distributed(train_lora, layout_world(parallel), str(shards), str(tmp_path / "run"), parallel, lora,
+                              model, {}, data_section)
+    got = {"losses": results[-1]["losses"], "grads": {}}
+    for r in results:
+        assert r["frozen_unchanged"] and not r["frozen_grads"], "the base must stay frozen on every rank"
+        got["grads"].update(r["grads"])
+    assert sorted(got["grads"]) == ref["trainable"]
+    assert_matches(got, ref)
+    for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
