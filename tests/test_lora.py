@@ -208,3 +208,45 @@ def test_lora_trains_as_in_one_process(layout, tiny_shards, short_doc_shards, tm
     assert_matches(got, ref)
     for step, (a, b) in enumerate(zip(results[-1]["norms"], ref["norms"]), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: grad norm {a} vs single-process {b}"
+
+
+def _run(rank: int, world: int, data: str, run_dir: str, parallel: dict, stop: int, lora: dict | None,
+         init_from: str | None, every: int) -> dict:
+    """Train a 6-step schedule up to step ``stop`` (resuming when the run has a checkpoint),
+    checkpointing every ``every`` steps: the first step's number and the losses."""
+    from moetrain.train.trainer import Trainer
+
+    train = {"steps": 6, "lora": {**LORA, **lora}} if lora is not None else {"steps": 6}
+    cfg = tiny_config(data, run_dir, parallel=parallel, train=train,
+                      checkpoint={"every": every, "resume": True, "init_from": init_from, "async": False})
+    trainer = Trainer(cfg, write_files=False)
+    first = trainer.step
+    losses = []
+    while trainer.step < stop:
+        losses.append(trainer.train_step().loss)
+        if every and trainer.step % every == 0:
+            trainer.save_checkpoint()
+    trainer.checkpointer.wait()
+    return {"first": first, "losses": losses}
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(tiny_shards, tmp_path):
+    from moetrain.train.checkpoint import list_checkpoints
+    from moetrain.train.weights import dcp_model_shapes
+
+    data, layout = str(tiny_shards), {"dp": 2, "ep": 2}
+    for name, steps in (("base", 2), ("other", 3)):  # two bases: 2 and 3 steps of full training
+        run_distributed(_run, 2, data, str(tmp_path / name), layout, steps, None, None, steps)
+    bases = {n: str(list_checkpoints(tmp_path / n / "checkpoints")[-1][1]) for n in ("base", "other")}
+    assert all(bases.values())
+    whole = run_distributed(_run, 2, data, str(tmp_path / "whole"), layout, 6, {}, bases["base"], 0)[0]
+    part = run_distributed(_run, 2, data, str(tmp_path / "ft"), layout, 3, {}, bases["base"], 3)[0]
+    ckpt = list_checkpoints(tmp_path / "ft" / "checkpoints")[-1][1]
+    keys = list(dcp_model_shapes(ckpt))
+    assert keys and all("lora_" in k or k.endswith("expert_bias") for k in keys), keys
+    # The resume loads the base from init_from, then the adapters and their optimizer state.
+    rest = run_distributed(_run, 2, data, str(tmp_path / "ft"), layout, 6, {}, bases["base"], 3)[0]
+    assert rest["first"] == 3
+    assert part["losses"] + rest["losses"] == whole["losses"]
+    with pytest.raises(RuntimeError, match=r"trained on the base .*" + bases["base"].split("/")[-1] + r".*this run's base"):
+        run_distributed(_run, 2, data, str(tmp_path / "ft"), layout, 6, {}, bases["other"], 3)

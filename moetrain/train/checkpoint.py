@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
+from moetrain.model.lora import is_adapter
 from moetrain.parallel.state import ParallelState
 from moetrain.utils import atomic_write, fsync_dir, sha256_file, split_by_bytes
 
@@ -146,10 +147,14 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0, fence: Any = None, *,
-                 async_save: bool = True, timeout_s: float = 1800.0):
+                 async_save: bool = True, timeout_s: float = 1800.0, trained_only: bool = False):
         """``fence``: a :class:`moetrain.train.records.Fence`; checked before the commit
-        (rename) and before deleting anything, so a stale attempt never does either."""
+        (rename) and before deleting anything, so a stale attempt never does either.
+        ``trained_only`` (``train.lora``): checkpoints hold the parameters that train (the
+        adapters) and the buffers, not the frozen base, which the run loads from
+        ``checkpoint.init_from`` (or draws from ``run.seed``) before it resumes."""
         self.root, self.ps, self.keep, self.attempt, self.fence = Path(root), ps, keep, attempt, fence
+        self.trained_only = trained_only
         self.async_save, self.timeout_s = async_save, timeout_s
         # DCP's collectives (plan, write results) run in a background thread during training:
         # on a group of their own, so they never interleave with the step's collectives.
@@ -161,15 +166,16 @@ class Checkpointer:
 
     # -- state dicts ------------------------------------------------------------------------
 
-    @staticmethod
-    def _state_dicts(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None
-                     ) -> tuple[dict, dict, list[tuple[set, set]]]:
+    def _state_dicts(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer] | None,
+                     base_only: bool = False) -> tuple[dict, dict, list[tuple[set, set]]]:
         """Merged model and optimizer state dicts of all model parts (their keys are the full
         model's names, so they do not collide) and each part's key sets for loading back. Every
         tensor is a DTensor of the global shape placed as it lives (tp, ep and FSDP shards,
         replicas), or a plain tensor in one process: DCP saves each piece once and reshards on
         load. ``optimizers=None``: the model only (a fresh optimizer is left untouched, whereas
-        ``get_state_dict`` would initialise its states with a step)."""
+        ``get_state_dict`` would initialise its states with a step). With ``trained_only`` the
+        model's entries are the parameters that train and the buffers; ``base_only``: all but
+        the low-rank adapters (the weights of a base, ``checkpoint.init_from``)."""
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         msd, osd, keys = {}, {}, []
         for i, part in enumerate(parts):
@@ -177,6 +183,11 @@ class Checkpointer:
                 m, o = get_model_state_dict(part), {}
             else:
                 m, o = get_state_dict(part, optimizers[i], options=opts)
+            if self.trained_only and not base_only:
+                kept = {n for n, p in part.named_parameters() if p.requires_grad} | {n for n, _ in part.named_buffers()}
+                m = {k: v for k, v in m.items() if k in kept}
+            elif base_only:
+                m = {k: v for k, v in m.items() if not is_adapter(k)}
             keys.append((set(m), set(o)))
             msd.update(m)
             osd.update(o)
@@ -372,7 +383,7 @@ class Checkpointer:
         for part, opt, (mkeys, okeys) in zip(parts, optimizers, keys):
             set_state_dict(part, opt, model_state_dict={k: loaded_m[k] for k in mkeys},
                            optim_state_dict={k: loaded_o[k] for k in okeys},
-                           options=StateDictOptions(flatten_optimizer_state_dict=True))
+                           options=StateDictOptions(flatten_optimizer_state_dict=True, strict=not self.trained_only))
         rng = path / "rng" / f"rank{self.ps.rank:05d}.pt"
         if manifest["world_size"] == self.ps.world_size and rng.is_file():
             r = torch.load(rng, weights_only=False)
@@ -386,10 +397,11 @@ class Checkpointer:
         """Load only the model weights of checkpoint ``path`` (any layout) into the model parts;
         optimizers, train state and RNG are not read or touched (``checkpoint.init_from``)."""
         t0 = time.time()
-        msd, _, keys = self._state_dicts(parts, None)
+        msd, _, keys = self._state_dicts(parts, None, base_only=True)
         state = {"model": msd}
         dcp.load(state, checkpoint_id=str(path))
         loaded = state["model"]
         for part, (mkeys, _) in zip(parts, keys):
-            set_model_state_dict(part, {k: loaded[k] for k in mkeys})
+            # (the low-rank adapters, which a base has not, keep their initial values)
+            set_model_state_dict(part, {k: loaded[k] for k in mkeys}, options=StateDictOptions(strict=False))
         log.info("loaded the weights of checkpoint %s in %.1f s", path, time.time() - t0)

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moetrain.config import Config
+from moetrain.config import Config, ConfigError
 from moetrain.data.format import ShardError
 from moetrain.data.loader import IGNORE_INDEX, BatchLoader, DataSource, MicroBatch, validation_batches
 from moetrain.data.reader import MapCache, TokenShards
@@ -62,7 +62,7 @@ from moetrain.train.qk_clip import QKClip
 from moetrain.train.profile import StepProfiler
 from moetrain.train.records import Fence, Heartbeat, append_event, exclude_nodes, node_name
 from moetrain.train.stragglers import Straggler, StragglerDetector
-from moetrain.train.weights import load_initial_weights
+from moetrain.train.weights import base_identity, load_initial_weights
 from moetrain.utils import atomic_write
 
 log = logging.getLogger("moetrain")
@@ -199,8 +199,12 @@ class Trainer:
                 elif self.ps.is_logging_rank:
                     log.warning("data source %r has no validation sample of %d tokens: val_loss leaves it out",
                                 src.resolved_name, cfg.model.seq_len + 1)
+        lora = cfg.train.lora.r > 0
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence,
-                                         async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s)
+                                         async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s,
+                                         trained_only=lora)
+        # LoRA: the frozen base the adapters apply to; its checkpoints hold the adapters only.
+        self.lora_base = base_identity(cfg) if lora else None
         self.step = 0
         self._trained_tokens: torch.Tensor | None = None
         self.flops_per_token = flops_per_token(cfg)
@@ -209,10 +213,12 @@ class Trainer:
         self.dispatch_row_bytes = fp8_row_bytes(cfg.model.hidden, wire or compute_dtype(cfg.train.precision))
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
+        if lora and cfg.checkpoint.init_from is not None:  # the base first: a LoRA checkpoint has none
+            self._init_from(cfg.checkpoint.init_from)
         resumed = self._resume() if cfg.checkpoint.resume else False
         self._first_step = self.step  # this attempt's first step is _first_step + 1
         # Resume wins: once the run has a checkpoint it has moved on from its initial weights.
-        if cfg.checkpoint.init_from is not None and not resumed:
+        if cfg.checkpoint.init_from is not None and not resumed and not lora:
             self._init_from(cfg.checkpoint.init_from)
         # Rank 0 writes the step records to metrics.jsonl and the configured sinks; refused here,
         # before any step, when a sink's package is missing.
@@ -267,6 +273,11 @@ class Trainer:
         if found is not None:
             _, path = found
             state = self.checkpointer.load(path, self.model_parts, self.optimizers)
+            if self.lora_base is not None and state.get("lora_base") != self.lora_base:
+                raise ConfigError(f"checkpoint {path} holds low-rank adapters trained on the base "
+                                  f"{state.get('lora_base')}, and this run's base is {self.lora_base}. Fix: set "
+                                  f"checkpoint.init_from to the base the adapters were trained on, or start the new "
+                                  f"base in another run.dir")
             self.step = int(state["step"])
             if "anomaly" in state:  # checkpoints of older versions start the window empty
                 self.anomaly.load_state_dict(state["anomaly"])
@@ -315,6 +326,8 @@ class Trainer:
         layout = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "tp": p.tp, "ep": p.ep, "etp": p.etp, "zero_stage": p.zero_stage}
         train_state = {"step": self.step, **self.loader.state_dict(), "lr_schedule": schedule_fields(self.cfg.train),
                        "anomaly": self.anomaly.state_dict()}
+        if self.lora_base is not None:
+            train_state["lora_base"] = self.lora_base
         return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout,
                                       wait=wait or not self.cfg.checkpoint.async_)
 

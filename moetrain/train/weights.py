@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from moetrain.config import Config, ConfigError
 from moetrain.model.init import local_piece
+from moetrain.model.lora import is_adapter
 from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, dtype_name, plan_shards, torch_dtype
 from moetrain.utils import atomic_write, fsync_dir, sha256_file
@@ -327,8 +328,8 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     params = [item for part in parts for item in model_parameters(part, buffers=True)]
     for name, p, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
         rec = tensors.get(name)
-        if rec is None and not isinstance(p, nn.Parameter):
-            continue  # a buffer the weights do not carry (e.g. a routing bias to be trained from 0)
+        if rec is None and (not isinstance(p, nn.Parameter) or is_adapter(name)):
+            continue  # a buffer the weights do not carry (e.g. a routing bias to be trained from 0), an adapter
         if rec is None:
             raise WeightsError(f"{path}: has no tensor {name}, which the model has (are these the weights of "
                                f"another model config?)")
@@ -364,6 +365,20 @@ def load_initial_weights(path: str | os.PathLike, parts: list[nn.Module], ps) ->
         where = found[1]
     checkpointer.load_weights(where, parts)
     return where
+
+
+def base_identity(cfg: Config) -> dict:
+    """What a LoRA run's frozen base is (``train.lora``), recorded in its checkpoints and
+    compared on resume: ``checkpoint.init_from`` resolved (:func:`resolve_checkpoint`) with the
+    sha256 of its manifest, or, without it, the seed the base was drawn from.
+
+    Raises:
+        WeightsError: ``checkpoint.init_from`` names nothing loadable.
+    """
+    if cfg.checkpoint.init_from is None:
+        return {"path": None, "seed": cfg.run.seed}
+    _, where = resolve_checkpoint(cfg.checkpoint.init_from)
+    return {"path": str(where.resolve()), "sha256": sha256_file(where / MANIFEST)}
 
 
 def check_init_from(cfg: Config) -> None:
