@@ -633,13 +633,21 @@ class LoraConfig:
     ``experts``: the routed experts' adapters — ``per_expert``, one pair per expert (A [E, in,
     r], B [E, r, out], placed with the experts over ep / etp and computed in the experts' own
     pass), or ``shared``, one pair per layer for all its experts (Megatron-Bridge's shared expert
-    LoRA). The base gets no gradient, no optimizer state and no gradient reduction."""
+    LoRA). The base gets no gradient, no optimizer state and no gradient reduction.
+    ``base_dtype``: how the frozen base is stored — ``null``: as the training precision stores
+    parameters (fp32); ``bf16``; ``fp8``: every linear of the blocks and every expert matrix as
+    float8 E4M3 with fp32 scales per ``train.fp8_block`` × ``train.fp8_block`` block
+    (DeepSeek-V3's checkpoint format, ``weight_scale_inv``), dequantized per GEMM (the adapters,
+    activations and gradients keep the compute dtype), the rest in bf16
+    (:func:`moetrain.model.lora.convert_base`); a base loaded from unquantized weights is
+    quantized as it is loaded."""
 
     r: int = 0
     lora_alpha: float = 8.0
     lora_dropout: float = 0.0
     target_modules: tuple[str, ...] = ("all-linear",)
     experts: Literal["per_expert", "shared"] = "per_expert"
+    base_dtype: Literal["bf16", "fp8"] | None = None
 
     @property
     def scaling(self) -> float:
@@ -2129,6 +2137,10 @@ def _check_lora(cfg: Config) -> None:
         raise field_error("train.lora.r", lo.r, "a rank cannot be negative", "use e.g. 16, or 0 to train every "
                           "parameter")
     if not lo.r:
+        if lo.base_dtype is not None:
+            raise field_error("train.lora.base_dtype", lo.base_dtype, "stores a LoRA run's frozen base, and "
+                              "train.lora.r is 0 (every parameter trains)", "set train.lora.r (e.g. 16), or "
+                              "base_dtype: null")
         return
     if not lo.lora_alpha > 0:
         raise field_error("train.lora.lora_alpha", lo.lora_alpha, "the adapter's scale alpha / r must be positive",

@@ -118,13 +118,18 @@ def train_lora(rank: int, world: int, data: str, run_dir: str, parallel: dict, l
 
     cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260, **(model or {})}, moe=moe or {},
                       data=data_section or {},
-                      train={"steps": steps, "grad_clip": 0.2, "lora": {**LORA, **lora}})
+                      train={"steps": steps, "grad_clip": 0.2, "fp8_block": 8, "lora": {**LORA, **lora}})
     trainer = Trainer(cfg, write_files=False)
 
     def whole(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
-    frozen = {n: whole(p) for part in trainer.model_parts for n, p in part.named_parameters() if not p.requires_grad}
+    def local_bytes(t: torch.Tensor) -> torch.Tensor:  # (an FP8 base's codes: compared as bytes)
+        t = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        return t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone()
+
+    frozen = {n: local_bytes(p) for part in trainer.model_parts for n, p in part.named_parameters()
+              if not p.requires_grad}
     captured: dict = {}
     count = [0]
 
@@ -138,7 +143,7 @@ def train_lora(rank: int, world: int, data: str, run_dir: str, parallel: dict, l
     results = [trainer.train_step() for _ in range(steps)]
     handle.remove()
     params = {n: p for part in trainer.model_parts for n, p in part.named_parameters()}
-    unchanged = all(torch.equal(whole(params[n]), v) for n, v in frozen.items())
+    unchanged = all(torch.equal(local_bytes(params[n]), v) for n, v in frozen.items())
     grads = {n: g for n, g in captured.items() if params[n].requires_grad}
     state = sum(len(s) > 0 for s in trainer.optimizers[0].state.values())
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
@@ -188,6 +193,13 @@ LAYOUTS = {
     "tp2-etp2-shared": ({"tp": 2, "etp": 2, "dp": 2, "ep": 2}, {"experts": "shared"}, {}, False),
     "pp2-dp2-ep2": ({"pp": 2, "dp": 2, "ep": 2}, {}, {}, False),
     "cp2-ep2-docs": ({"cp": 2, "ep": 2}, {"target_modules": ["all-linear", "router"]}, {}, True),
+    # A frozen base stored in bf16, and in FP8 with 8 × 8 block scales placed with the weights.
+    "pp2-dp2-ep2-bf16-base": ({"pp": 2, "dp": 2, "ep": 2}, {"base_dtype": "bf16"}, {}, False),
+    "dp2-tp2-sp-ep2-fp8-base": ({"dp": 2, "tp": 2, "sequence_parallel": True, "ep": 2, "zero_stage": 3},
+                                {"base_dtype": "fp8"}, {}, False),
+    "dp2-tp2-ep2-etp2-fp8-base": ({"dp": 2, "tp": 2, "ep": 2, "etp": 2, "zero_stage": 1}, {"base_dtype": "fp8"}, {},
+                                  False),
+    "cp2-ep2-fp8-base-mla": ({"cp": 2, "ep": 2}, {"base_dtype": "fp8", "experts": "shared"}, MLA, True),
 }
 
 
@@ -250,3 +262,68 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(tiny_shards, tm
     assert part["losses"] + rest["losses"] == whole["losses"]
     with pytest.raises(RuntimeError, match=r"trained on the base .*" + bases["base"].split("/")[-1] + r".*this run's base"):
         run_distributed(_run, 2, data, str(tmp_path / "ft"), layout, 6, {}, bases["other"], 3)
+
+
+def _fp8_run(rank: int, world: int, data: str, run_dir: str, parallel: dict, init_from: str | None) -> dict:
+    """6 steps on an FP8 base: the losses, and with ``init_from`` (a weights directory) how many
+    FP8 tensors this rank holds and whether each one's codes and scales are, bit for bit, its
+    piece of the file's tensor quantized whole."""
+    from safetensors.torch import load_file
+
+    from moetrain.model.fp8 import E4M3, quantize_blocks
+    from moetrain.model.init import local_piece
+    from moetrain.train.trainer import Trainer
+
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260},
+                      train={"steps": 6, "fp8_block": 8, "lora": {**LORA, "base_dtype": "fp8"}},
+                      checkpoint={"init_from": init_from})
+    trainer = Trainer(cfg, write_files=False)
+    checked, exact = 0, True
+    if init_from is not None:
+        from pathlib import Path
+
+        file = {k: v for f in sorted(Path(init_from).glob("*.safetensors")) for k, v in load_file(f).items()}
+        params = dict(trainer.model_parts[0].named_parameters())
+        for name, p in params.items():
+            if p.dtype != E4M3:
+                continue
+            codes, scales = quantize_blocks(file[name], 8)
+            local, where = local_piece(p)
+            scale_local, scale_where = local_piece(params[f"{name}_scale_inv"])
+            exact &= torch.equal(local.view(torch.uint8), codes[where].view(torch.uint8))
+            exact &= torch.equal(scale_local, scales[scale_where])
+            checked += 1
+    return {"losses": [trainer.train_step().loss for _ in range(6)], "checked": checked, "exact": exact}
+
+
+def test_an_fp8_base_is_quantized_as_it_is_loaded(tiny_shards, tmp_path):
+    """Unquantized weights (here 1.25 × the initial values) loaded into an FP8 base under tp are
+    quantized whole and sliced, codes and scales by whole blocks with the weights."""
+    from moetrain.model.init import init_weights
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.weights import write_weights_dir
+
+    cfg = tiny_config(tiny_shards, tmp_path / "w", model={"vocab_size": 260})
+    model = Transformer.from_config(cfg)
+    init_weights(model, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
+    state = {n: t * 1.25 for n, t in model.state_dict().items()}
+    write_weights_dir(tmp_path / "w", cfg, state.items(), [(n, t.dtype, tuple(t.shape)) for n, t in state.items()],
+                      progress=False)
+    drawn = run_distributed(_fp8_run, 2, str(tiny_shards), str(tmp_path / "a"), {"tp": 2}, None)[0]
+    loaded = run_distributed(_fp8_run, 2, str(tiny_shards), str(tmp_path / "b"), {"tp": 2}, str(tmp_path / "w"))
+    for r in loaded:
+        assert r["checked"] == 2 * (4 + 3 + 3) and r["exact"]  # per block: wq wk wv wo, shared w1-3, experts w1-3
+    assert loaded[0]["losses"] != drawn["losses"]
+
+
+def test_an_fp8_base_trains_within_one_percent_of_bf16(tiny_shards, tmp_path):
+    """50 steps of the tiny model: the FP8 base (8 × 8 blocks) against the bf16 base, loss by loss
+    within 1 % (the issue's bound; the demo's 128 × 128 blocks: benchmarks/bench_lora.py)."""
+    runs = {}
+    for base in ("bf16", "fp8"):
+        runs[base] = run_distributed(train_lora, 1, str(tiny_shards), str(tmp_path / base), {}, {"base_dtype": base},
+                                     None, None, None, 50)[0]["losses"]
+    assert runs["bf16"][-1] < runs["bf16"][0] - 0.1, "the fine-tune must learn"
+    worst = max(abs(a - b) / b for a, b in zip(runs["fp8"], runs["bf16"]))
+    assert worst < 0.01, f"FP8 base {worst:.2%} off the bf16 base"
+    assert runs["fp8"] != runs["bf16"], "the FP8 base must round the weights"

@@ -136,3 +136,28 @@ def dispatch_wire(dispatch_dtype: str, precision: str) -> torch.dtype | None:
     if dispatch_dtype not in wires:
         raise ValueError(f"dispatch dtype {dispatch_dtype!r}: expected auto, bf16 or fp8")
     return wires[dispatch_dtype]
+
+
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight in DeepSeek-V3's FP8 checkpoint format (§3.3.1: B × B weight blocks; its
+    checkpoints' ``weight_scale_inv``): w [..., R, C] (any float dtype, plain tensor) → (codes
+    [..., R, C] float8 E4M3, scale_inv [..., ⌈R/B⌉, ⌈C/B⌉] fp32) with w ≈ codes · scale_inv per
+    block, scale_inv = the block's largest magnitude / 448 (1 for an all-zero block). The edge
+    blocks may be partial."""
+    R, C = w.shape[-2:]
+    pr, pc = -R % block, -C % block
+    x = torch.nn.functional.pad(w.float(), (0, pc, 0, pr))
+    lead = x.shape[:-2]
+    blocks = x.view(*lead, (R + pr) // block, block, (C + pc) // block, block)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    codes = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return codes.view(*lead, R + pr, C + pc)[..., :R, :C].contiguous(), scale
+
+
+def dequantize_blocks(codes: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., R, C] (float8 E4M3, or any dtype holding its values exactly) · scale_inv
+    [..., ⌈R/B⌉, ⌈C/B⌉] per B × B block → [..., R, C] in ``dtype`` (the product in fp32)."""
+    R, C = codes.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
+    return (codes.float() * s).to(dtype)

@@ -8,7 +8,7 @@ some blocks, gets exactly the values the single-process model has. Norm weights 
 log(1 … H), D and dt_bias 1 (Nemotron-H's), the convolution as gated DeltaNet's, its bias 0.
 Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
 Low-rank adapters (:mod:`moetrain.model.lora`): A uniform in ±1/√in, per expert for the experts'
-stacks, B zero.
+stacks, B zero. An FP8 base draws the same values and stores them quantized (codes and block scales).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import zlib
 import torch
 from torch import nn
 
+from moetrain.model.fp8 import quantize_blocks
 from moetrain.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from moetrain.model.kda import KimiDeltaAttention
 from moetrain.model.mamba2 import GroupedGatedRMSNorm, Mamba2
@@ -91,11 +92,15 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
                 if p is None:  # non-gated experts have no w3
                     continue
                 s = out_std if pname == "w2" else std
+                scale = getattr(module, f"{pname}_scale_inv")  # an FP8 base: codes and block scales
                 # This rank's experts (offset[0]: the global id of the first; ep and FSDP shard
                 # dim 0) and, under expert-tensor parallelism, its columns of each.
                 local, offset = _local_and_offset(p)
                 for e in range(local.shape[0]):
                     one = _normal(p.shape[1:], s, seed, f"{full}.{pname}.{offset[0] + e}")
+                    if scale is not None:
+                        one, scales = quantize_blocks(one, module.base_block)
+                        _copy_piece(scale, offset[0] + e, scales)
                     for dim, (first, size) in enumerate(zip(offset[1:], local.shape[1:])):
                         one = one.narrow(dim, first, size)
                     local[e].copy_(one.to(local.dtype))
@@ -104,7 +109,13 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
         if isinstance(module, (nn.Linear, nn.Embedding)):
             leaf = mod_name.rsplit(".", 1)[-1]
             s = out_std if leaf in ("wo", "w2", "out_proj") else std
-            _fill_normal(module.weight, s, seed, f"{full}.weight")
+            if getattr(module, "weight_scale_inv", None) is not None:  # an FP8 base: codes and block scales
+                codes, scales = quantize_blocks(_normal(module.weight.shape, s, seed, f"{full}.weight"),
+                                                module.base_block)
+                _fill(module.weight, codes)
+                _fill(module.weight_scale_inv, scales)
+            else:
+                _fill_normal(module.weight, s, seed, f"{full}.weight")
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
             if getattr(module, "lora_A", None) is not None:
@@ -132,6 +143,17 @@ def local_piece(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     and FSDP shards are contiguous blocks of the whole tensor."""
     local, offset = _local_and_offset(p)
     return local, tuple(slice(s, s + n) for s, n in zip(offset, local.shape))
+
+
+def _copy_piece(p: torch.Tensor, expert: int, values: torch.Tensor) -> None:
+    """Write expert ``expert``'s whole values [...] into stacked parameter ``p`` [E, ...], where
+    this rank holds that expert (its piece of it)."""
+    local, offset = _local_and_offset(p)
+    if not offset[0] <= expert < offset[0] + local.shape[0]:
+        return
+    for dim, (first, size) in enumerate(zip(offset[1:], local.shape[1:])):
+        values = values.narrow(dim, first, size)
+    local[expert - offset[0]].copy_(values.to(local.dtype))
 
 
 def _uniform(shape: torch.Size, bound: float, seed: int, name: str) -> torch.Tensor:

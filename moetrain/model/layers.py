@@ -27,6 +27,7 @@ from torch import nn
 
 from moetrain.model.attention import DocumentMask, head_max_logits, sdpa_attention
 from moetrain.model import wgrad
+from moetrain.model.fp8 import dequantize_blocks
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_linear
 
 
@@ -42,6 +43,22 @@ def local_cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return cast(w.to_local() if isinstance(w, DTensor) else w, dtype)
+
+
+def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """A frozen FP8 weight (``train.lora.base_dtype: fp8``) in ``dtype`` (None: fp32), computed
+    per use and never stored: codes [..., R, C] · scale_inv [..., ⌈R/B⌉, ⌈C/B⌉] per B × B block
+    (:func:`moetrain.model.fp8.dequantize_blocks`). A tensor-parallel weight is dequantized on its
+    local piece (its scales are placed on the same rows / columns, whole blocks) and returned as
+    a DTensor placed as the codes are. No gradient flows to either."""
+    from torch.distributed.tensor import DTensor
+
+    dtype = dtype or torch.float32
+    if isinstance(codes, DTensor):
+        local = dequantize_blocks(codes.to_local(), scale_inv.to_local(), block, dtype)
+        return DTensor.from_local(local, codes.device_mesh, codes.placements, run_check=False, shape=codes.shape,
+                                  stride=codes.stride())
+    return dequantize_blocks(codes, scale_inv, block, dtype)
 
 
 def adapter_local(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -67,21 +84,31 @@ class Linear(nn.Linear):
 
     With a low-rank adapter (``lora_A`` [r, in], ``lora_B`` [out, r]; set by
     :func:`moetrain.model.lora.add_adapters`, None without) it adds ``lora_scaling`` ·
-    B A dropout(x), in the compute dtype, never in fp8 (Hu et al. 2021 §4.1)."""
+    B A dropout(x), in the compute dtype, never in fp8 (Hu et al. 2021 §4.1). A frozen FP8 base
+    weight (``weight`` float8 E4M3 codes, ``weight_scale_inv`` [⌈out/B⌉, ⌈in/B⌉] fp32, B =
+    ``base_block``: DeepSeek-V3's checkpoint format) is dequantized per GEMM (:func:`dequantize`)."""
 
     compute_dtype: torch.dtype | None = None
     fp8: Fp8Recipe | None = None
     defer_wgrad = True
     lora_scaling = 1.0
     lora_dropout = 0.0
+    base_block = 128
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.lora_A: nn.Parameter | None = None
         self.lora_B: nn.Parameter | None = None
+        self.weight_scale_inv: nn.Parameter | None = None
+
+    def base_weight(self) -> torch.Tensor:
+        """The weight as the GEMM takes it: in the compute dtype, dequantized when FP8."""
+        if self.weight_scale_inv is None:
+            return cast(self.weight, self.compute_dtype)
+        return dequantize(self.weight, self.weight_scale_inv, self.base_block, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = cast(self.weight, self.compute_dtype)
+        w = self.base_weight()
         b = None if self.bias is None else cast(self.bias, self.compute_dtype)
         if self.fp8 is not None:
             y = fp8_linear(x.to(w.dtype), w, self.fp8)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moetrain.config import ConfigError, LoraConfig
+from moetrain.model.fp8 import E4M3
 from moetrain.model.layers import Linear
 from moetrain.model.moe import GroupedExperts, Router
 
@@ -113,6 +114,52 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> list[str]:
             module.lora_B = nn.Parameter(torch.empty(w.shape[0], lora.r, device=w.device, dtype=w.dtype))
             module.lora_scaling, module.lora_dropout = lora.scaling, lora.lora_dropout
     return chosen
+
+
+def convert_base(model: nn.Module, base_dtype: str, block: int) -> None:
+    """Store the frozen base in ``base_dtype`` (``train.lora.base_dtype``), on the meta-device
+    model after :func:`add_adapters`: ``bf16`` — every frozen floating parameter in bf16;
+    ``fp8`` — every frozen linear of the blocks and every expert matrix as float8 E4M3 codes with
+    fp32 scales per ``block`` × ``block`` block (DeepSeek-V3's checkpoint format: ``weight`` and
+    ``weight_scale_inv``; the experts' ``w1`` and ``w1_scale_inv`` [E, ⌈in/B⌉, ⌈out/B⌉]),
+    dequantized per GEMM, and the rest (embedding, head, norms, frozen routers) in bf16.
+    Parameters keep their placements; a tied parameter stays tied.
+
+    The FP8 base computes by dequantizing each weight to the compute dtype at its GEMM, not
+    with fp8 GEMMs: the activations, their gradients and the adapters keep the precision of a
+    bf16 base (only the weights are rounded, once, as the checkpoint was), and it runs on any
+    device and layout; the weight's bf16 copy lives for one GEMM."""
+    fp8 = base_dtype == "fp8"
+    replaced: dict[int, nn.Parameter] = {}
+
+    def store(module: nn.Module, name: str, dtype: torch.dtype) -> None:
+        p = module._parameters[name]
+        if p is None or p.requires_grad or not p.is_floating_point() or p.dtype == E4M3:
+            return
+        if id(p) not in replaced:
+            replaced[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+        module._parameters[name] = replaced[id(p)]
+
+    for path, module in model.named_modules():
+        if fp8 and isinstance(module, Linear) and path != "output" and not module.weight.requires_grad:
+            w = module.weight
+            module.weight_scale_inv = nn.Parameter(
+                torch.empty(-(-w.shape[0] // block), -(-w.shape[1] // block), device=w.device), requires_grad=False)
+            module.base_block = block
+            store(module, "weight", E4M3)
+        elif fp8 and isinstance(module, GroupedExperts):
+            for i in ("1", "3", "2"):
+                w = getattr(module, f"w{i}")
+                if w is None or w.requires_grad:
+                    continue
+                E, d_in, d_out = w.shape
+                setattr(module, f"w{i}_scale_inv", nn.Parameter(
+                    torch.empty(E, -(-d_in // block), -(-d_out // block), device=w.device), requires_grad=False))
+                store(module, f"w{i}", E4M3)
+            module.base_block = block
+        for name in list(module._parameters):
+            if not name.endswith("_scale_inv"):
+                store(module, name, torch.bfloat16)
 
 
 def is_adapter(name: str) -> bool:

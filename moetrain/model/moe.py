@@ -46,7 +46,7 @@ from torch import nn
 from moetrain.model import wgrad
 from moetrain.model.fp8 import round_trip
 from moetrain.model.fp8_gemm import Fp8Recipe, fp8_mm
-from moetrain.model.layers import FeedForward, Linear, adapter_local, local_cast
+from moetrain.model.layers import FeedForward, Linear, adapter_local, dequantize, local_cast
 from moetrain.model.recompute import is_recomputing
 
 # ``moe.expert_backend`` values this module computes with (``auto`` is resolved to one of them by
@@ -275,7 +275,8 @@ class GroupedExperts(nn.Module):
     beside w2 (None where a matrix has none); each row of expert e gains ``lora_scaling`` ·
     dropout(x) A_e B_e, in the same pass (``loop``: in the expert's own step; ``grouped_mm``: two
     more grouped GEMMs on the same offsets). With ``lora_shared`` the stacks hold one pair,
-    [1, ...], for every expert of the layer. Not on ``megablocks``.
+    [1, ...], for every expert of the layer. Not on ``megablocks``. A frozen FP8 base
+    (``w1_scale_inv`` ... set) is dequantized per use (:meth:`base_matrix`).
 
     Weights are cast to ``compute_dtype`` at use (see :mod:`moetrain.model.layers`). With ``fp8``
     (a :class:`~moetrain.model.fp8_gemm.Fp8Recipe`, ``train.precision: fp8``) each expert's three
@@ -303,6 +304,20 @@ class GroupedExperts(nn.Module):
             activation, swiglu)
         self.lora_A1 = self.lora_B1 = self.lora_A3 = self.lora_B3 = self.lora_A2 = self.lora_B2 = None
         self.lora_scaling, self.lora_dropout, self.lora_shared = 1.0, 0.0, False
+        self.w1_scale_inv = self.w3_scale_inv = self.w2_scale_inv = None  # a frozen FP8 base's block scales
+        self.base_block = 128
+
+    def base_matrix(self, i: str) -> torch.Tensor | None:
+        """This rank's piece of w1, w3 or w2 (``i``) in the compute dtype, dequantized when it is
+        a frozen FP8 base (``w{i}_scale_inv`` [E, ⌈in/B⌉, ⌈out/B⌉], B = ``base_block``); None for
+        a matrix the experts lack (w3 of non-gated ones)."""
+        w = getattr(self, f"w{i}")
+        if w is None:
+            return None
+        scale = getattr(self, f"w{i}_scale_inv")
+        if scale is None:
+            return local_cast(w, self.compute_dtype)
+        return dequantize(local_cast(w, None), local_cast(scale, None), self.base_block, self.compute_dtype)
 
     def adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The matrices that carry an adapter ("1", "3", "2") → this rank's (A, B) pieces in the
@@ -341,7 +356,7 @@ class GroupedExperts(nn.Module):
         computed, their output is 0 and they get no gradient."""
         if self.fp8 is not None and self.backend != "loop":
             raise ValueError(f"fp8 experts run on expert backend 'loop', not {self.backend!r}")
-        w1, w3, w2 = (local_cast(w, self.compute_dtype) if w is not None else None for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (self.base_matrix(i) for i in ("1", "3", "2"))
         b1, b3, b2 = (local_cast(b, self.compute_dtype) if b is not None else None for b in (self.b1, self.b3, self.b2))
         x_ND = x_ND.to(w1.dtype)
         lora = self.adapters()

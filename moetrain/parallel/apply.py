@@ -10,7 +10,8 @@ The order is fixed; each step says why it sits where it does:
    parallelism), the token dispatcher, the losses of sequences split over cp × tp ranks,
    node-limited routing: one :class:`~moetrain.model.moe.MoEParallel` per layer;
 4b. low-rank adapters (``train.lora``) — beside the weights they adapt, placed as those are
-   (so after 3-4), the base frozen before FSDP takes the parameters over;
+   (so after 3-4), the base frozen (and stored in ``base_dtype``) before FSDP takes the
+   parameters over;
 5. context parallelism — swap the attention kernel for ring attention over cp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
    then ``train.compile`` compiles each block's computation (the recomputation wraps it);
@@ -35,7 +36,7 @@ from moetrain.config import Config, check_supported
 from moetrain.model.init import init_weights
 from moetrain.model.fp8_gemm import set_fp8
 from moetrain.model.layers import set_compute_dtype
-from moetrain.model.lora import adapter_targets, add_adapters
+from moetrain.model.lora import adapter_targets, add_adapters, convert_base
 from moetrain.model.moe import GroupedExperts, resolve_expert_backend
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
@@ -119,6 +120,8 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         # 4b. LoRA: adapters beside the targeted weights, placed as they are; the base frozen.
         if cfg.train.lora.r:
             add_adapters(part, cfg.train.lora)
+            if cfg.train.lora.base_dtype is not None:
+                convert_base(part, cfg.train.lora.base_dtype, cfg.train.fp8_block)
             place_adapters(part)
         # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
         if ps.size(CP) > 1:
@@ -131,7 +134,10 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
             apply_compile(part, ps.size(TP) > 1)
         # 7. data parallelism / ZeRO: every parameter group over its replica group (FSDP2).
         if ps.world_size > 1:
-            fsdp_modules += apply_data_parallel(part, ps, cfg.parallel.zero_stage, cfg.train.precision)
+            # A base stored in bf16 / fp8 is gathered as stored (an fp8 base's fp32 scales too): no
+            # cast by FSDP; every module casts its weights at use, as in stage 0.
+            policy = cfg.train.precision if cfg.train.lora.base_dtype is None else "fp32"
+            fsdp_modules += apply_data_parallel(part, ps, cfg.parallel.zero_stage, policy)
         # 8. materialise and initialise (values depend on names and global expert ids only).
         _materialize(part, cfg, ps)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from moetrain.config import ConfigError
 from moetrain.model.layers import Linear
 from moetrain.model.moe import GroupedExperts
 
@@ -52,19 +53,42 @@ def _place(module: nn.Module, name: str, weight: DTensor, placements: list[Place
                                        requires_grad=p.requires_grad))
 
 
+def _place_scales(module: nn.Module, name: str, weight: DTensor, block: int, path: str) -> None:
+    """The block scales of an FP8 base weight, placed as the weight is: a shard of whole blocks.
+
+    Raises:
+        ConfigError: a tensor- or expert-tensor-parallel shard that is not a whole number of
+            blocks."""
+    for pl, size in zip(weight.placements, weight.device_mesh.shape):
+        if isinstance(pl, Shard) and pl.dim >= weight.ndim - 2 and (weight.shape[pl.dim] // size) % block:
+            raise ConfigError(f"train.fp8_block = {block}: {path} [{', '.join(map(str, weight.shape))}] is split "
+                              f"{size} ways along dim {pl.dim} into shards of {weight.shape[pl.dim] // size}, no whole "
+                              f"number of {block}-blocks, so its FP8 base cannot keep DeepSeek-V3's block scales "
+                              f"per shard. Fix: a train.fp8_block dividing {weight.shape[pl.dim] // size}, or a "
+                              f"smaller tp")
+    _place(module, name, weight, list(weight.placements))
+
+
 def place_adapters(model: nn.Module) -> None:
     """Turn every adapter of ``model`` (meta device, added by
     :func:`moetrain.model.lora.add_adapters`) whose weight is a DTensor into a DTensor on the
-    weight's mesh, placed as the module docstring's table says."""
-    for module in model.modules():
-        if isinstance(module, Linear) and module.lora_A is not None and isinstance(module.weight, DTensor):
+    weight's mesh, placed as the module docstring's table says; so are the block scales of an
+    FP8 base (:func:`moetrain.model.lora.convert_base`), along whole blocks."""
+    for path, module in model.named_modules():
+        if isinstance(module, Linear) and isinstance(module.weight, DTensor):
             w = module.weight
-            _place(module, "lora_A", w, _following(w, (1,)))
-            _place(module, "lora_B", w, _following(w, (0,)))
+            if module.lora_A is not None:
+                _place(module, "lora_A", w, _following(w, (1,)))
+                _place(module, "lora_B", w, _following(w, (0,)))
+            if module.weight_scale_inv is not None:
+                _place_scales(module, "weight_scale_inv", w, module.base_block, path)
         elif isinstance(module, GroupedExperts):
             for i in ("1", "3", "2"):
                 w = getattr(module, f"w{i}")
-                if getattr(module, f"lora_A{i}") is None or not isinstance(w, DTensor):
+                if not isinstance(w, DTensor):
                     continue
-                _place(module, f"lora_A{i}", w, _following(w, (0, 1), module.lora_shared))
-                _place(module, f"lora_B{i}", w, _following(w, (0, 2), module.lora_shared))
+                if getattr(module, f"lora_A{i}") is not None:
+                    _place(module, f"lora_A{i}", w, _following(w, (0, 1), module.lora_shared))
+                    _place(module, f"lora_B{i}", w, _following(w, (0, 2), module.lora_shared))
+                if getattr(module, f"w{i}_scale_inv") is not None:
+                    _place_scales(module, f"w{i}_scale_inv", w, module.base_block, f"{path}.w{i}")

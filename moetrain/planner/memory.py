@@ -12,6 +12,11 @@ The planner keeps gradients in fp32 (4 bytes; Megatron-LM accumulates and reduce
 gradients in fp32), see :class:`MemoryAssumptions`. Dense parameters are sharded over the
 dp × cp ranks; expert parameters over the expert-data-parallel ranks (edp × tp).
 
+Under ``train.lora`` (:class:`~moetrain.planner.model.LoraShape`) only the adapters hold
+gradients and optimizer states; the frozen base holds its stored weights (``base_bytes`` per
+parameter, sharded from ZeRO-1 on as FSDP2 shards them) and, under ZeRO-1/2, the gathered
+compute copies.
+
 Activations follow the per-tensor accounting of Korthikanti et al. 2022 §4 (for moetrain's
 layer: RMSNorm, GQA, flash attention keeping O and its log-sum-exp, SwiGLU fused as in
 Megatron-Core / torch.compile so that only gate and up are kept — eager PyTorch keeps two
@@ -458,9 +463,25 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
         dense_p /= tp
         expert_p /= layout.ep * layout.etp
         z = layout.zero
-        params = A.param_bytes * (dense_p / (dense_shard if z >= 3 else 1) + expert_p / (expert_shard if z >= 3 else 1))
-        grads = A.grad_bytes * (dense_p / (dense_shard if z >= 2 else 1) + expert_p / (expert_shard if z >= 2 else 1))
-        optim = A.optim_bytes * (dense_p / (dense_shard if z >= 1 else 1) + expert_p / (expert_shard if z >= 1 else 1))
+        trained_d, trained_e = dense_p, expert_p
+        params = 0.0
+        if shape.lora is not None:
+            lo = shape.lora
+            # The frozen base: stored (sharded from ZeRO-1 on, as FSDP2 shards every stage's
+            # parameters), plus under ZeRO-1/2 the compute copies gathered from the first forward
+            # to the last backward. It has no gradient and no optimizer state.
+            params = lo.base_bytes * (dense_p / (dense_shard if z >= 1 else 1)
+                                      + expert_p / (expert_shard if z >= 1 else 1))
+            if 1 <= z <= 2:
+                params += A.param_bytes * (dense_p + expert_p)
+            # The adapters: whole on every tp rank (an upper bound: a split weight's adapter has
+            # one factor split too), the routed experts' per expert over ep.
+            trained_d = n_dense * lo.dense_layer + n_moe * lo.moe_layer
+            trained_e = n_moe * lo.expert_layer / (1 if lo.experts_shared else layout.ep)
+        params += A.param_bytes * (trained_d / (dense_shard if z >= 3 else 1)
+                                   + trained_e / (expert_shard if z >= 3 else 1))
+        grads = A.grad_bytes * (trained_d / (dense_shard if z >= 2 else 1) + trained_e / (expert_shard if z >= 2 else 1))
+        optim = A.optim_bytes * (trained_d / (dense_shard if z >= 1 else 1) + trained_e / (expert_shard if z >= 1 else 1))
         stage_act = n_dense * a_dense + n_moe * a_moe
         if layout.ac == "full" and layout.recompute_num_layers is not None:
             # only a share of each virtual stage's layers keeps its input alone, the rest all

@@ -37,7 +37,7 @@ from moetrain.model.fp8 import E4M3, dispatch_wire, row_bytes
 if TYPE_CHECKING:  # pragma: no cover
     from moetrain.config import Config
 
-__all__ = ["ModelShape", "DEFAULT_VOCAB", "newton_schulz_flops"]
+__all__ = ["LoraShape", "ModelShape", "DEFAULT_VOCAB", "lora_shape", "newton_schulz_flops"]
 
 DEFAULT_VOCAB = 32000
 """Vocabulary assumed when the config leaves ``model.vocab_size`` to the tokenizer."""
@@ -49,6 +49,64 @@ def newton_schulz_flops(m: int, n: int, steps: int = 5) -> int:
     a = min(m, n), b = max(m, n)."""
     a, b = min(m, n), max(m, n)
     return steps * (4 * a * a * b + 2 * a ** 3)
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What ``train.lora`` trains of a model: the low-rank adapters (and the routers when
+    targeted), counted exactly on the meta-device model (:func:`lora_shape`); the rest is a
+    frozen base of ``base_bytes`` per parameter as stored (``train.lora.base_dtype``: null, fp32
+    master weights, 4; bf16 2; fp8 1 + the fp32 scale of each B × B block, 4 / B²; the
+    embedding, head and norms, which stay bf16 in an FP8 base, are counted at 1 too). Per layer,
+    the mean over the layers of the kind: ``dense_layer`` of a layer without routed experts,
+    ``moe_layer`` of a MoE layer outside its routed experts (attention, shared experts, router),
+    ``expert_layer`` its routed experts' adapters (E pairs per matrix, or one pair with
+    ``experts_shared``)."""
+
+    rank: int
+    dense_layer: float
+    moe_layer: float
+    expert_layer: float
+    experts_shared: bool = False
+    base_bytes: float = 4.0
+    # bytes per base parameter that ZeRO's all-gathers move: None, the compute copy's (a base in
+    # the master dtype is cast by FSDP's policy), else the stored bytes (bf16 / fp8 are gathered
+    # as stored)
+    gather_bytes: float | None = None
+
+
+def lora_shape(cfg: "Config") -> LoraShape:
+    """The adapters ``cfg.train.lora`` adds, counted on the meta-device model (no memory)."""
+    import dataclasses
+
+    import torch
+
+    from moetrain.model.lora import add_adapters
+    from moetrain.model.transformer import Transformer
+
+    if cfg.model.vocab_size is None:  # the adapters never touch the embedding or the head
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=DEFAULT_VOCAB))
+    with torch.device("meta"):
+        model = Transformer.from_config(cfg)
+    add_adapters(model, cfg.train.lora)
+    dense, moe, expert = [], [], []
+    for block in model.layers.values():
+        experts = block.moe.experts if block.moe is not None else None
+        in_experts = {id(p) for p in experts.parameters()} if experts is not None else set()
+        trained = [p for p in block.parameters() if p.requires_grad]
+        outside = sum(p.numel() for p in trained if id(p) not in in_experts)
+        if experts is None:
+            dense.append(outside)
+        else:
+            moe.append(outside)
+            expert.append(sum(p.numel() for p in trained if id(p) in in_experts))
+
+    def mean(xs: list[int]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    base = {None: 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / cfg.train.fp8_block ** 2}[cfg.train.lora.base_dtype]
+    return LoraShape(cfg.train.lora.r, mean(dense), mean(moe), mean(expert), cfg.train.lora.experts == "shared", base,
+                     None if cfg.train.lora.base_dtype is None else base)
 
 
 @dataclass(frozen=True)
@@ -119,6 +177,7 @@ class ModelShape:
     # MoE blocks) and without a feed-forward sublayer (Mamba-2 / attention blocks)
     mixer_none: int = 0
     ffn_none: int = 0
+    lora: LoraShape | None = None             # train.lora: adapters on a frozen base
 
     @classmethod
     def from_config(cls, cfg: "Config") -> "ModelShape":
@@ -163,7 +222,8 @@ class ModelShape:
                    window=m.sliding_window if windowed else None, window_layers=windowed,
                    mlp_matrices=2 if m.mlp_activation == "relu2" else 3,
                    expert_matrices=2 if moe.activation == "relu2" else 3, mtp_depth=m.mtp_depth,
-                   mixer_none=mixers.count("none"), ffn_none=ffns.count("none"), **attn)
+                   mixer_none=mixers.count("none"), ffn_none=ffns.count("none"),
+                   lora=lora_shape(cfg) if cfg.train.lora.r else None, **attn)
 
     # -- widths ------------------------------------------------------------------------------
     @property
@@ -416,6 +476,13 @@ class ModelShape:
             return dense + self.router_params + self.shared_params, self.expert_params
         return dense + self.mlp_params, 0
 
+    def trained_layer_params(self, moe: bool) -> tuple[float, float]:
+        """(dense, expert) parameters of one layer that train: :meth:`layer_params`, or under
+        ``train.lora`` the adapters (and trained routers) only."""
+        if self.lora is None:
+            return self.layer_params(moe)
+        return (self.lora.moe_layer, self.lora.expert_layer) if moe else (self.lora.dense_layer, 0.0)
+
     @property
     def mtp_moe(self) -> bool:
         """Whether the MTP modules' blocks are MoE (they are of the model's last block's kind)."""
@@ -492,10 +559,17 @@ class ModelShape:
         return self.mtp_depth * per
 
     def model_flops_per_token(self, causal: bool = False) -> float:
-        """Forward + backward model FLOPs per token (the MFU numerator), see module doc;
+        """Forward + backward model FLOPs per token (the MFU numerator), see module doc (under
+        ``train.lora`` without the frozen weights' gradient GEMMs);
         ``causal``: attention scores counted as half (what a causal kernel computes)."""
         fwd = sum(self.layer_matmul_flops(flag) + self.attention_flops(causal) for flag in self.moe_layer_flags)
-        return 3.0 * (fwd + self.logits_flops + self.mtp_flops(causal))
+        if self.lora is None:
+            return 3.0 * (fwd + self.logits_flops + self.mtp_flops(causal))
+        # train.lora: the frozen weights have no weight gradient (backward = the input gradients,
+        # once the forward); the attention scores' backward is all input gradients (twice); the
+        # adapters' rank-r GEMMs are left out (r ≪ the widths)
+        scores = sum(self.attention_flops(causal) for _ in self.moe_layer_flags)
+        return 2.0 * (fwd + self.logits_flops + self.mtp_flops(causal)) + scores
 
     def recompute_flops_per_token(self, checkpointing: str, modules: tuple[str, ...] = ("core_attn",),
                                   share: float = 1.0) -> float:

@@ -29,6 +29,8 @@ Phases of one step on the slowest pipeline rank (all times per micro-batch unles
    micro-batch, ZeRO-3 also gathers parameters for every forward and backward. Where the expert
    all-to-alls cross the same off-node tier as the data-parallel group, they hold that link
    for their share of the forward and backward, and only the rest hides the reduction.
+Under ``train.lora`` the frozen base's GEMMs have no weight-gradient pass (the adapters' rank-r
+GEMMs are not counted: r ≪ the widths), and steps 4-5 reduce and update the adapters only.
 5. optimizer: Adam reads and writes 30 bytes per local parameter shard at HBM bandwidth; the
    software's passes over the whole gradient buffer (``grad_buffer_bytes`` per local parameter:
    Megatron-Core zeroes, NaN-checks and pre-scales it) likewise.
@@ -355,12 +357,13 @@ class _Compute:
         k0 = self.ta.gemm_k0 if self.p.gemm_k0 is None else self.p.gemm_k0
         args = (rate, self.hbm, self.p.sm_count, self.ta.tile, k0, in_bytes)
         fwd = gemm_pass_time(m, n, k, count, *args, out_bytes=self.act_bytes)
-        bwd = (gemm_pass_time(m, k, n, count, *args, out_bytes=self.act_bytes)
-               + gemm_pass_time(k, n, m, count, *args, out_bytes=2.0 * self.grad_bytes))
+        bwd = gemm_pass_time(m, k, n, count, *args, out_bytes=self.act_bytes)
+        if self.s.lora is None:  # a frozen base weight (train.lora) has no weight gradient
+            bwd += gemm_pass_time(k, n, m, count, *args, out_bytes=2.0 * self.grad_bytes)
         if fp8 and m > 0:
             cast = self.ta.fp8_cast_bytes * count / self.hbm
             fwd += cast * (m * k + k * n)                       # A and B
-            bwd += cast * ((m * n + n * k) + (k * m + m * n))   # dC and Bᵀ; Aᵀ and dC
+            bwd += cast * ((m * n + n * k) + ((k * m + m * n) if self.s.lora is None else 0.0))  # dC, Bᵀ; Aᵀ, dC
         return fwd, bwd
 
     def score_gemm(self, m: float, n: float, k: float, count: int) -> tuple[float, float]:
@@ -625,25 +628,29 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     t_pipe = pipeline_time(lay.schedule, lay.pp, lay.vpp, m, t_f, t_b)
     bubble = t_pipe - m * (t_f + t_b)
 
-    # 4. data parallel
+    # 4. data parallel: the gradients of what trains (under train.lora the adapters), the
+    #    parameters of all of it
     dense_p, expert_p = _rank_params(shape, lay)
+    trained_d, trained_e = _rank_params(shape, lay, trained=True)
     z = lay.zero
     dp_exposed = 0.0
     rs = ag = 0.0
     hsdp = lay.hsdp_axes()
-    for axis, p in (("dp_cp", dense_p), (expert_grad_axis(lay), expert_p)):
+    for axis, p, g in (("dp_cp", dense_p, trained_d), (expert_grad_axis(lay), expert_p, trained_e)):
         if p <= 0:
             continue
         if z == 0:
-            rs += comm_time("all_reduce", p * mem.grad_bytes, places[axis], prof)[0]
+            rs += comm_time("all_reduce", g * mem.grad_bytes, places[axis], prof)[0] if g > 0 else 0.0
             continue
         # HSDP: reduce-scatter and all-gather inside the shard group, then each shard's gradient
         # all-reduced across the groups (1/dp_shard of it)
         shard = places[f"{axis}_shard"] if axis in hsdp else places[axis]
-        rs += comm_time("reduce_scatter", p * mem.grad_bytes, shard, prof)[0]
-        if axis in hsdp:
-            rs += comm_time("all_reduce", p * mem.grad_bytes / hsdp[axis], places[f"{axis}_replicate"], prof)[0]
-        ag += comm_time("all_gather", p * mem.param_bytes, shard, prof)[0]
+        if g > 0:
+            rs += comm_time("reduce_scatter", g * mem.grad_bytes, shard, prof)[0]
+            if axis in hsdp:
+                rs += comm_time("all_reduce", g * mem.grad_bytes / hsdp[axis], places[f"{axis}_replicate"], prof)[0]
+        gather = shape.lora.gather_bytes if shape.lora is not None and shape.lora.gather_bytes else mem.param_bytes
+        ag += comm_time("all_gather", p * gather, shard, prof)[0]
     # The reductions hide behind a micro-batch's compute, not behind other traffic on their own
     # link: where the expert all-to-alls cross the same off-node tier as the data-parallel group,
     # that link carries them for ep_f / ep_b of every forward / backward, and the gradients queue
@@ -671,9 +678,9 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     # 5. optimizer
     shard_d = lay.dense_shard if z >= 1 else 1
     shard_e = lay.expert_shard if z >= 1 else 1
-    t_opt = ta.adam_bytes * (dense_p / shard_d + expert_p / shard_e) / prof.hbm_bandwidth()
+    t_opt = ta.adam_bytes * (trained_d / shard_d + trained_e / shard_e) / prof.hbm_bandwidth()
     # passes over the whole (unsharded) gradient buffer, on the compute stream, once a step
-    t_grad = ta.grad_buffer_bytes * (dense_p + expert_p) / prof.hbm_bandwidth()
+    t_grad = ta.grad_buffer_bytes * (trained_d + trained_e) / prof.hbm_bandwidth()
 
     t_muon = muon_time(shape, lay, prof, places, c.rate, dense_p, expert_p) if ta.optimizer == "muon" else 0.0
 
@@ -726,8 +733,15 @@ def muon_time(shape: ModelShape, lay: Layout, prof: "ClusterProfile", places: di
     return t_ns + comm_time("all_to_all", sent, place, prof)[0]
 
 
-def _rank_params(shape: ModelShape, lay: Layout) -> tuple[float, float]:
-    """(dense, expert) parameters on the fullest pipeline rank after TP and EP."""
+def _rank_params(shape: ModelShape, lay: Layout, trained: bool = False) -> tuple[float, float]:
+    """(dense, expert) parameters on the fullest pipeline rank after TP and EP; with
+    ``trained``, those that train (under ``train.lora`` the adapters, whole on every tp rank, the
+    routed experts' over ep when per expert)."""
+    if trained and shape.lora is not None:
+        lo = shape.lora
+        counts = stage_counts(shape, lay.pp, lay.vpp)
+        return max(((n_d * lo.dense_layer + n_m * lo.moe_layer,
+                     n_m * lo.expert_layer / (1 if lo.experts_shared else lay.ep)) for n_d, n_m in counts), key=sum)
     best = (0.0, 0.0)
     dense_layer, moe_layer = shape.layer_params(False), shape.layer_params(True)
     for r, (n_dense, n_moe) in enumerate(stage_counts(shape, lay.pp, lay.vpp)):

@@ -288,19 +288,25 @@ def step_collectives(shape: ModelShape, layout: Layout, global_batch: int, place
     expert_p = expert_params_rank if expert_params_rank is not None else \
         expert_total / (layout.pp * layout.ep * layout.etp)
     hsdp = layout.hsdp_axes()
+    # Gradients of what trains: under train.lora the adapters only (whole on every tp rank).
+    lo = shape.lora
+    trained = {"dense": (lp * (1 - moe_frac) * lo.dense_layer + lp * moe_frac * lo.moe_layer) if lo else dense_p,
+               "expert": (lp * moe_frac * lo.expert_layer / (1 if lo.experts_shared else layout.ep)) if lo else expert_p}
     for axis, p, label in (("dp_cp", dense_p, "dense"), (expert_grad_axis(layout), expert_p, "expert")):
         if p <= 0:
             continue
         z = layout.zero
+        g = trained[label]
         if z == 0:
-            add(axis, "all_reduce", f"{label} gradient all-reduce", p * grad_bytes, 1, "last backward")
+            add(axis, "all_reduce", f"{label} gradient all-reduce", g * grad_bytes, 1, "last backward")
             continue
         shard = f"{axis}_shard" if axis in hsdp else axis
-        add(shard, "reduce_scatter", f"{label} gradient reduce-scatter", p * grad_bytes, m if z >= 2 else 1,
+        add(shard, "reduce_scatter", f"{label} gradient reduce-scatter", g * grad_bytes, m if z >= 2 else 1,
             "backward")
         if axis in hsdp:  # HSDP: each shard's gradient all-reduced across the shard groups
             add(f"{axis}_replicate", "all_reduce", f"{label} gradient shard all-reduce across HSDP groups",
-                p * grad_bytes / hsdp[axis], m if z >= 2 else 1, "backward")
-        add(shard, "all_gather", f"{label} parameter all-gather", p * param_bytes, 2 * m if z == 3 else 1,
+                g * grad_bytes / hsdp[axis], m if z >= 2 else 1, "backward")
+        gather = lo.gather_bytes if lo is not None and lo.gather_bytes else param_bytes
+        add(shard, "all_gather", f"{label} parameter all-gather", p * gather, 2 * m if z == 3 else 1,
             "forward")
     return out

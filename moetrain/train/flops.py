@@ -14,7 +14,8 @@ def flops_per_token(cfg: Config) -> float:
     MLA's compressions and up-projections; the MTP modules and the head) plus the attention
     scores, causal ones counted as half (the 12·L·H·Q·T term of PaLM, Chowdhery et al. 2022
     App. B, halved; a sliding-window block attends to its window). The planner's count
-    (:meth:`moetrain.planner.model.ModelShape.model_flops_per_token`) with causal attention."""
+    (:meth:`moetrain.planner.model.ModelShape.model_flops_per_token`) with causal attention;
+    under ``train.lora`` 4 per frozen parameter (no weight gradient)."""
     shape = ModelShape.from_config(cfg)
     if cfg.model.vocab_size is not None:  # the model's own vocabulary, not padded again
         shape = dataclasses.replace(shape, vocab=cfg.model.vocab_size)

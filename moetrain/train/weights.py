@@ -51,6 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 from moetrain.config import Config, ConfigError
+from moetrain.model.fp8 import E4M3, quantize_blocks
 from moetrain.model.init import local_piece
 from moetrain.model.lora import is_adapter
 from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
@@ -326,10 +327,17 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     tensors = read_manifest(path)["tensors"]
     handles: dict[str, object] = {}
     params = [item for part in parts for item in model_parameters(part, buffers=True)]
+    by_name = {name: p for name, p, _ in params}
+    # A frozen FP8 base (train.lora.base_dtype: fp8) loaded from unquantized weights: each such
+    # weight is read whole and quantized here (one tensor at a time), its block scales with it.
+    blocks = {canonical_name(n): m.base_block for part in parts for n, m in part.named_modules()
+              if hasattr(m, "base_block")}
+    quantize_here = {name for name, p, _ in params if p.dtype == E4M3 and f"{name}_scale_inv" not in tensors}
     for name, p, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
         rec = tensors.get(name)
-        if rec is None and (not isinstance(p, nn.Parameter) or is_adapter(name)):
-            continue  # a buffer the weights do not carry (e.g. a routing bias to be trained from 0), an adapter
+        if rec is None and (not isinstance(p, nn.Parameter) or is_adapter(name)
+                            or name.removesuffix("_scale_inv") in quantize_here):
+            continue  # a buffer the weights do not carry (a routing bias trained from 0), an adapter, a scale made below
         if rec is None:
             raise WeightsError(f"{path}: has no tensor {name}, which the model has (are these the weights of "
                                f"another model config?)")
@@ -338,6 +346,13 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
         if rec["file"] not in handles:
             handles[rec["file"]] = safe_open(str(path / rec["file"]), framework="pt")
         local, slices = local_piece(p)
+        if name in quantize_here:
+            # (the module of "x.wq.weight" is x.wq, of the experts' "x.experts.w1" x.experts)
+            codes, scales = quantize_blocks(handles[rec["file"]].get_tensor(name), blocks[name.rpartition(".")[0]])
+            local.copy_(codes[slices])
+            scale_local, scale_slices = local_piece(by_name[f"{name}_scale_inv"])
+            scale_local.copy_(scales[scale_slices])
+            continue
         local.copy_(handles[rec["file"]].get_slice(name)[slices].to(local.dtype))
 
 
@@ -354,6 +369,10 @@ def load_initial_weights(path: str | os.PathLike, parts: list[nn.Module], ps) ->
     if kind == "weights":
         load_weights_dir(where, parts)
         return where
+    if any(p.dtype == E4M3 for part in parts for p in part.parameters()):
+        raise WeightsError(f"{path}: a training checkpoint, and the FP8 base (train.lora.base_dtype: fp8) is "
+                           f"quantized from a weights directory. Fix: export the checkpoint (python -m moetrain.hf "
+                           f"export) and import it (python -m moetrain.hf import), then give that directory")
     if where == Path(path):  # one training checkpoint: verify it (rank 0) like a resume does
         checkpointer = Checkpointer(where.parent, ps, keep=1)
         _verify_on_rank0(lambda: verify_checkpoint(where, progress=True))
