@@ -133,12 +133,12 @@ def convert_base(model: nn.Module, base_dtype: str, block: int) -> None:
     replaced: dict[int, nn.Parameter] = {}
 
     def store(module: nn.Module, name: str, dtype: torch.dtype) -> None:
-        p = module._parameters[name]
+        p = getattr(module, name)
         if p is None or p.requires_grad or not p.is_floating_point() or p.dtype == E4M3:
             return
         if id(p) not in replaced:
             replaced[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=False)
-        module._parameters[name] = replaced[id(p)]
+        setattr(module, name, replaced[id(p)])
 
     for path, module in model.named_modules():
         if fp8 and isinstance(module, Linear) and path != "output" and not module.weight.requires_grad:
@@ -157,7 +157,7 @@ def convert_base(model: nn.Module, base_dtype: str, block: int) -> None:
                     torch.empty(E, -(-d_in // block), -(-d_out // block), device=w.device), requires_grad=False))
                 store(module, f"w{i}", E4M3)
             module.base_block = block
-        for name in list(module._parameters):
+        for name in [n for n, _ in module.named_parameters(recurse=False)]:
             if not name.endswith("_scale_inv"):
                 store(module, name, torch.bfloat16)
 

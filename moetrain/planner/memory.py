@@ -452,10 +452,13 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
     for r, (n_dense, n_moe) in enumerate(stage_counts(shape, pp, layout.vpp)):
         dense_p = n_dense * dense_layer[0] + n_moe * moe_layer[0]
         expert_p = n_moe * shape.expert_params
+        embedding_p = 0.0  # the embedding's and the head's (for a LoRA base's own storage)
         if r == 0:
             dense_p += shape.vocab * shape.hidden
+            embedding_p += shape.vocab * shape.hidden / tp
         if r == pp - 1 and (pp > 1 or not shape.tie_embeddings):
             dense_p += shape.vocab * shape.hidden + shape.hidden
+            embedding_p += shape.vocab * shape.hidden / tp
         if r == pp - 1 and shape.mtp_depth:  # the MTP modules, and the embedding's copy under pp
             mtp_dense, mtp_expert = shape.mtp_params()
             dense_p += mtp_dense + (shape.vocab * shape.hidden if pp > 1 else 0)
@@ -470,8 +473,9 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
             # The frozen base: stored (sharded from ZeRO-1 on, as FSDP2 shards every stage's
             # parameters), plus under ZeRO-1/2 the compute copies gathered from the first forward
             # to the last backward. It has no gradient and no optimizer state.
-            params = lo.base_bytes * (dense_p / (dense_shard if z >= 1 else 1)
-                                      + expert_p / (expert_shard if z >= 1 else 1))
+            params = (lo.base_bytes * ((dense_p - embedding_p) / (dense_shard if z >= 1 else 1)
+                                       + expert_p / (expert_shard if z >= 1 else 1))
+                      + lo.embedding_bytes * embedding_p / (dense_shard if z >= 1 else 1))
             if 1 <= z <= 2:
                 params += A.param_bytes * (dense_p + expert_p)
             # The adapters: whole on every tp rank (an upper bound: a split weight's adapter has

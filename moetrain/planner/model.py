@@ -56,8 +56,8 @@ class LoraShape:
     """What ``train.lora`` trains of a model: the low-rank adapters (and the routers when
     targeted), counted exactly on the meta-device model (:func:`lora_shape`); the rest is a
     frozen base of ``base_bytes`` per parameter as stored (``train.lora.base_dtype``: null, fp32
-    master weights, 4; bf16 2; fp8 1 + the fp32 scale of each B × B block, 4 / B²; the
-    embedding, head and norms, which stay bf16 in an FP8 base, are counted at 1 too). Per layer,
+    master weights, 4; bf16 2; fp8 1 + the fp32 scale of each B × B block, 4 / B², with the
+    embedding and head in bf16, ``embedding_bytes``, and the norms counted at 1). Per layer,
     the mean over the layers of the kind: ``dense_layer`` of a layer without routed experts,
     ``moe_layer`` of a MoE layer outside its routed experts (attention, shared experts, router),
     ``expert_layer`` its routed experts' adapters (E pairs per matrix, or one pair with
@@ -73,6 +73,8 @@ class LoraShape:
     # the master dtype is cast by FSDP's policy), else the stored bytes (bf16 / fp8 are gathered
     # as stored)
     gather_bytes: float | None = None
+    # bytes per embedding / head parameter as stored (an FP8 base keeps them in bf16)
+    embedding_bytes: float = 4.0
 
 
 def lora_shape(cfg: "Config") -> LoraShape:
@@ -106,7 +108,7 @@ def lora_shape(cfg: "Config") -> LoraShape:
 
     base = {None: 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / cfg.train.fp8_block ** 2}[cfg.train.lora.base_dtype]
     return LoraShape(cfg.train.lora.r, mean(dense), mean(moe), mean(expert), cfg.train.lora.experts == "shared", base,
-                     None if cfg.train.lora.base_dtype is None else base)
+                     None if cfg.train.lora.base_dtype is None else base, 2.0 if cfg.train.lora.base_dtype else base)
 
 
 @dataclass(frozen=True)
