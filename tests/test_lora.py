@@ -327,3 +327,62 @@ def test_an_fp8_base_trains_within_one_percent_of_bf16(tiny_shards, tmp_path):
     worst = max(abs(a - b) / b for a, b in zip(runs["fp8"], runs["bf16"]))
     assert worst < 0.01, f"FP8 base {worst:.2%} off the bf16 base"
     assert runs["fp8"] != runs["bf16"], "the FP8 base must round the weights"
+
+
+def test_a_merged_export_computes_what_the_lora_run_computes(tiny_shards, tmp_path):
+    """``hf export --merge`` of a LoRA run's checkpoint (dp2 × ep2, adapters and a trained router
+    on an imported base): transformers' Mixtral from the export gives the logits moetrain's
+    adapted model gives (base + adapters, in one process), and without ``--merge`` the export is
+    refused."""
+    transformers = pytest.importorskip("transformers")
+    from moetrain.config import save_config
+    from moetrain.hf.__main__ import main as hf_main
+    from moetrain.model.init import init_weights
+    from moetrain.model.lora import add_adapters
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.checkpoint import list_checkpoints
+    from moetrain.train.weights import CheckpointReader, write_weights_dir
+
+    mixtral = {"moe": {"shared_experts": 0}, "model": {"vocab_size": 260, "rope_theta": 10000.0}}
+    cfg = tiny_config(tiny_shards, tmp_path / "w", **mixtral)
+    model = Transformer.from_config(cfg)
+    init_weights(model, 3, cfg.model.init_std, cfg.model.layers)
+    state = model.state_dict()
+    write_weights_dir(tmp_path / "w", cfg, state.items(), [(n, t.dtype, tuple(t.shape)) for n, t in state.items()],
+                      progress=False)
+    run_distributed(_merge_run, 2, str(tiny_shards), str(tmp_path / "run"), str(tmp_path / "w"))
+    run_cfg = _merge_config(str(tiny_shards), str(tmp_path / "run"), str(tmp_path / "w"))
+    save_config(run_cfg, tmp_path / "run.yaml")
+    ckpt = list_checkpoints(tmp_path / "run" / "checkpoints")[-1][1]
+    assert hf_main(["export", str(ckpt), "--out", str(tmp_path / "x"), "--config", str(tmp_path / "run.yaml")]) == 2
+    assert hf_main(["export", str(ckpt), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "run.yaml"),
+                    "--merge", "--arch", "mixtral"]) == 0
+
+    ours = Transformer.from_config(run_cfg)
+    add_adapters(ours, run_cfg.train.lora)
+    weights = CheckpointReader(tmp_path / "w", progress=False)
+    adapters = CheckpointReader(ckpt, progress=False)
+    ours.load_state_dict({**weights.read(list(weights.shapes)), **adapters.read(list(adapters.shapes))}, strict=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = ours.eval()(ids), hf(ids).logits
+    assert any(adapters.read([n])[n].abs().sum() > 0 for n in adapters.shapes if "lora_B" in n), "adapters must train"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _merge_config(data: str, run_dir: str, base: str):
+    return tiny_config(data, run_dir, parallel={"dp": 2, "ep": 2}, moe={"shared_experts": 0},
+                       model={"vocab_size": 260, "rope_theta": 10000.0},
+                       train={"steps": 4, "lr": 1e-2, "lora": {**LORA, "target_modules": ["all-linear", "router"]}},
+                       checkpoint={"init_from": base, "every": 4, "async": False})
+
+
+def _merge_run(rank: int, world: int, data: str, run_dir: str, base: str) -> None:
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(_merge_config(data, run_dir, base), write_files=False)
+    for _ in range(4):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.checkpointer.wait()

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tokenizer", help="tokenizer.json or a directory of tokenizer files to ship (default: the "
                                          "run's, or the imported model's)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file written (default 5GB)")
+    exp.add_argument("--merge", action="store_true",
+                     help="a LoRA run's checkpoint (train.lora): write its base with the adapters merged")
     return p
 
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"config: {args.config} (checkpoint.init_from: {args.out})")
         else:
             out = export_hf(args.checkpoint, args.out, args.arch, args.dtype, args.config, args.tokenizer,
-                            max_shard_bytes=shard)
+                            max_shard_bytes=shard, merge=args.merge)
             print(f"exported {args.checkpoint} → {out}")
     except (UnsupportedModel, WeightsError, ConfigError, ValueError) as e:
         print(f"moetrain.hf {args.command}: {e}", file=sys.stderr)

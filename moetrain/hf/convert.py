@@ -51,6 +51,7 @@ from moetrain.config import Config, ConfigError, config_from_dict, to_dict
 from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, QWEN3_5_MOE, QWEN3_5_MOE_VL, QWEN3_NEXT, Architecture, architecture_for, choose_architecture,
                               from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
+from moetrain.model.transformer import Transformer
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
 from moetrain.train.weights import CheckpointReader, atomic_dir, expected_shapes, is_weights_dir, write_weights_dir
 
@@ -284,9 +285,11 @@ def _layer_groups(maps: list[TensorMap]) -> list[list[TensorMap]]:
 
 def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | None = None, dtype: str = "auto",
               config_path: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None,
-              max_shard_bytes: int = 5 * 10**9, progress: bool = True) -> Path:
+              max_shard_bytes: int = 5 * 10**9, progress: bool = True, merge: bool = False) -> Path:
     """Write the HF checkpoint of moetrain checkpoint ``ckpt`` into ``out``: ``config.json``,
     ``model-*.safetensors`` with ``model.safetensors.index.json``, and the tokenizer when known.
+    A LoRA run's checkpoint (``train.lora``) exports with ``merge``: its base with the adapters
+    merged (:class:`MergedLora`).
 
     Args:
         ckpt: a weights directory, a training checkpoint ``step_XXXXXXXX`` (any layout) or a
@@ -307,6 +310,11 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         raise WeightsError(f"{out}: already exists; remove it or choose another --out")
     reader = CheckpointReader(ckpt, progress=progress)
     cfg, base, side_dir = _export_sources(reader, config_path)
+    if cfg.train.lora.r and reader.kind == "dcp":
+        if not merge:
+            raise WeightsError(f"{reader.path}: a LoRA run's checkpoint (train.lora.r = {cfg.train.lora.r}) holds the "
+                               f"adapters, not the base; pass --merge to write the base with the adapters merged")
+        reader = MergedLora(reader, cfg, progress)
     if arch_name is not None:
         arch = arch_by_name(arch_name)
     elif base is not None:
@@ -436,6 +444,68 @@ def arch_by_name(name: str) -> Architecture:
     from moetrain.hf.arch import UnsupportedModel
 
     raise UnsupportedModel(f"--arch {name!r}: not one of {', '.join(a.model_type for a in ARCHITECTURES.values())}")
+
+
+class MergedLora:
+    """The weights a LoRA run computes with, whole, read as :class:`CheckpointReader` reads a
+    checkpoint: its base (``checkpoint.init_from``, checked against the sha256 its checkpoint
+    recorded, or drawn from ``run.seed`` when it had none) stored as the run stored it (bf16, or
+    FP8 quantized and dequantized), each adapted weight plus scaling · B A (the experts' stacked
+    [E, in, out] matrices plus scaling · A_e B_e, per expert or the one shared pair), and the
+    checkpoint's own trained tensors (routers, routing biases) in place of the base's.
+
+    Raises:
+        WeightsError: the base is gone or differs from the one the adapters were trained on.
+    """
+
+    def __init__(self, lora: CheckpointReader, cfg: Config, progress: bool = True):
+        self.lora, self.cfg, self.kind, self.path, self.manifest = lora, cfg, lora.kind, lora.path, lora.manifest
+        recorded = lora.manifest.get("train_state", {}).get("lora_base")
+        if recorded is None:
+            raise WeightsError(f"{lora.path}: a LoRA checkpoint that does not name its base")
+        self.drawn: dict[str, torch.Tensor] | None = None
+        if recorded["path"] is None:  # a base drawn from the seed: drawn again, whole
+            from moetrain.model.init import init_weights
+
+            model = Transformer.from_config(cfg)
+            init_weights(model, recorded["seed"], cfg.model.init_std, cfg.model.layers)
+            self.drawn = {k: v.detach() for k, v in model.state_dict().items()}
+            self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.drawn.items()}
+        else:
+            from moetrain.utils import sha256_file
+
+            where = Path(recorded["path"])
+            if not (where / "manifest.json").is_file() or sha256_file(where / "manifest.json") != recorded["sha256"]:
+                raise WeightsError(f"{lora.path}: its adapters were trained on the base {recorded}, which {where} no "
+                                   f"longer is (missing, or its manifest differs)")
+            self.base = CheckpointReader(where, progress=progress)
+            self.shapes = dict(self.base.shapes)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from moetrain.model.fp8 import dequantize_blocks, quantize_blocks
+
+        lo = self.cfg.train.lora
+        base = {n: self.drawn[n] for n in names} if self.drawn is not None else self.base.read(names)
+        own = [n for n in names if n in self.lora.shapes]  # trained whole: routers, routing biases
+        base.update(self.lora.read(own) if own else {})
+        out = {}
+        for name, w in base.items():
+            holder, _, leaf = name.rpartition(".")
+            pair = (f"{holder}.lora_A", f"{holder}.lora_B") if leaf == "weight" else \
+                (f"{holder}.lora_A{leaf[1:]}", f"{holder}.lora_B{leaf[1:]}") if leaf in ("w1", "w2", "w3") else ("",)
+            if name in own or pair[0] not in self.lora.shapes:
+                out[name] = w
+                continue
+            stored = w
+            if lo.base_dtype == "fp8":  # the weights the run computed with
+                stored = dequantize_blocks(*quantize_blocks(w, self.cfg.train.fp8_block), self.cfg.train.fp8_block,
+                                           torch.float32)
+            elif lo.base_dtype == "bf16":
+                stored = w.to(torch.bfloat16)
+            a, b = (t.float() for t in self.lora.read(list(pair)).values())
+            delta = b @ a if leaf == "weight" else a @ b  # [out, in], or [E or 1, in, out]
+            out[name] = (stored.float() + lo.scaling * delta).to(w.dtype)
+        return out
 
 
 def _export_sources(reader: CheckpointReader, config_path: str | os.PathLike | None
