@@ -13,6 +13,7 @@ import sys
 from moetrain.config import ConfigError
 from moetrain.hf.arch import ARCHITECTURES, UnsupportedModel
 from moetrain.hf.convert import DTYPES, export_hf, import_hf, parse_size
+from moetrain.hf.peft import export_lora
 from moetrain.train.weights import WeightsError
 
 
@@ -41,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--tokenizer", help="tokenizer.json or a directory of tokenizer files to ship (default: the "
                                          "run's, or the imported model's)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file written (default 5GB)")
-    exp.add_argument("--merge", action="store_true",
-                     help="a LoRA run's checkpoint (train.lora): write its base with the adapters merged")
+    lora = exp.add_mutually_exclusive_group()
+    lora.add_argument("--merge", action="store_true",
+                      help="a LoRA run's checkpoint (train.lora): write its base with the adapters merged")
+    lora.add_argument("--lora", action="store_true",
+                      help="a LoRA run's checkpoint: write its adapters as a PEFT adapter directory")
     return p
 
 
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"imported {args.hf_dir} → {args.out}: {m.layers} blocks, hidden {m.hidden}, dense")
             if args.config:
                 print(f"config: {args.config} (checkpoint.init_from: {args.out})")
+        elif args.lora:
+            out = export_lora(args.checkpoint, args.out, args.arch, args.config, progress=True)
+            print(f"exported the adapters of {args.checkpoint} → {out} (PEFT)")
         else:
             out = export_hf(args.checkpoint, args.out, args.arch, args.dtype, args.config, args.tokenizer,
                             max_shard_bytes=shard, merge=args.merge)
