@@ -640,7 +640,9 @@ class LoraConfig:
     (DeepSeek-V3's checkpoint format, ``weight_scale_inv``), dequantized per GEMM (the adapters,
     activations and gradients keep the compute dtype), the rest in bf16
     (:func:`moetrain.model.lora.convert_base`); a base loaded from unquantized weights is
-    quantized as it is loaded."""
+    quantized as it is loaded. Autograd keeps each dequantized weight for the input gradient until
+    the layer's backward: with ``parallel.activation_checkpointing: full`` only the layer in
+    flight's."""
 
     r: int = 0
     lora_alpha: float = 8.0

@@ -467,3 +467,151 @@ def test_peft_loads_the_exported_adapters_with_moetrains_logits(arch, tiny_shard
     assert (plain - want).abs().max() > 1e-3, "the adapters must change the logits"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     del base
+
+
+def _fp8_checkpoint(hf_dir, out, block: int) -> dict:
+    """``hf_dir``'s model saved in DeepSeek-V3's FP8 format into ``out``: every linear of the
+    blocks except the router as E4M3 codes with ``weight_scale_inv`` per ``block``² block.
+    Returns the FP8 tensors (codes and scales) by name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moetrain.model.fp8 import quantize_blocks
+
+    out.mkdir()
+    state = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    saved = {}
+    for name, t in state.items():
+        if ".layers." in name and t.dim() == 2 and "norm" not in name and not name.endswith("mlp.gate.weight"):
+            saved[name], saved[f"{name}_scale_inv"] = quantize_blocks(t, block)
+        else:
+            saved[name] = t
+    save_file(saved, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (out / "config.json").write_text(json.dumps(config))
+    for f in hf_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, out / f.name)
+    return {k: v for k, v in saved.items() if v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv")}
+
+
+def test_deepseeks_fp8_checkpoint_imports_as_it_is(tmp_path):
+    """A DeepSeek-V3 checkpoint in its FP8 format (8 × 8 blocks here) imports its codes and scales
+    bit for bit (experts transposed with their scales, MLA's kv_a split on a block boundary), an
+    FP8 base loads them as they are, and a model that is not one dequantizes them: its logits are
+    transformers' on the dequantized weights."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import VOCAB, build_hf_model
+    from moetrain.hf.convert import import_hf
+    from moetrain.model.fp8 import dequantize_blocks
+    from moetrain.model.lora import fp8_weight_names
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.weights import CheckpointReader, load_weights_dir
+    from safetensors.torch import load_file
+
+    hf = build_hf_model("deepseek_v3", tmp_path / "hf", seed=2)
+    fp8 = _fp8_checkpoint(tmp_path / "hf", tmp_path / "fp8", 8)
+    cfg = import_hf(tmp_path / "fp8", tmp_path / "w", progress=False)
+    mine = {k: v for f in sorted((tmp_path / "w").glob("*.safetensors")) for k, v in load_file(f).items()}
+    as_bytes = {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in mine.items()}
+    hf_bytes = {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in fp8.items()}
+    assert torch.equal(as_bytes["layers.1.moe.experts.w1"][3], hf_bytes["model.layers.1.mlp.experts.3.gate_proj.weight"].t())
+    assert torch.equal(as_bytes["layers.1.moe.experts.w1_scale_inv"][3],
+                       hf_bytes["model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv"].t())
+    kv = hf_bytes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    assert torch.equal(as_bytes["layers.0.attention.wkv_a.weight"], kv[:16])
+    assert torch.equal(as_bytes["layers.0.attention.wk_rope.weight"], kv[16:])
+    assert torch.equal(as_bytes["layers.0.attention.wk_rope.weight_scale_inv"],
+                       hf_bytes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"][2:])
+    with torch.device("meta"):  # every weight an FP8 base stores so, as FP8 codes with scales: nothing dequantized
+        want = fp8_weight_names(Transformer.from_config(cfg))
+    assert {k for k, v in mine.items() if v.dtype == torch.float8_e4m3fn} == want
+    assert {k for k in mine if k.endswith("_scale_inv")} == {f"{k}_scale_inv" for k in want}
+
+    # A model that is not an FP8 base: dequantized as it loads, transformers' logits on the same values.
+    ours = Transformer.from_config(cfg)
+    load_weights_dir(tmp_path / "w", [ours])
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            key = f"{name}_scale_inv"
+            if key in fp8:
+                p.copy_(dequantize_blocks(fp8[name], fp8[key], 8, torch.float32))
+            elif name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name:  # fused in transformers 5
+                e = int(name.split("layers.")[1].split(".")[0])
+                parts = ["gate_proj", "up_proj"] if name.endswith("gate_up_proj") else ["down_proj"]
+                p.copy_(torch.stack([torch.cat([dequantize_blocks(
+                    fp8[f"model.layers.{e}.mlp.experts.{x}.{part}.weight"],
+                    fp8[f"model.layers.{e}.mlp.experts.{x}.{part}.weight_scale_inv"], 8, torch.float32)
+                    for part in parts]) for x in range(p.shape[0])]))
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), hf.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    reader = CheckpointReader(tmp_path / "w", progress=False)
+    assert reader.shapes["layers.1.moe.experts.w2"][1] == torch.bfloat16 and \
+        "layers.1.moe.experts.w2_scale_inv" not in reader.shapes
+
+
+def _fp8_base_holds(rank: int, world: int, cfg, weights: str) -> bool:
+    """Whether every FP8 parameter (codes and scales) of the FP8 base that ``cfg`` builds holds,
+    bit for bit, its piece of the weights directory's tensor."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from moetrain.model.init import local_piece
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, write_files=False)
+    file = {k: v for f in sorted(Path(weights).glob("*.safetensors")) for k, v in load_file(f).items()}
+    params = dict(trainer.model_parts[0].named_parameters())
+    checked = 0
+    for name, p in params.items():
+        if p.dtype != torch.float8_e4m3fn:
+            continue
+        for n in (name, f"{name}_scale_inv"):
+            local, where = local_piece(params[n])
+            a, b = local, file[n][where]
+            if a.dtype == torch.float8_e4m3fn:
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            if not torch.equal(a, b):
+                return False
+        checked += 1
+    return checked > 0
+
+
+def test_an_fp8_base_loads_an_fp8_import_as_it_is(tiny_shards, tmp_path):
+    """The FP8 base of a LoRA run (dp2 × ep2) holds the codes and scales of
+    an FP8 import as they are: DeepSeek-V3's own FP8 checkpoint, and a bf16 one quantized once
+    at import (``import --base-dtype fp8``), whose codes are the moetrain-layout tensors
+    quantized."""
+    pytest.importorskip("transformers")
+    from hf_models import build_hf_model
+    from moetrain.config import load_config
+    from moetrain.hf.__main__ import main as hf_main
+    from moetrain.model.fp8 import quantize_blocks
+    from safetensors.torch import load_file
+
+    build_hf_model("deepseek_v3", tmp_path / "hf", seed=3)
+    _fp8_checkpoint(tmp_path / "hf", tmp_path / "fp8", 8)
+    assert hf_main(["import", str(tmp_path / "fp8"), "--out", str(tmp_path / "a"), "--config",
+                    str(tmp_path / "a.yaml")]) == 0
+    assert hf_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "b"), "--base-dtype", "fp8",
+                    "--fp8-block", "8"]) == 0
+    assert hf_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "plain")]) == 0
+    quantized = {k: v for f in sorted((tmp_path / "b").glob("*.safetensors")) for k, v in load_file(f).items()}
+    plain = {k: v for f in sorted((tmp_path / "plain").glob("*.safetensors")) for k, v in load_file(f).items()}
+    codes, scales = quantize_blocks(plain["layers.1.moe.experts.w3"], 8)
+    assert torch.equal(quantized["layers.1.moe.experts.w3"].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(quantized["layers.1.moe.experts.w3_scale_inv"], scales)
+    for weights in ("a", "b"):
+        cfg = load_config(tmp_path / "a.yaml").replace(
+            run={"dir": str(tmp_path / f"run-{weights}")}, parallel={"dp": 2, "ep": 2},
+            data={"path": str(tiny_shards)}, checkpoint={"init_from": str(tmp_path / weights)},
+            train={"fp8_block": 8, "lora": {**LORA, "base_dtype": "fp8"}})
+        assert all(run_distributed(_fp8_base_holds, 2, cfg, str(tmp_path / weights))), weights

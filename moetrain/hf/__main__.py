@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--out", required=True, help="weights directory to create")
     imp.add_argument("--config", help="also write the moetrain config (model, moe, checkpoint.init_from) here")
     imp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file written (default 5GB)")
+    imp.add_argument("--base-dtype", choices=["fp8"], help="fp8: store the block linears and experts as FP8 E4M3 "
+                     "with block scales (DeepSeek-V3's format), quantized once here, for train.lora.base_dtype: fp8 "
+                     "(an FP8 checkpoint is kept as it is without this)")
+    imp.add_argument("--fp8-block", type=int, default=128, help="the FP8 block edge (default 128, DeepSeek-V3's)")
     imp.add_argument("--mtp-depth", type=int, default=0,
                      help="multi-token-prediction layers of a DeepSeek-V3 / GLM-4.5 checkpoint to bring in (default 0)")
     exp = sub.add_parser("export", help="moetrain checkpoint → HF model directory",
@@ -56,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shard = parse_size(args.max_shard_size)
         if args.command == "import":
-            cfg = import_hf(args.hf_dir, args.out, args.config, max_shard_bytes=shard, mtp_depth=args.mtp_depth)
+            cfg = import_hf(args.hf_dir, args.out, args.config, max_shard_bytes=shard, mtp_depth=args.mtp_depth,
+                            base_dtype=args.base_dtype, fp8_block=args.fp8_block)
             m, moe = cfg.model, cfg.moe
             print(f"imported {args.hf_dir} → {args.out}: {m.layers} blocks, hidden {m.hidden}, "
                   f"{moe.num_experts} experts (top-{moe.top_k})" if moe.num_experts else

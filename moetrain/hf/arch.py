@@ -133,7 +133,7 @@ LLAMA = Architecture("LlamaForCausalLM", "llama", QWEN_MOE, _COMMON | {"attentio
 _DEEPSEEK = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
                        "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
                        "num_nextn_predict_layers", "attention_bias", "topk_method", "scoring_func", "moe_layer_freq",
-                       "ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp"})
+                       "ep_size", "aux_loss_alpha", "seq_aux", "pretraining_tp", "quantization_config"})
 DEEPSEEK_V3 = Architecture("DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK_MOE, _COMMON | _DEEPSEEK | {
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
     "rope_interleave"})
@@ -201,6 +201,18 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWE
 
 def _supported() -> str:
     return ", ".join(f"{a.name} ({a.model_type})" for a in ARCHITECTURES.values())
+
+
+def fp8_block_size(hf: dict) -> int | None:
+    """The weight block B of a checkpoint in DeepSeek-V3's FP8 format (``quantization_config``:
+    ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [B, B]``; each quantized
+    ``X.weight`` float8 E4M3 with ``X.weight_scale_inv`` [⌈rows/B⌉, ⌈cols/B⌉] fp32), else None."""
+    q = hf.get("quantization_config") or {}
+    block = q.get("weight_block_size")
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2 \
+            or block[0] != block[1] or q.get("activation_scheme", "dynamic") != "dynamic":
+        return None
+    return int(block[0])
 
 
 def architecture_for(hf: dict) -> Architecture:
@@ -332,8 +344,10 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
     r = _Reader(arch, hf)
     r.check_keys()
     quant = hf.get("quantization_config")
-    if quant is not None and not (arch is GPT_OSS and quant.get("quant_method") == "mxfp4"):
-        raise r.refuse("quantization_config", quant, "quantized weights are not read (GPT-OSS's MXFP4 experts are)")
+    if quant is not None and not (arch is GPT_OSS and quant.get("quant_method") == "mxfp4") \
+            and fp8_block_size(hf) is None:
+        raise r.refuse("quantization_config", quant, "quantized weights are not read (GPT-OSS's MXFP4 experts and "
+                       "DeepSeek-V3's FP8 E4M3 with square weight blocks are)")
     if arch is NEMOTRON_H:
         return (arch, *_read_nemotron_h(r, mtp_depth))
     if arch is QWEN3_5_MOE_VL:  # its text model, read as the text checkpoint's config
@@ -857,6 +871,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         out.pop("quantization_config", None)  # export writes bf16 / fp32 experts
     else:
         out.update(attention_bias=False, mlp_bias=False)
+    out.pop("quantization_config", None)  # export writes bf16 / fp32 weights (an FP8 import's dequantized)
     return out
 
 

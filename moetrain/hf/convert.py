@@ -42,15 +42,17 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import yaml
 
 from moetrain.config import Config, ConfigError, config_from_dict, to_dict
 from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, QWEN3_5_MOE, QWEN3_5_MOE_VL, QWEN3_NEXT, Architecture, architecture_for, choose_architecture,
-                              from_hf, to_hf)
+                              fp8_block_size, from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
+from moetrain.model.fp8 import E4M3, dequantize_blocks, quantize_blocks
+from moetrain.model.lora import fp8_weight_names
 from moetrain.model.transformer import Transformer
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
 from moetrain.train.weights import CheckpointReader, atomic_dir, expected_shapes, is_weights_dir, write_weights_dir
@@ -119,10 +121,24 @@ class HFTensors:
             log.info("%s: %d MXFP4 expert tensors, dequantized to bf16 (exact: every FP4 value times a power "
                      "of two is a bf16 value)", hf_dir, len(self.mxfp4))
 
+        # FP8 weights (DeepSeek-V3's format): X.weight float8 E4M3 with X.weight_scale_inv.
+        self.fp8 = {n for n in self.where if f"{n}_scale_inv" in self.where}
+
     def names(self) -> set[str]:
-        """The tensor names, MXFP4 pairs as the tensor they stand for."""
+        """The tensor names, MXFP4 pairs as the tensor they stand for, FP8 scales left out (they go
+        with their weights)."""
         quantized = {f"{n}_blocks" for n in self.mxfp4} | {f"{n}_scales" for n in self.mxfp4}
-        return (set(self.where) - quantized) | self.mxfp4
+        return (set(self.where) - quantized - {f"{n}_scale_inv" for n in self.fp8}) | self.mxfp4
+
+    def scale(self, name: str) -> torch.Tensor:
+        """The fp32 block scales of FP8 weight ``name``."""
+        return self(f"{name}_scale_inv").float()
+
+    def dequantized(self, name: str, block: int) -> torch.Tensor:
+        """Tensor ``name``, an FP8 weight dequantized to bf16 (its codes times its block scales)."""
+        if name not in self.fp8:
+            return self(name)
+        return dequantize_blocks(self(name), self.scale(name), block, torch.bfloat16)
 
     def dtype(self, name: str) -> torch.dtype:
         if name in self.mxfp4:
@@ -187,12 +203,45 @@ def _maps_for(cfg: Config, arch: Architecture, rope_interleaved: bool = False) -
     return maps
 
 
+def _keeps_fp8_blocks(m: TensorMap, block: int) -> bool:
+    """Whether ``m`` moves whole B × B blocks (so FP8 codes and their scales map as they are):
+    a copy, the experts' transposes, or a part of rows that starts on a block boundary."""
+    if m.hf_cat or m.hf_view or m.layout not in ("copy", "experts"):
+        return False
+    return m.part is None or (m.part.how == "cat" and m.part.dim == 0
+                              and all(size % block == 0 for size in m.part.sizes[:-1]))
+
+
+def _scales_to_ours(m: TensorMap, scale: Callable[[str], torch.Tensor], block: int) -> Iterator[torch.Tensor]:
+    """The block scales of moetrain tensor ``m`` from the HF weights' (``scale(hf name)``), as
+    :meth:`TensorMap.to_ours` gives its codes: per expert transposed, a part's block rows."""
+    if m.layout == "experts":
+        for name in m.hf_names():
+            yield scale(name).t().contiguous().unsqueeze(0)
+        return
+    t = scale(m.hf)
+    if m.part is not None:
+        start = sum(m.part.sizes[:m.part.index]) // block
+        t = t.narrow(0, start, -(-m.part.sizes[m.part.index] // block))
+    yield t.contiguous()
+
+
 def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str | os.PathLike | None = None,
-              max_shard_bytes: int = 5 * 10**9, progress: bool = True, mtp_depth: int = 0) -> Config:
+              max_shard_bytes: int = 5 * 10**9, progress: bool = True, mtp_depth: int = 0,
+              base_dtype: str | None = None, fp8_block: int = 128) -> Config:
     """Convert the HF model in ``hf_dir`` (``config.json`` + ``*.safetensors``) into a weights
     directory ``out`` (see :mod:`moetrain.train.weights`); optionally write the moetrain config
     to ``config_out``. Returns that config. ``mtp_depth``: multi-token-prediction layers of a
     DeepSeek-V3-family checkpoint to bring in (``model.layers.{num_hidden_layers + k}.*``).
+
+    FP8: a checkpoint in DeepSeek-V3's FP8 format (:func:`moetrain.hf.arch.fp8_block_size`) is
+    imported as it is — each block linear and expert matrix as its E4M3 codes with
+    ``{name}_scale_inv`` block scales in moetrain's layout (experts transposed, scales with
+    them), not dequantized —, except a tensor whose mapping would cut its blocks (a RoPE row
+    permutation), dequantized to bf16 and said so. ``base_dtype: "fp8"`` quantizes the block
+    linears and experts of an unquantized checkpoint into that format once, here, with
+    ``fp8_block`` × ``fp8_block`` blocks (what ``train.lora.base_dtype: fp8`` stores). A run whose
+    model is not an FP8 base dequantizes such weights as it loads them.
 
     Raises:
         UnsupportedModel: an architecture or config field moetrain cannot represent.
@@ -215,18 +264,48 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
         log.info("%s: the vision tower (%d tensors) is left out; moetrain trains the text model", arch.name,
                  sum(1 for n in hf.names() if re.match(vision, n)))
     _check_names(maps, hf, cfg, vision)
-    entries = [(m.ours, hf.dtype((m.hf_names() or [m.hf])[0]), m.shape) for m in maps]
+    block = fp8_block_size(hf_config)
+    # FP8 codes kept (an FP8 checkpoint, block-preserving maps), made (base_dtype fp8), or undone
+    with torch.device("meta"):
+        fp8_names = fp8_weight_names(Transformer.from_config(cfg))
+    keep = {m.ours for m in maps if block and m.ours in fp8_names and _keeps_fp8_blocks(m, block)
+            and all(n in hf.fp8 for n in m.hf_names() or [m.hf])}
+    make = {m.ours for m in maps if base_dtype == "fp8" and m.ours in fp8_names and m.ours not in keep}
+    undone = sorted({m.ours for m in maps if any(n in hf.fp8 for n in m.hf_names() or [m.hf])} - keep)
+    if undone:
+        log.info("%s: %d FP8 tensors dequantized to bf16 (their mapping does not keep whole %d-blocks, e.g. %s)%s",
+                 hf_dir, len(undone), block, undone[0], "; quantized again below" if make else "")
+    entries = []
+    for m in maps:
+        dtype = torch.bfloat16 if m.ours in undone else hf.dtype((m.hf_names() or [m.hf])[0])
+        entries.append((m.ours, E4M3 if m.ours in keep | make else dtype, m.shape))
+        if m.ours in keep | make:
+            b = block if m.ours in keep else fp8_block
+            entries.append((f"{m.ours}_scale_inv", torch.float32, (*m.shape[:-2], -(-m.shape[-2] // b),
+                                                                   -(-m.shape[-1] // b))))
+    dtypes = {name: dtype for name, dtype, _ in entries}
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for m, (_, dtype, _) in zip(maps, entries):
-            pieces = m.to_ours(hf)
+        for m in maps:
+            if m.ours in keep:
+                yield from ((m.ours, piece) for piece in m.to_ours(hf))
+                yield from ((f"{m.ours}_scale_inv", s) for s in _scales_to_ours(m, hf.scale, block))
+                continue
+            pieces = m.to_ours(lambda n: hf.dequantized(n, block) if n in hf.fp8 else hf(n))
             for copy in (n for n in m.also if n in hf.where):  # e.g. an MTP layer's embed_tokens
                 if not torch.equal(hf(copy), hf(m.hf)):
                     raise WeightsError(f"{hf_dir}: {copy} differs from {m.hf}; moetrain's MTP modules share the "
                                        f"model's embedding and head, so it cannot hold both (refused rather than "
                                        f"dropped)")
+            if m.ours not in make:
+                yield from ((m.ours, piece.to(dtypes[m.ours])) for piece in pieces)
+                continue
+            scales = []  # quantized here, piece by piece (an expert at a time): scales after the codes
             for piece in pieces:
-                yield m.ours, piece.to(dtype)
+                codes, scale = quantize_blocks(piece, fp8_block)
+                scales.append(scale)
+                yield m.ours, codes
+            yield from ((f"{m.ours}_scale_inv", s) for s in scales)
 
     def side_files(tmp: Path) -> None:
         (tmp / HF_SUBDIR).mkdir()
@@ -235,7 +314,13 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
                 shutil.copy2(hf_dir / f, tmp / HF_SUBDIR / f)
 
     source = {"hf_dir": str(hf_dir.resolve()), "architecture": arch.name, "model_type": arch.model_type}
-    write_weights_dir(out, cfg, tensors(), entries, extra={"source": source}, max_shard_bytes=max_shard_bytes,
+    extra = {"source": source}
+    if keep or make:  # the block edge of the weights stored as FP8 codes with scales
+        extra["fp8_block"] = block if keep else fp8_block
+        if keep and make and block != fp8_block:
+            raise WeightsError(f"{hf_dir}: FP8 in {block}-blocks, and --fp8-block {fp8_block} asks for another; "
+                               f"use --fp8-block {block}")
+    write_weights_dir(out, cfg, tensors(), entries, extra=extra, max_shard_bytes=max_shard_bytes,
                       progress=progress, add_files=side_files)
     if config_out is not None:
         save_import_config(cfg, Path(config_out), hf_dir, out)

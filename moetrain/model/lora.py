@@ -116,6 +116,18 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> list[str]:
     return chosen
 
 
+def fp8_weight_names(model: nn.Module) -> set[str]:
+    """The parameters an FP8 base stores as E4M3 codes with block scales: every linear of the
+    blocks (``….weight``; not the head) and every expert matrix (``…experts.w1`` …)."""
+    out = set()
+    for path, module in model.named_modules():
+        if isinstance(module, Linear) and path != "output":
+            out.add(f"{path}.weight")
+        elif isinstance(module, GroupedExperts):
+            out |= {f"{path}.w{i}" for i in ("1", "3", "2") if getattr(module, f"w{i}") is not None}
+    return out
+
+
 def convert_base(model: nn.Module, base_dtype: str, block: int) -> None:
     """Store the frozen base in ``base_dtype`` (``train.lora.base_dtype``), on the meta-device
     model after :func:`add_adapters`: ``bf16`` — every frozen floating parameter in bf16;

@@ -15,7 +15,9 @@ dp × cp ranks; expert parameters over the expert-data-parallel ranks (edp × tp
 Under ``train.lora`` (:class:`~moetrain.planner.model.LoraShape`) only the adapters hold
 gradients and optimizer states; the frozen base holds its stored weights (``base_bytes`` per
 parameter, sharded from ZeRO-1 on as FSDP2 shards them) and, under ZeRO-1/2, the gathered
-compute copies.
+compute copies; an FP8 base's weights, dequantized at each GEMM, are kept in the compute dtype for
+the input gradient until the layer's backward (``buffers``: every layer of the stage, one under full
+recomputation).
 
 Activations follow the per-tensor accounting of Korthikanti et al. 2022 §4 (for moetrain's
 layer: RMSNorm, GQA, flash attention keeping O and its log-sum-exp, SwiGLU fused as in
@@ -506,6 +508,15 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
             logits = tokens * shape.vocab / tp * (2 + 4) * act_scale
             acts += shape.mtp_depth * (_inflight(layout, m, r) * (block + extra) + logits)
         buffers = 0.0
+        if shape.lora is not None and shape.lora.dequantized_copies and n_dense + n_moe:
+            # the compute-dtype copies of an FP8 base's weights that autograd keeps for the input
+            # gradients: every layer of the stage's, or under full recomputation the layer's in flight
+            if layout.ac == "full":
+                buffers += A.param_bytes * max(dense_layer[0] / tp if n_dense else 0.0,
+                                               moe_layer[0] / tp + moe_layer[1] / (layout.ep * layout.etp)
+                                               if n_moe else 0.0)
+            else:
+                buffers += A.param_bytes * (dense_p - embedding_p + expert_p)
         if z >= 3 and n_dense + n_moe:
             biggest = max(dense_layer[0] / tp if n_dense else 0.0,
                           moe_layer[0] / tp + moe_layer[1] / (layout.ep * layout.etp) if n_moe else 0.0)

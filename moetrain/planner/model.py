@@ -75,6 +75,9 @@ class LoraShape:
     gather_bytes: float | None = None
     # bytes per embedding / head parameter as stored (an FP8 base keeps them in bf16)
     embedding_bytes: float = 4.0
+    # an FP8 base dequantizes each weight at its GEMM, and autograd keeps that copy for the
+    # input gradient until the layer's backward (one layer's under full recomputation)
+    dequantized_copies: bool = False
 
 
 def lora_shape(cfg: "Config") -> LoraShape:
@@ -108,7 +111,8 @@ def lora_shape(cfg: "Config") -> LoraShape:
 
     base = {None: 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / cfg.train.fp8_block ** 2}[cfg.train.lora.base_dtype]
     return LoraShape(cfg.train.lora.r, mean(dense), mean(moe), mean(expert), cfg.train.lora.experts == "shared", base,
-                     None if cfg.train.lora.base_dtype is None else base, 2.0 if cfg.train.lora.base_dtype else base)
+                     None if cfg.train.lora.base_dtype is None else base, 2.0 if cfg.train.lora.base_dtype else base,
+                     cfg.train.lora.base_dtype == "fp8")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class WeightsError(RuntimeError):
 _ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",  # FP8 weights with block scales (DeepSeek-V3's format)
 }
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -44,7 +44,7 @@ def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name.
 
     Raises:
-        WeightsError: a dtype moetrain does not read (e.g. 8-bit floats of a quantized model).
+        WeightsError: a dtype moetrain does not read (e.g. FP8 E5M2).
     """
     if name not in _TORCH_DTYPES:
         raise WeightsError(f"tensor dtype {name}: not one moetrain reads ({', '.join(_TORCH_DTYPES)})")

@@ -51,7 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 from moetrain.config import Config, ConfigError
-from moetrain.model.fp8 import E4M3, quantize_blocks
+from moetrain.model.fp8 import E4M3, dequantize_blocks, quantize_blocks
 from moetrain.model.init import local_piece
 from moetrain.model.lora import is_adapter
 from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
@@ -215,7 +215,8 @@ def dcp_model_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.d
 
 class CheckpointReader:
     """Whole tensors of a weights directory or a training checkpoint, read offline in one
-    process (no process group), a group of tensors at a time.
+    process (no process group), a group of tensors at a time; FP8 weights with block scales (an
+    FP8 import) dequantized to bf16.
 
     ``shapes``: moetrain name → (global shape, stored dtype). :meth:`read` returns the named
     tensors at their global shape in their stored dtype.
@@ -226,12 +227,18 @@ class CheckpointReader:
         if self.kind == "weights":
             manifest = verify_weights_dir(self.path, progress) if verify else read_manifest(self.path)
             self.manifest = manifest
-            self.shapes = {n: (tuple(t["shape"]), torch_dtype(t["dtype"])) for n, t in manifest["tensors"].items()}
+            tensors = manifest["tensors"]
+            # FP8 weights (an FP8 import) read dequantized, in bf16; their scales go with them.
+            self.fp8 = {n for n in tensors if f"{n}_scale_inv" in tensors}
+            self.shapes = {n: (tuple(t["shape"]), torch.bfloat16 if n in self.fp8 else torch_dtype(t["dtype"]))
+                           for n, t in tensors.items()
+                           if not (n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in self.fp8)}
             self._handles: dict[str, object] = {}
         else:
             self.manifest = verify_checkpoint(self.path, progress) if verify else json.loads(
                 (self.path / MANIFEST).read_text())
             self.shapes = dcp_model_shapes(self.path)
+            self.fp8 = set()
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names``, whole. Raises :class:`WeightsError` for an unknown name."""
@@ -239,7 +246,9 @@ class CheckpointReader:
         if missing:
             raise WeightsError(f"{self.path}: no tensor {missing[0]} in the checkpoint")
         if self.kind == "weights":
-            return {n: self._handle(n).get_tensor(n) for n in names}
+            return {n: dequantize_blocks(self._handle(n).get_tensor(n), self._handle(f"{n}_scale_inv").get_tensor(
+                f"{n}_scale_inv"), self.manifest["fp8_block"], torch.bfloat16) if n in self.fp8
+                else self._handle(n).get_tensor(n) for n in names}
         import torch.distributed.checkpoint as dcp
 
         out = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
@@ -332,12 +341,27 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     # weight is read whole and quantized here (one tensor at a time), its block scales with it.
     blocks = {canonical_name(n): m.base_block for part in parts for n, m in part.named_modules()
               if hasattr(m, "base_block")}
-    quantize_here = {name for name, p, _ in params if p.dtype == E4M3 and f"{name}_scale_inv" not in tensors}
+    file_block = read_manifest(path).get("fp8_block")
+    quantize_here = {name for name, p, _ in params if p.dtype == E4M3 and (
+        f"{name}_scale_inv" not in tensors or file_block != blocks[name.rpartition(".")[0]])}
+    # FP8 weights (an FP8 import) into a model that is not an FP8 base: dequantized, then sliced.
+    dequantize_here = {name for name, p, _ in params if p.dtype != E4M3 and f"{name}_scale_inv" in tensors}
+
+    def whole(name: str, rec: dict) -> torch.Tensor:
+        """Tensor ``name`` whole, an FP8 one dequantized (fp32)."""
+        t = handles[rec["file"]].get_tensor(name)
+        if f"{name}_scale_inv" not in tensors:
+            return t
+        srec = tensors[f"{name}_scale_inv"]
+        if srec["file"] not in handles:
+            handles[srec["file"]] = safe_open(str(path / srec["file"]), framework="pt")
+        return dequantize_blocks(t, handles[srec["file"]].get_tensor(f"{name}_scale_inv"), file_block, torch.float32)
     for name, p, shape in tqdm(params, desc=f"load {path.name}", disable=rank != 0):
         rec = tensors.get(name)
-        if rec is None and (not isinstance(p, nn.Parameter) or is_adapter(name)
-                            or name.removesuffix("_scale_inv") in quantize_here):
-            continue  # a buffer the weights do not carry (a routing bias trained from 0), an adapter, a scale made below
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in quantize_here:
+            continue  # a scale made below with its weight
+        if rec is None and (not isinstance(p, nn.Parameter) or is_adapter(name)):
+            continue  # a buffer the weights do not carry (a routing bias trained from 0), an adapter
         if rec is None:
             raise WeightsError(f"{path}: has no tensor {name}, which the model has (are these the weights of "
                                f"another model config?)")
@@ -346,9 +370,12 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
         if rec["file"] not in handles:
             handles[rec["file"]] = safe_open(str(path / rec["file"]), framework="pt")
         local, slices = local_piece(p)
+        if name in dequantize_here:
+            local.copy_(whole(name, rec)[slices].to(local.dtype))
+            continue
         if name in quantize_here:
             # (the module of "x.wq.weight" is x.wq, of the experts' "x.experts.w1" x.experts)
-            codes, scales = quantize_blocks(handles[rec["file"]].get_tensor(name), blocks[name.rpartition(".")[0]])
+            codes, scales = quantize_blocks(whole(name, rec), blocks[name.rpartition(".")[0]])
             local.copy_(codes[slices])
             scale_local, scale_slices = local_piece(by_name[f"{name}_scale_inv"])
             scale_local.copy_(scales[scale_slices])
@@ -413,7 +440,9 @@ def check_init_from(cfg: Config) -> None:
     try:
         kind, where = resolve_checkpoint(value)
         if kind == "weights":
-            have = {n: tuple(t["shape"]) for n, t in read_manifest(where)["tensors"].items()}
+            tensors = read_manifest(where)["tensors"]
+            have = {n: tuple(t["shape"]) for n, t in tensors.items()
+                    if not (n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in tensors)}  # FP8 scales
         else:
             have = {n: s for n, (s, _) in dcp_model_shapes(where).items()}
     except WeightsError as e:
