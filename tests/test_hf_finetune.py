@@ -126,3 +126,59 @@ def one_step(rank: int, world: int, cfg) -> float:
     from moetrain.train.trainer import Trainer
 
     return Trainer(cfg, write_files=False).train_step().loss
+
+
+def lora_steps(rank: int, world: int, cfg) -> list[float]:
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, write_files=False)
+    losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
+    trainer.save_checkpoint()
+    trainer.checkpointer.wait()
+    return losses
+
+
+def test_the_lora_example_trains_and_exports_both_ways(demo_data, tmp_path):
+    """configs/lora-finetune-qwen3-moe.yaml over configs/finetune-qwen3-moe.yaml: its commands —
+    import, 3 steps of LoRA on an FP8 base in dp2 × ep2, ``export --merge`` and ``export --lora``.
+    transformers' merged model gives the logits of moetrain's adapted model on its FP8 base (in
+    one process, fp32); PEFT loads the adapters onto the imported model and they move its logits
+    (their exact equality is tests/test_lora.py's, on an unrounded base)."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from moetrain.config import save_config
+    from moetrain.model.layers import set_compute_dtype
+    from moetrain.model.lora import add_adapters, convert_base
+    from moetrain.train.weights import load_weights_dir
+
+    files = [ROOT / "configs" / "finetune-qwen3-moe.yaml", ROOT / "configs" / "lora-finetune-qwen3-moe.yaml"]
+    cfg = load_config(files, [f"data.path={demo_data / 'shards'}", f"checkpoint.init_from={tmp_path / 'init'}",
+                              f"run.dir={tmp_path / 'run'}", "train.steps=3", "train.val_every=0",
+                              "checkpoint.every=0", "checkpoint.async=false"])
+    assert cfg.train.lora.base_dtype == "fp8" and cfg.train.lora.r == 16
+    make_hf_model()(cfg, tmp_path / "hf")
+    assert hf_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "init")]) == 0
+    losses = run_distributed(lora_steps, 2, cfg)[0]
+    assert all(0 < x < 20 for x in losses)
+    save_config(cfg, tmp_path / "run.yaml")
+    ckpts = str(tmp_path / "run" / "checkpoints")
+    conf = ["--config", str(tmp_path / "run.yaml")]
+    assert hf_main(["export", ckpts, "--lora", "--out", str(tmp_path / "adapter"), *conf]) == 0
+    assert hf_main(["export", ckpts, "--merge", "--dtype", "float32", "--out", str(tmp_path / "merged"), *conf]) == 0
+
+    ours = Transformer.from_config(cfg)  # the run's model in one process: FP8 base + the adapters
+    add_adapters(ours, cfg.train.lora)
+    convert_base(ours, "fp8", cfg.train.fp8_block)
+    load_weights_dir(tmp_path / "init", [ours])
+    set_compute_dtype(ours, torch.float32)  # the bf16-stored parts computed in fp32, as the merged model is
+    reader = CheckpointReader(ckpts, progress=False)
+    ours.load_state_dict(reader.read(list(reader.shapes)), strict=False)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 8192, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got, plain = ours.eval()(ids), merged(ids).logits, base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (adapted - plain).abs().max() > 1e-3, "PEFT must apply the trained adapters"

@@ -501,12 +501,10 @@ def _fp8_checkpoint(hf_dir, out, block: int) -> dict:
 
 def test_deepseeks_fp8_checkpoint_imports_as_it_is(tmp_path):
     """A DeepSeek-V3 checkpoint in its FP8 format (8 × 8 blocks here) imports its codes and scales
-    bit for bit (experts transposed with their scales, MLA's kv_a split on a block boundary), an
-    FP8 base loads them as they are, and a model that is not one dequantizes them: its logits are
-    transformers' on the dequantized weights."""
+    bit for bit (experts transposed with their scales, MLA's kv_a split on a block boundary); a
+    model that is not an FP8 base dequantizes them: its logits are transformers' on the
+    dequantized weights (an FP8 base loading them: the next test)."""
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-
     from hf_models import VOCAB, build_hf_model
     from moetrain.hf.convert import import_hf
     from moetrain.model.fp8 import dequantize_blocks

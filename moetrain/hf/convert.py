@@ -535,7 +535,8 @@ class MergedLora:
     """The weights a LoRA run computes with, whole, read as :class:`CheckpointReader` reads a
     checkpoint: its base (``checkpoint.init_from``, checked against the sha256 its checkpoint
     recorded, or drawn from ``run.seed`` when it had none) stored as the run stored it (bf16, or
-    FP8 quantized and dequantized), each adapted weight plus scaling · B A (the experts' stacked
+    FP8 quantized and dequantized, the rest of a bf16 / FP8 base in bf16), each adapted weight plus
+    scaling · B A (the experts' stacked
     [E, in, out] matrices plus scaling · A_e B_e, per expert or the one shared pair), and the
     checkpoint's own trained tensors (routers, routing biases) in place of the base's.
 
@@ -565,6 +566,8 @@ class MergedLora:
                                    f"longer is (missing, or its manifest differs)")
             self.base = CheckpointReader(where, progress=progress)
             self.shapes = dict(self.base.shapes)
+        with torch.device("meta"):
+            self.fp8_names = fp8_weight_names(Transformer.from_config(cfg))
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         from moetrain.model.fp8 import dequantize_blocks, quantize_blocks
@@ -574,19 +577,23 @@ class MergedLora:
         own = [n for n in names if n in self.lora.shapes]  # trained whole: routers, routing biases
         base.update(self.lora.read(own) if own else {})
         out = {}
+        block = self.cfg.train.fp8_block
         for name, w in base.items():
+            if name in own:
+                out[name] = w
+                continue
+            # the base as the run stored it: FP8 block linears and experts, the rest in bf16
+            stored = w
+            if lo.base_dtype == "fp8" and name in self.fp8_names:
+                stored = dequantize_blocks(*quantize_blocks(w, block), block, torch.float32)
+            elif lo.base_dtype is not None and w.is_floating_point():
+                stored = w.to(torch.bfloat16)
             holder, _, leaf = name.rpartition(".")
             pair = (f"{holder}.lora_A", f"{holder}.lora_B") if leaf == "weight" else \
                 (f"{holder}.lora_A{leaf[1:]}", f"{holder}.lora_B{leaf[1:]}") if leaf in ("w1", "w2", "w3") else ("",)
-            if name in own or pair[0] not in self.lora.shapes:
-                out[name] = w
+            if pair[0] not in self.lora.shapes:
+                out[name] = stored.to(w.dtype) if w.is_floating_point() else w
                 continue
-            stored = w
-            if lo.base_dtype == "fp8":  # the weights the run computed with
-                stored = dequantize_blocks(*quantize_blocks(w, self.cfg.train.fp8_block), self.cfg.train.fp8_block,
-                                           torch.float32)
-            elif lo.base_dtype == "bf16":
-                stored = w.to(torch.bfloat16)
             a, b = (t.float() for t in self.lora.read(list(pair)).values())
             delta = b @ a if leaf == "weight" else a @ b  # [out, in], or [E or 1, in, out]
             out[name] = (stored.float() + lo.scaling * delta).to(w.dtype)

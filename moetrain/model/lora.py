@@ -10,7 +10,8 @@ a = √5 on [r, in]: uniform in ±1/√in), B starts at zero, so the first forwa
 
 Everything but the adapters (and the routers when ``router`` is targeted) is frozen: no gradient,
 hence no optimizer state and no gradient reduction. The adapters are added after the layout has
-placed the base weights; :mod:`moetrain.parallel.lora` places each adapter as its weight is.
+placed the base weights; :mod:`moetrain.parallel.lora` places each adapter as its weight is. The
+frozen base may be stored in bf16 or FP8 (:func:`convert_base`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from moetrain.model.fp8 import E4M3
 from moetrain.model.layers import Linear
 from moetrain.model.moe import GroupedExperts, Router
 
-# The expert matrices, as the model names them, and the (in, out) dims of their stacked [E, ·, ·]
-# weights.
+# The routed experts' stacked matrices, as the model names them.
 EXPERT_MATRICES = ("w1", "w3", "w2")
 ALL_LINEAR = "all-linear"
 ROUTER = "router"
@@ -72,8 +72,7 @@ def adapter_targets(model: nn.Module, lora: LoraConfig, strict: bool = True) -> 
             trained.append(path)
     unused = [k for k, hit in used.items() if not hit]
     if unused and strict:
-        leaves = sorted({p.rsplit(".", 1)[-1] for p in candidates} | {ROUTER} if routers else
-                        {p.rsplit(".", 1)[-1] for p in candidates})
+        leaves = sorted({p.rsplit(".", 1)[-1] for p in candidates} | ({ROUTER} if routers else set()))
         raise ConfigError(f"train.lora.target_modules: {unused} select no weight of this model. Fix: use "
                           f"{ALL_LINEAR!r} or names among {leaves} (a name selects every module whose path "
                           "ends with it, e.g. experts.w1)")
