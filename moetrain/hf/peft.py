@@ -6,7 +6,8 @@ the module names of the architecture's Hugging Face checkpoint — the routed ex
 per-expert names (``…experts.{e}.w1`` for Mixtral, ``…experts.{e}.gate_proj`` for Qwen-MoE and
 DeepSeek-V3), the format PEFT ≥ 0.18 converts on load into transformers 5's fused expert
 parameters (``peft.utils.transformers_weight_conversion``; checked with PEFT 0.21.2 and
-transformers 5.24) and the one vLLM's MoE LoRA loader reads.
+transformers 5.24) and the per-expert naming vLLM's MoE LoRA loader takes (vLLM is not installed
+here: not checked).
 
 Each moetrain adapter maps as its weight does (:class:`moetrain.hf.tensors.TensorMap`): the
 experts' A [in, r] and B [r, out] per expert transposed into PEFT's [r, in] and [out, r] (one
@@ -151,8 +152,10 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str 
                            f"dropping these. Fix: target the routed experts alone (experts.w1, experts.w2, experts.w3 "
                            f"in train.lora.target_modules, no dense MLP or shared experts), or export with --merge")
     config = {
+        # lora_dropout 0: the directory is for inference, where dropout does nothing, and PEFT's LoRA
+        # on the fused expert parameters refuses any other value
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.r, "lora_alpha": lo.lora_alpha,
-        "lora_dropout": lo.lora_dropout, "target_modules": sorted(leaves), "bias": "none",
+        "lora_dropout": 0.0, "target_modules": sorted(leaves), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None,
         "rank_pattern": ranks, "alpha_pattern": {k: lo.lora_alpha * v / lo.r for k, v in ranks.items()},
