@@ -29,7 +29,7 @@ VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next",
-         "qwen3_5_moe", "kimi_linear", "nemotron_h")
+         "qwen3_5_moe", "kimi_linear", "nemotron_h", "minimax_m2")
 
 
 def hf_config(arch: str, **over):
@@ -116,6 +116,13 @@ def hf_config(arch: str, **over):
             layer_norm_epsilon=1e-6, pad_token_id=None, bos_token_id=None, eos_token_id=None)
         common = {k: v for k, v in COMMON.items() if k not in ("rms_norm_eps", "num_hidden_layers")}
         return cls(**{**common, **kw, **over})
+    elif arch == "minimax_m2":
+        # q/k RMSNorm over the whole projection, half of each head rotated (its legacy rotary_dim),
+        # sigmoid routing with the score-correction bias, every block MoE; token ids none (its
+        # defaults lie outside the vocabulary).
+        cls, kw = tf.MiniMaxM2Config, dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                                           head_dim=16, rotary_dim=8, pad_token_id=None, bos_token_id=None,
+                                           eos_token_id=None)
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})

@@ -262,6 +262,11 @@ REFUSED = [
     ("qwen3_moe", {"mlp_only_layers": [1], "num_hidden_layers": 3}, "mlp_only_layers = [1]"),
     ("qwen2_moe", {"some_new_field": 3}, "some_new_field = 3"),
     ("qwen2_moe", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    # MiniMax-M2's published keys that would change the forward pass
+    ("minimax_m2", {"qk_norm_type": "per_head"}, "qk_norm_type = 'per_head'"),
+    ("minimax_m2", {"shared_intermediate_size": 64}, "shared_intermediate_size = 64"),
+    ("minimax_m2", {"attn_type_list": [0, 1]}, "attn_type_list = [0, 1]"),
+    ("minimax_m2", {"rotary_dim": 4}, "rotary_dim = 4"),
 ]
 
 

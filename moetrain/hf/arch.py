@@ -48,6 +48,11 @@ NemotronHForCausalLM        nemotron_h   single-sublayer blocks from layers_bloc
                                          attention without RoPE, squared-ReLU MLPs (``model.mlp_activation``)
                                          and MoEs (squared-ReLU experts, ``moe.activation: relu2``; DeepSeek-V3's
                                          routing; one shared expert of its own width); ``backbone.*`` names
+MiniMaxM2ForCausalLM        minimax_m2   q/k RMSNorm over the whole projection (``model.qk_norm: projection``;
+                                         its ``qk_norm_type: per_layer``), partial rotary (``rotary_dim`` /
+                                         ``partial_rotary_factor``), every block MoE with sigmoid scores and
+                                         the score-correction bias (``block_sparse_moe.e_score_correction_bias``),
+                                         top-k renormalised, no shared expert; Mixtral's expert names
 ==========================  ===========  ====================================================================
 
 All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention
@@ -59,10 +64,11 @@ Refused, naming the field (never converted approximately): any other architectur
 forward pass); sliding-window attention except GPT-OSS's (Qwen's ``use_sliding_window``, a
 ``layer_types`` entry other than full / sliding attention, sliding blocks that are not every n-th
 block from block 0); RoPE types other than default, llama3 and yarn; partial rotary outside
-GLM-4-MoE; an activation other than silu; attention biases where the architecture above lists
+GLM-4-MoE, Qwen3-Next / 3.5 and MiniMax-M2; an activation other than silu; attention biases where the architecture above lists
 none (``attention_bias``; Llama's ``mlp_bias``); OLMoE's ``clip_qkv`` and a ``head_dim`` other
 than hidden / heads; router jitter noise; attention dropout; quantized weights other than
-GPT-OSS's MXFP4 experts; a pattern of dense and MoE blocks moetrain's ``moe.every`` /
+GPT-OSS's MXFP4 experts and DeepSeek-V3's FP8 blocks; MiniMax-M2's other norm types, shared
+experts or linear-attention blocks (``attn_type_list``) and its MTP modules; a pattern of dense and MoE blocks moetrain's ``moe.every`` /
 ``moe.first_dense`` cannot express; more MTP layers (``mtp_depth``) than the checkpoint has. In
 the other direction, a moetrain model the target architecture cannot hold (e.g. shared experts
 without a gate, or moetrain's ``moe.every`` for Mixtral) is refused with the moetrain field.
@@ -75,12 +81,16 @@ load-balancing loss is over the whole batch, moetrain's per sequence: same inten
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES, QWEN3_5_NAMES,
+from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MINIMAX_M2_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES,
+                                 QWEN3_5_NAMES,
                                  QWEN3_5_VL_NAMES, QWEN3_NEXT_NAMES, QWEN_MOE, Names)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ARCHITECTURES", "Architecture", "UnsupportedModel", "architecture_for", "choose_architecture"]
 
@@ -128,6 +138,11 @@ QWEN2_MOE = Architecture("Qwen2MoeForCausalLM", "qwen2_moe", QWEN_MOE, _COMMON |
     "qkv_bias", "shared_expert_intermediate_size"})
 OLMOE = Architecture("OlmoeForCausalLM", "olmoe", QWEN_MOE, _COMMON | {
     "num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv", "attention_bias"})
+# (the released checkpoints' own keys besides transformers': read and checked in from_hf)
+MINIMAX_M2 = Architecture("MiniMaxM2ForCausalLM", "minimax_m2", MINIMAX_M2_MOE, _COMMON | {
+    "num_local_experts", "num_experts_per_tok", "router_jitter_noise", "rotary_dim", "output_router_logits",
+    "use_qk_norm", "qk_norm_type", "scoring_func", "use_routing_bias", "shared_intermediate_size", "attn_type_list",
+    "sliding_window", "use_mtp", "num_mtp_modules", "mtp_transformer_layers"}, default_theta=5e6)
 LLAMA = Architecture("LlamaForCausalLM", "llama", QWEN_MOE, _COMMON | {"attention_bias", "mlp_bias", "pretraining_tp"})
 
 _DEEPSEEK = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -196,7 +211,7 @@ NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
                                                                      DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
                                                                      QWEN3_5_MOE, QWEN3_5_MOE_VL, KIMI_LINEAR,
-                                                                     NEMOTRON_H)}
+                                                                     NEMOTRON_H, MINIMAX_M2)}
 
 
 def _supported() -> str:
@@ -280,7 +295,7 @@ def _read_rope(r: _Reader) -> dict:
         # it the 1D RoPE whatever the sections.
         params.pop("mrope_section", None)
         params.pop("mrope_interleaved", None)
-    if partial != 1.0 and r.arch not in (GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE):
+    if partial != 1.0 and r.arch not in (GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE, MINIMAX_M2):
         raise r.refuse("partial_rotary_factor", partial, f"{r.arch.name} rotates whole heads in moetrain's mapping")
     out: dict[str, Any] = {"rope_theta": theta}
     if partial != 1.0:
@@ -374,6 +389,34 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         r.expect("router_jitter_noise", lambda v: not v, 0.0, "router jitter noise is not implemented")
         moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0)
+    elif arch is MINIMAX_M2:
+        # GQA with q/k RMSNorm over the whole projection, partial RoPE (its legacy rotary_dim), every
+        # block MoE with sigmoid scores, a score-correction bias for the choice and the top-k
+        # renormalised (transformers' MiniMaxM2TopKRouter)
+        r.expect("router_jitter_noise", lambda v: not v, 0.0, "router jitter noise is not implemented")
+        r.expect("use_qk_norm", lambda v: v, True, "MiniMax-M2 without its q/k norms is not a layout moetrain maps")
+        r.expect("qk_norm_type", lambda v: v == "per_layer", "per_layer",
+                 "only the norm over the whole projection (per_layer) is mapped")
+        r.expect("scoring_func", lambda v: v == "sigmoid", "sigmoid", "MiniMax-M2's router scores with sigmoids")
+        r.expect("use_routing_bias", lambda v: v, True, "MiniMax-M2's router has the score-correction bias")
+        r.expect("shared_intermediate_size", lambda v: not v, 0, "MiniMax-M2 with shared experts is not mapped")
+        r.expect("attn_type_list", lambda v: v is None or all(t == 1 for t in v), None,
+                 "only full-attention blocks (1) are mapped")
+        r.expect("sliding_window", lambda v: v is None, None, "sliding-window attention is not mapped for MiniMax-M2")
+        if r.get("use_mtp", False):  # its multi-token-prediction modules: not imported
+            log.info("MiniMaxM2ForCausalLM: use_mtp (%s modules) — the MTP modules are not imported",
+                     r.get("num_mtp_modules", "?"))
+        rotary = r.get("rotary_dim", None)
+        dh = head_dim or hidden // heads
+        if rotary is not None and abs(rotary / dh - model.get("partial_rotary_factor", 1.0)) > 1e-9:
+            raise r.refuse("rotary_dim", rotary, f"differs from partial_rotary_factor × head_dim "
+                                                 f"({model.get('partial_rotary_factor', 1.0)} × {dh})")
+        if head_dim is not None:
+            model["head_dim"] = head_dim
+        model["qk_norm"] = "projection"
+        moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
+                   ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0,
+                   score_function="sigmoid", routing_bias=True)
     elif arch in (QWEN3_NEXT, QWEN3_5_MOE):
         _read_qwen3_next(r, model, moe, mtp_depth)
     elif arch is KIMI_LINEAR:
@@ -646,6 +689,8 @@ def choose_architecture(cfg: Config) -> Architecture:
         return DEEPSEEK_V3
     if m.attention_sinks or moe.expert_biases:
         return GPT_OSS
+    if moe.routing_bias and m.qk_norm == "projection" and moe.n_group is None and not moe.shared_experts:
+        return MINIMAX_M2
     if moe.routing_bias or moe.n_group is not None or m.partial_rotary_factor != 1.0:
         return GLM4_MOE
     if moe.num_experts == 0:
@@ -715,7 +760,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
          "has attention sinks" if gpt_oss else "has no attention sinks")
     need("model.sliding_window", m.sliding_window, m.sliding_window is None or gpt_oss, "has no sliding window")
     need("model.partial_rotary_factor", m.partial_rotary_factor,
-         m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE),
+         m.partial_rotary_factor == 1.0 or arch in (GLM4_MOE, QWEN3_NEXT, QWEN3_5_MOE, MINIMAX_M2),
          "rotates whole heads")
     need("model.mtp_depth", m.mtp_depth, m.mtp_depth == 0 or deepseek_like and not kimi or next_ and m.mtp_depth == 1,
          "maps one MTP module (its layers share one fc and norms)" if next_ else
@@ -725,11 +770,18 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     need("moe.activation", moe.activation, (moe.activation == "clamped_swiglu") == gpt_oss,
          "has the clamped SwiGLU" if gpt_oss else "has SwiGLU experts")
     routing_bias = moe.routing_bias or moe.bias_update_rate > 0
-    need("moe.routing_bias", routing_bias, routing_bias == deepseek_like or not moe.num_experts,
-         "routes with a score-correction bias (sigmoid scores)" if deepseek_like else
+    minimax = arch is MINIMAX_M2
+    biased = deepseek_like or minimax
+    need("moe.routing_bias", routing_bias, routing_bias == biased or not moe.num_experts,
+         "routes with a score-correction bias (sigmoid scores)" if biased else
          "has no score-correction bias (export a model trained without moe.bias_update_rate / routing_bias)")
     need("moe.n_group", moe.n_group, moe.n_group is None or deepseek_like, "has no group-limited routing")
-    if deepseek_like:
+    if minimax:
+        need("moe.score_function", moe.score_function, moe.score_function == "sigmoid", "scores with sigmoids")
+        need("moe.norm_topk_prob", moe.norm_topk_prob, moe.norm_topk_prob, "renormalises the top-k scores")
+        need("moe.routed_scaling_factor", moe.routed_scaling_factor, moe.routed_scaling_factor == 1.0,
+             "does not scale the routed output")
+    elif deepseek_like:
         need("moe.score_function", moe.score_function, moe.score_function == "sigmoid", "scores with sigmoids")
         need("moe.every", moe.every, moe.every == 1, "has an MoE in every block after the dense ones")
         need("moe.shared_expert_gate", moe.shared_expert_gate, not moe.shared_expert_gate, "has ungated shared experts")
@@ -739,7 +791,8 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
         need("moe.score_function", moe.score_function, moe.score_function == "softmax", "scores with a softmax")
         need("moe.routed_scaling_factor", moe.routed_scaling_factor, moe.routed_scaling_factor == 1.0,
              "does not scale the routed output")
-    qk = {QWEN3_MOE: "head", OLMOE: "projection", QWEN3_NEXT: "head", QWEN3_5_MOE: "head"}.get(arch, "none")
+    qk = {QWEN3_MOE: "head", OLMOE: "projection", QWEN3_NEXT: "head", QWEN3_5_MOE: "head",
+          MINIMAX_M2: "projection"}.get(arch, "none")
     if arch is GLM4_MOE:
         need("model.qk_norm", m.qk_norm, m.qk_norm in ("none", "head"), "has q/k norm 'head' or none")
     else:
@@ -753,7 +806,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
                  "has one shared expert with a sigmoid gate (set moe.shared_expert_gate)")
         elif not deepseek_like:
             need("moe.shared_experts", moe.shared_experts, moe.shared_experts == 0, "has no shared experts")
-        if arch in (MIXTRAL, OLMOE, GPT_OSS, QWEN3_5_MOE):
+        if arch in (MIXTRAL, OLMOE, GPT_OSS, QWEN3_5_MOE, MINIMAX_M2):
             dense = [i for i in range(m.layers) if not moe.is_moe_layer(i)]
             need("moe.every", moe.every, not dense, f"has an MoE in every block (blocks {dense} are dense)")
         if arch in (MIXTRAL, GPT_OSS):
@@ -796,6 +849,9 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     if arch is MIXTRAL:
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, sliding_window=None,
                    router_jitter_noise=0.0)
+    elif minimax:
+        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, router_jitter_noise=0.0)
+        out.pop("rotary_dim", None)  # the partial rotary is rope_scaling's partial_rotary_factor (above)
     elif arch is OLMOE:
         out.update(num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden, norm_topk_prob=moe.norm_topk_prob,
                    clip_qkv=None, attention_bias=False)

@@ -76,6 +76,9 @@ class Names:
     # gated DeltaNet's input projections: "fused" (Qwen3-Next: in_proj_qkvz and in_proj_ba grouped
     # by key head, as moetrain's) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
     gdn: str = "fused"
+    # where the aux-loss-free routing bias lives: "router" ({module}.{router}.e_score_correction_bias,
+    # DeepSeek-V3's) or "module" ({module}.e_score_correction_bias, MiniMax-M2's)
+    score_bias: str = "router"
 
 
 MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
@@ -87,6 +90,7 @@ QWEN3_5_NAMES = Names("mlp", "gate", mtp="qwen3_next", gdn="split")
 QWEN3_5_VL_NAMES = Names("mlp", "gate", mtp="qwen3_next", gdn="split", prefix="model.language_model")
 NEMOTRON_H_NAMES = Names("mixer", "gate", "up_proj", "", "down_proj", shared="shared_experts", dense="mixer",
                          prefix="backbone", embed="embeddings", final_norm="norm_f")
+MINIMAX_M2_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", score_bias="module")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
 
 
@@ -447,7 +451,8 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
     if moe.router_bias:
         maps.append(TensorMap(f"{ours}.moe.router.bias", f"{mo}.{names.router}.bias", "copy", (E,)))
     if moe.routing_bias or moe.bias_update_rate > 0:
-        maps.append(TensorMap(f"{ours}.moe.expert_bias", f"{mo}.{names.router}.e_score_correction_bias", "copy", (E,)))
+        bias_at = mo if names.score_bias == "module" else f"{mo}.{names.router}"
+        maps.append(TensorMap(f"{ours}.moe.expert_bias", f"{bias_at}.e_score_correction_bias", "copy", (E,)))
     if names.experts == "fused":
         gate_up = (f"{ex}.w1", f"{ex}.w3")
         maps += [TensorMap(gate_up[0], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, "interleave", gate_up, 0)),
