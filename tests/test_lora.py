@@ -139,16 +139,29 @@ def train_lora(rank: int, world: int, data: str, run_dir: str, parallel: dict, l
             captured.update({n: whole(p.grad) for part in trainer.model_parts for n, p in part.named_parameters()
                              if p.grad is not None})
 
+    # The dtypes the frozen weights have where a module computes with them (FSDP's gathered
+    # copies under ZeRO): an attention projection's and the experts' w1.
+    gathered: set[str] = set()
+
+    def record(module, args):
+        for w in (getattr(module, "weight", None), getattr(module, "w1", None)):
+            if w is not None:
+                gathered.add(str((w.to_local() if isinstance(w, DTensor) else w).dtype))
+
+    watched = [h for part in trainer.model_parts for name, m in part.named_modules()
+               if name.endswith(("attention.wo", "moe.experts")) for h in [m.register_forward_pre_hook(record)]]
     handle = trainer.optimizers[0].register_step_pre_hook(hook)
     results = [trainer.train_step() for _ in range(steps)]
     handle.remove()
+    for h in watched:
+        h.remove()
     params = {n: p for part in trainer.model_parts for n, p in part.named_parameters()}
     unchanged = all(torch.equal(local_bytes(params[n]), v) for n, v in frozen.items())
     grads = {n: g for n, g in captured.items() if params[n].requires_grad}
     state = sum(len(s) > 0 for s in trainer.optimizers[0].state.values())
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "grads": grads,
             "trainable": sorted(grads), "frozen_unchanged": unchanged, "optimizer_states": state,
-            "frozen_grads": [n for n in frozen if params[n].grad is not None]}
+            "frozen_grads": [n for n in frozen if params[n].grad is not None], "gathered": sorted(gathered)}
 
 
 def test_a_fine_tune_moves_the_adapters_only(tiny_shards, tmp_path):
@@ -213,8 +226,11 @@ def test_lora_trains_as_in_one_process(layout, tiny_shards, short_doc_shards, tm
     results = run_distributed(train_lora, layout_world(parallel), str(shards), str(tmp_path / "run"), parallel, lora,
                               model, {}, data_section)
     got = {"losses": results[-1]["losses"], "grads": {}}
+    stored = {"fp8": "torch.float8_e4m3fn", "bf16": "torch.bfloat16"}.get(lora.get("base_dtype"), "torch.float32")
     for r in results:
         assert r["frozen_unchanged"] and not r["frozen_grads"], "the base must stay frozen on every rank"
+        # FSDP gathers the base as stored (ZeRO-1/3 in the fp8 layouts): never cast up to fp32
+        assert r["gathered"] == [stored], r["gathered"]
         got["grads"].update(r["grads"])
     assert sorted(got["grads"]) == ref["trainable"]
     assert_matches(got, ref)

@@ -136,8 +136,8 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
         if ps.world_size > 1:
             # A base stored in bf16 / fp8 is gathered as stored (an fp8 base's fp32 scales too): no
             # cast by FSDP; every module casts its weights at use, as in stage 0.
-            policy = cfg.train.precision if cfg.train.lora.base_dtype is None else "fp32"
-            fsdp_modules += apply_data_parallel(part, ps, cfg.parallel.zero_stage, policy)
+            fsdp_modules += apply_data_parallel(part, ps, cfg.parallel.zero_stage, cfg.train.precision,
+                                                keep_dtypes=cfg.train.lora.base_dtype is not None)
         # 8. materialise and initialise (values depend on names and global expert ids only).
         _materialize(part, cfg, ps)
 

@@ -62,16 +62,17 @@ from moetrain.internals import foreach_norms, fsdp_replicate
 from moetrain.model.gated_deltanet import GatedRMSNorm
 from moetrain.model.layers import QKNorm
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.precision import FP32_POLICY, fsdp_policy
+from moetrain.parallel.precision import FP32_POLICY, STORED_POLICY, fsdp_policy
 from moetrain.parallel.state import DP_CP, DP_CP_TP, EDP, EDP_TP, PP, TP, ParallelState
 
 ZERO_STAGES = (0, 1, 2, 3)
 
 
-def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, precision: str = "fp32"
-                        ) -> list[FSDPModule]:
+def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, precision: str = "fp32",
+                        keep_dtypes: bool = False) -> list[FSDPModule]:
     """Wrap ``model`` (or a pipeline part of it) for ZeRO ``stage`` (0: replicated) in place, with
-    the mixed-precision policy of ``precision`` (``train.precision``), group by group as the
+    the mixed-precision policy of ``precision`` (``train.precision``; with ``keep_dtypes``, a LoRA
+    base stored in bf16 / FP8, every parameter gathered in its own dtype), group by group as the
     module docstring lists them.
 
     Call on the meta-device model after tensor, expert and context parallelism, activation
@@ -84,6 +85,9 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
         raise ValueError(f"zero stage {stage!r}: expected one of 0, 1, 2, 3")
     reshard = stage == 3
     policy = fsdp_policy(precision) if stage else FP32_POLICY
+    router_policy = FP32_POLICY
+    if keep_dtypes:  # a LoRA base stored in bf16 / FP8: gathered as stored, never cast
+        policy = router_policy = STORED_POLICY
     divide = float(ps.size(DP_CP))
     tp = ps.size(TP) > 1
     tp_split = tp and ps.parallel.etp == 1  # the MoE works on 1/tp of the tokens on each tp rank
@@ -123,8 +127,8 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
             groups.append(([moe.experts], EDP if ps.parallel.etp > 1 else EDP_TP, policy))
         # 2. parameters that see different tokens (router) or heads (q/k norms) on each tp rank;
         #    the router in fp32 whatever the precision
-        if moe is not None and (tp_split or policy.param_dtype != FP32_POLICY.param_dtype):
-            groups.append(([moe.router], DP_CP_TP if tp_split else DP_CP, FP32_POLICY))
+        if moe is not None and (tp_split or policy.param_dtype != router_policy.param_dtype):
+            groups.append(([moe.router], DP_CP_TP if tp_split else DP_CP, router_policy))
         split = [m for m in (moe.shared, moe.shared_gate) if m is not None] if tp_split and moe is not None else []
         if tp and block.attention is not None:
             split += [m for m in block.attention.modules() if isinstance(m, (QKNorm, GatedRMSNorm))]

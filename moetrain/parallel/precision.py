@@ -73,3 +73,7 @@ def fsdp_policy(precision: str) -> MixedPrecisionPolicy:
 
 # The router's FSDP group: fp32 whatever the precision (see the module docstring).
 FP32_POLICY = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+# A LoRA run whose frozen base is stored in bf16 or FP8 (train.lora.base_dtype): every parameter
+# gathered as stored (FP8 codes as bytes, their fp32 scales, the fp32 adapters), gradients reduced
+# in fp32; the modules cast at use.
+STORED_POLICY = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, cast_forward_inputs=False)
