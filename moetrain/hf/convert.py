@@ -52,7 +52,7 @@ from moetrain.hf.arch import (ARCHITECTURES, DEEPSEEK_V3, GLM4_MOE, QWEN3_5_MOE,
                               fp8_block_size, from_hf, to_hf)
 from moetrain.hf.tensors import TensorMap, tensor_maps
 from moetrain.model.fp8 import E4M3, dequantize_blocks, quantize_blocks
-from moetrain.model.lora import fp8_weight_names
+from moetrain.model.lora import adapter_names, fp8_weight_names
 from moetrain.model.transformer import Transformer
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, plan_shards, torch_dtype
 from moetrain.train.weights import CheckpointReader, atomic_dir, expected_shapes, is_weights_dir, write_weights_dir
@@ -575,12 +575,14 @@ class MergedLora:
         lo = self.cfg.train.lora
         base = {n: self.drawn[n] for n in names} if self.drawn is not None else self.base.read(names)
         own = [n for n in names if n in self.lora.shapes]  # trained whole: routers, routing biases
-        base.update(self.lora.read(own) if own else {})
+        pairs = {n: p for n in names if n not in own and (p := adapter_names(n)) and p[0] in self.lora.shapes}
+        # one read of the checkpoint for the group (each read of a DCP checkpoint loads its plan)
+        trained = self.lora.read(own + [x for p in pairs.values() for x in p])
         out = {}
         block = self.cfg.train.fp8_block
         for name, w in base.items():
             if name in own:
-                out[name] = w
+                out[name] = trained[name]
                 continue
             # the base as the run stored it: FP8 block linears and experts, the rest in bf16
             stored = w
@@ -588,14 +590,11 @@ class MergedLora:
                 stored = dequantize_blocks(*quantize_blocks(w, block), block, torch.float32)
             elif lo.base_dtype is not None and w.is_floating_point():
                 stored = w.to(torch.bfloat16)
-            holder, _, leaf = name.rpartition(".")
-            pair = (f"{holder}.lora_A", f"{holder}.lora_B") if leaf == "weight" else \
-                (f"{holder}.lora_A{leaf[1:]}", f"{holder}.lora_B{leaf[1:]}") if leaf in ("w1", "w2", "w3") else ("",)
-            if pair[0] not in self.lora.shapes:
+            if name not in pairs:
                 out[name] = stored.to(w.dtype) if w.is_floating_point() else w
                 continue
-            a, b = (t.float() for t in self.lora.read(list(pair)).values())
-            delta = b @ a if leaf == "weight" else a @ b  # [out, in], or [E or 1, in, out]
+            a, b = (trained[x].float() for x in pairs[name])
+            delta = b @ a if name.endswith(".weight") else a @ b  # [out, in], or [E or 1, in, out]
             out[name] = (stored.float() + lo.scaling * delta).to(w.dtype)
         return out
 

@@ -34,6 +34,7 @@ import torch
 from moetrain.config import Config
 from moetrain.hf.arch import UnsupportedModel, architecture_for, choose_architecture
 from moetrain.hf.tensors import TensorMap, interleaved_to_rope
+from moetrain.model.lora import adapter_names, is_adapter
 from moetrain.train.safetensors_stream import WeightsError
 from moetrain.train.weights import CheckpointReader, atomic_dir
 
@@ -87,13 +88,12 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str 
     maps = {m.ours: m for m in _maps_for(cfg, arch, interleaved)}
     _refuse_trained_base_tensors(reader, cfg)
 
-    pairs = {}  # moetrain weight name → (A, B)
-    for name in reader.shapes:
-        holder, _, leaf = name.rpartition(".")
-        if leaf == "lora_A":
-            pairs[f"{holder}.weight"] = (f"{holder}.lora_A", f"{holder}.lora_B")
-        elif leaf.startswith("lora_A"):
-            pairs[f"{holder}.w{leaf[-1]}"] = (name, f"{holder}.lora_B{leaf[-1]}")
+    # moetrain weight name → its adapter's (A, B) names, for the weights the checkpoint adapted
+    pairs = {w: p for w in maps if (p := adapter_names(w)) and p[0] in reader.shapes}
+    stray = sorted(n for n in reader.shapes if is_adapter(n) and n not in {x for p in pairs.values() for x in p})
+    if stray:
+        raise UnsupportedModel(f"{reader.path}: the adapter {stray[0]} adapts a weight {arch.name} does not hold. Fix: "
+                               f"export with --merge")
     tensors: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}
     leaves: set[str] = set()

@@ -173,6 +173,18 @@ def convert_base(model: nn.Module, base_dtype: str, block: int) -> None:
                 store(module, name, torch.bfloat16)
 
 
+def adapter_names(weight: str) -> tuple[str, str] | None:
+    """The (A, B) parameter names of the adapter of weight ``weight`` — a linear's
+    ``x.weight`` → ``x.lora_A`` / ``x.lora_B``, an expert matrix ``x.experts.w1`` →
+    ``x.experts.lora_A1`` / ``x.experts.lora_B1`` —, or None for a tensor that cannot carry one."""
+    holder, _, leaf = weight.rpartition(".")
+    if leaf == "weight":
+        return f"{holder}.lora_A", f"{holder}.lora_B"
+    if leaf in EXPERT_MATRICES:
+        return f"{holder}.lora_A{leaf[1:]}", f"{holder}.lora_B{leaf[1:]}"
+    return None
+
+
 def is_adapter(name: str) -> bool:
     """Whether the parameter ``name`` (dotted) is a low-rank adapter factor."""
     return name.rsplit(".", 1)[-1].startswith(("lora_A", "lora_B"))
