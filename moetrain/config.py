@@ -182,7 +182,27 @@ class ModelConfig:
       gate that the query projection also produces (its rows interleaved per head: [q_h; gate_h];
       Qwen3-Next's gated attention).
     * ``zero_centered_norm``: every RMSNorm of the blocks, the final norm and the q/k norms scale
-      by (1 + weight), the weight starting at 0 (Qwen3-Next's ``Qwen3NextRMSNorm``)."""
+      by (1 + weight), the weight starting at 0 (Qwen3-Next's ``Qwen3NextRMSNorm``).
+
+    Llama 4's attention (Meta 2025, "The Llama 4 herd"; transformers' ``Llama4TextAttention``),
+    with Hugging Face's names:
+
+    * ``no_rope_layers``: one entry per block, 1 where the block rotates its queries and keys
+      (RoPE) and 0 where it does not (NoPE; Llama 4 has every fourth block NoPE). Hugging Face's
+      convention, whatever its name suggests. Empty: every block as ``rope`` says.
+    * ``attention_chunk_size``: in the blocks that rotate, a query sees only the keys of its own
+      chunk of that many positions (positions p and q attend when p // size == q // size, causal
+      inside the chunk; Llama 4: 8192); the NoPE blocks attend to the whole (causal) sequence.
+      Positions are the sample's (the chunks do not restart at a document boundary; the document
+      mask applies as well). ``null``: no chunks.
+    * ``qk_norm: l2``: the queries and keys divided by their root mean square over each head's
+      dims (no weight, eps ``norm_eps``), after RoPE and in the blocks that rotate only (Llama 4's
+      ``use_qk_norm``).
+    * ``attn_temperature_tuning``: in the NoPE blocks the queries are multiplied by
+      1 + ``attn_scale`` · ln(1 + floor((p + 1) / ``floor_scale``)) at position p, which keeps the
+      attention sharp at long context (Nakanishi 2025, "Scalable-Softmax"; Llama 4's
+      temperature tuning). p is the position RoPE uses (it restarts at each document with
+      ``data.reset_position_ids``)."""
 
     layers: int = 4
     hidden: int = 256
@@ -200,7 +220,7 @@ class ModelConfig:
     init_std: float = 0.02
     attention_backend: Literal["sdpa", "flash", "flex"] = "sdpa"
     head_dim: int | None = None
-    qk_norm: Literal["none", "head", "projection"] = "none"
+    qk_norm: Literal["none", "head", "projection", "l2"] = "none"
     qkv_bias: bool = False
     rope_scaling: Literal["none", "llama3", "yarn"] = "none"
     rope_scaling_factor: float = 8.0
@@ -245,6 +265,11 @@ class ModelConfig:
     mamba_backend: Literal["torch", "mamba_ssm"] = "torch"
     attention_output_gate: bool = False
     zero_centered_norm: bool = False
+    no_rope_layers: tuple[int, ...] = ()
+    attention_chunk_size: int | None = None
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
 
     def layer_type(self, layer: int) -> str:
         """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention``, ``kda``,
@@ -294,6 +319,16 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of block ``layer`` (None: full causal attention)."""
         return self.sliding_window if self.sliding_window is not None and layer % self.window_every == 0 else None
+
+    def rope_of(self, layer: int) -> bool:
+        """Whether block ``layer`` rotates its queries and keys (``rope`` and ``no_rope_layers``;
+        the multi-token-prediction blocks after the last one do)."""
+        return self.rope and (layer >= len(self.no_rope_layers) or bool(self.no_rope_layers[layer]))
+
+    def chunk_of(self, layer: int) -> int | None:
+        """The attention chunk of block ``layer`` (None: attention over the whole sequence):
+        ``attention_chunk_size`` in the blocks that rotate, as Llama 4."""
+        return self.attention_chunk_size if self.rope_of(layer) else None
 
 
 # model.hybrid_override_pattern's token-mixer symbols (the others, - and E, are MLP / MoE blocks).
@@ -361,7 +396,11 @@ class MoEConfig:
     sequences (``data.loss_mask`` data packed by ``--chat --seq-len``) out of the MoE layers: it
     is not routed, not dispatched, not computed by the routed experts, and counts in neither the
     aux and z losses nor the expert loads, so a padded batch trains as the same batch without
-    its padding; ``true`` routes it like any token."""
+    its padding; ``true`` routes it like any token.
+
+    ``apply_probs_on_input``: the routing weight scales the token going into its expert, p·x,
+    instead of the expert's output, p·f(x) (Llama 4's routing: one expert per token, scored by
+    a sigmoid of its logit; Megatron-Core's ``moe_apply_probs_on_input``); needs ``top_k`` 1."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -391,6 +430,7 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     dispatch_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     route_padding: bool = False
+    apply_probs_on_input: bool = False
 
     @property
     def shared_hidden(self) -> int:
@@ -1431,6 +1471,42 @@ def save_config(cfg: Config, path: str | os.PathLike, layers: Layers | None = No
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_llama4_attention(cfg: Config) -> None:
+    """model.no_rope_layers, attention_chunk_size, qk_norm l2, attn_temperature_tuning and
+    moe.apply_probs_on_input (Llama 4's), each named with its fix."""
+    m, moe = cfg.model, cfg.moe
+    if m.no_rope_layers:
+        if len(m.no_rope_layers) != m.layers or any(v not in (0, 1) for v in m.no_rope_layers):
+            raise field_error("model.no_rope_layers", list(m.no_rope_layers), f"needs one 0 (NoPE) or 1 (RoPE) per "
+                              f"block, model.layers={m.layers}", "give one entry per block, or [] for RoPE in all")
+        if not m.rope:
+            raise field_error("model.no_rope_layers", list(m.no_rope_layers), "is set while model.rope is false "
+                              "(no block rotates)", "remove it, or set model.rope: true")
+    llama4 = m.no_rope_layers or m.attention_chunk_size is not None or m.qk_norm == "l2" or m.attn_temperature_tuning
+    if llama4 and (m.attention != "gqa" or m.hybrid_override_pattern or m.layer_types):
+        field = "model.attention" if m.attention != "gqa" else (
+            "model.hybrid_override_pattern" if m.hybrid_override_pattern else "model.layer_types")
+        raise field_error(field, getattr(m, field.split(".")[1]), "Llama 4's attention options (no_rope_layers, "
+                          "attention_chunk_size, qk_norm l2, attn_temperature_tuning) are built for grouped-query "
+                          "attention blocks", "use attention: gqa without hybrid blocks, or drop those options")
+    if m.attention_chunk_size is not None:
+        if m.attention_chunk_size < 1:
+            raise field_error("model.attention_chunk_size", m.attention_chunk_size, "must be at least 1",
+                              "use null or e.g. 8192 (Llama 4)")
+        if m.sliding_window is not None:
+            raise field_error("model.attention_chunk_size", m.attention_chunk_size, "is set beside "
+                              f"model.sliding_window={m.sliding_window}", "keep one of them")
+        if m.attention_backend == "flash":
+            raise field_error("model.attention_backend", m.attention_backend, "has no chunked attention mask",
+                              "use attention_backend sdpa or flex")
+    if m.attn_temperature_tuning:
+        _bounds(cfg, "model", positive="floor_scale")
+    if moe.apply_probs_on_input and moe.num_experts and moe.top_k != 1:
+        raise field_error("moe.apply_probs_on_input", True, f"needs one expert per token, moe.top_k is {moe.top_k} "
+                          "(a token scaled by two weights would be two different inputs)",
+                          "set moe.top_k: 1 (Llama 4), or apply_probs_on_input: false")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -1893,8 +1969,8 @@ def _check_model(cfg: Config, device: str | None) -> None:
                           "use an even width such as 128, or null for hidden / heads")
     if m.rope_scaling == "llama3":
         _bounds(cfg, "model", positive="rope_scaling_factor rope_low_freq_factor rope_original_max_positions")
-        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
-            raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor, "must exceed model."
+        if m.rope_high_freq_factor < m.rope_low_freq_factor:
+            raise field_error("model.rope_high_freq_factor", m.rope_high_freq_factor, "must be at least model."
                               f"rope_low_freq_factor={m.rope_low_freq_factor} (the interpolated band lies between "
                               "them)", "use e.g. rope_low_freq_factor 1 and rope_high_freq_factor 4 (Llama 3.1)")
     if m.rope_scaling == "yarn":
@@ -1909,6 +1985,7 @@ def _check_model(cfg: Config, device: str | None) -> None:
                           "use 1.0 or e.g. 0.5 (GLM-4.5)")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise field_error("model.sliding_window", m.sliding_window, "must be at least 1", "use null or e.g. 128")
+    _check_llama4_attention(cfg)
     _bounds(cfg, "model", positive="window_every", non_negative="mtp_depth mtp_loss_coef")
     if m.hybrid_override_pattern:
         p = m.hybrid_override_pattern

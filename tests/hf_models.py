@@ -16,7 +16,9 @@ GLM-4.5 partial rotary, q/k/v bias and q/k norm; GPT-OSS sinks, a sliding window
 clamped SwiGLU and YaRN; Qwen3-Next gated-DeltaNet and gated-attention blocks, zero-centred norms,
 partial rotary, a gated shared expert and a dense block; Kimi Linear KDA blocks beside MLA without
 RoPE, DeepSeek-V3's group-limited routing and a dense first block; Nemotron-H single-sublayer
-blocks (Mamba-2, squared-ReLU MLP, attention without RoPE, MoE with squared-ReLU experts).
+blocks (Mamba-2, squared-ReLU MLP, attention without RoPE, MoE with squared-ReLU experts); Llama 4
+a RoPE block with chunked attention and the l2 q/k norm beside a NoPE block with temperature
+tuning, top-1 sigmoid routing on the expert's input with a shared expert, fused experts.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next",
-         "qwen3_5_moe", "kimi_linear", "nemotron_h", "minimax_m2")
+         "qwen3_5_moe", "kimi_linear", "nemotron_h", "minimax_m2", "llama4_text")
 
 
 def hf_config(arch: str, **over):
@@ -123,6 +125,18 @@ def hf_config(arch: str, **over):
         cls, kw = tf.MiniMaxM2Config, dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                            head_dim=16, rotary_dim=8, pad_token_id=None, bos_token_id=None,
                                            eos_token_id=None)
+    elif arch == "llama4_text":
+        # Block 0 rotates (Llama 3.1's RoPE scaling, the l2 q/k norm) and attends within chunks of 8
+        # positions (the 16-token samples hold two); block 1 is NoPE with temperature tuning
+        # (floor_scale 4: the scale changes every 4 positions) and the MoE: top-1 sigmoid routing
+        # on the expert's input, a shared expert, the experts' width other than the dense MLP's.
+        cls, kw = tf.Llama4TextConfig, dict(
+            intermediate_size=16, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1, head_dim=8,
+            interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=8, use_qk_norm=True,
+            attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, pad_token_id=None, bos_token_id=None,
+            eos_token_id=None, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 32})
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})

@@ -1,7 +1,8 @@
 """The architectures of 2025-26 — DeepSeek-V3 (MLA, multi-token prediction, group-limited
-routing with a score-correction bias), GLM-4.5 (partial RoPE, q/k norm, attention biases) and
+routing with a score-correction bias), GLM-4.5 (partial RoPE, q/k norm, attention biases),
 GPT-OSS (attention sinks, alternating sliding windows, router and expert biases, clamped SwiGLU,
-YaRN) — train in every layout as in one process.
+YaRN) and Llama 4 (NoPE blocks with temperature tuning, chunked attention, the l2 q/k norm, top-1
+routing on the expert's input) — train in every layout as in one process.
 
 Each layout runs 20 steps with gradient clipping against one process: losses (and the MTP loss)
 within 1e-5 relative per step, gradient norms within 1e-5 relative, and the first step's
@@ -42,7 +43,17 @@ GPT_OSS = {
     "moe": {"num_experts": 4, "top_k": 2, "shared_experts": 0, "router_bias": True, "expert_biases": True,
             "activation": "clamped_swiglu", "swiglu_limit": 0.05},
 }
-ARCHS = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS}
+# Llama 4: block 0 rotates, attends within chunks of 8 positions (a 16-token sample holds two;
+# under cp2 each rank's two quarters meet keys of both chunks) and normalises q/k after RoPE; block
+# 1 is NoPE with temperature tuning (floor_scale 4: the scale steps every 4 positions) and the MoE:
+# top-1 sigmoid routing on the expert's input and a shared expert.
+LLAMA4 = {
+    "model": {"layers": 2, "no_rope_layers": [1, 0], "attention_chunk_size": 8, "qk_norm": "l2",
+              "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.1},
+    "moe": {"num_experts": 4, "top_k": 1, "every": 2, "shared_experts": 1, "score_function": "sigmoid",
+            "norm_topk_prob": False, "apply_probs_on_input": True},
+}
+ARCHS = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS, "llama4_text": LLAMA4}
 
 
 def train(rank: int, world: int, data: str, run_dir: str, arch: str, parallel: dict, data_section: dict) -> dict:
@@ -116,6 +127,9 @@ EXTRA = [
     ("glm4_moe", {"pp": 2, "dp": 2, "ep": 2}, True),
     ("deepseek_v3", {"tp": 2, "sequence_parallel": True, "activation_checkpointing": "mla_up_proj"}, False),
     ("deepseek_v3", {"dp": 2, "ep": 2, "zero_stage": 3, "activation_checkpointing": "full"}, False),
+    # Llama 4's chunks and document masks across the cp shards; and plain dp2 × ep2.
+    ("llama4_text", {"cp": 2, "ep": 2}, True),
+    ("llama4_text", {"dp": 2, "ep": 2}, False),
 ]
 
 

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,10 +130,11 @@ def test_ring_attention_with_document_mask():
 # -- attention sinks and sliding windows ---------------------------------------------------------
 
 
-def reference_attention(q, k, v, doc_ids=None, window=None, sinks=None, scale=None):
+def reference_attention(q, k, v, doc_ids=None, window=None, sinks=None, scale=None, chunk=None):
     """Causal attention as its definition: softmax over the visible keys (causal, within the
-    window, in the same document) and, with sinks, one extra logit per head whose value is zero
-    (GPT-OSS; Xiao et al. 2023), computed one matrix at a time in float64."""
+    window, in the same document, in the query's chunk of positions) and, with sinks, one extra
+    logit per head whose value is zero (GPT-OSS; Xiao et al. 2023), computed one matrix at a time
+    in float64."""
     q, k, v = q.double(), k.double(), v.double()
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -139,6 +142,7 @@ def reference_attention(q, k, v, doc_ids=None, window=None, sinks=None, scale=No
     scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
     visible = (j <= i) & ((i - j < window) if window is not None else True)
+    visible = visible & ((i // chunk == j // chunk) if chunk is not None else True)
     visible = visible[None, None].expand(q.shape[0], 1, S, S)
     if doc_ids is not None:
         visible = visible & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
@@ -214,6 +218,56 @@ def test_ring_attention_with_sinks_and_window(cp, window, with_docs):
         assert max(errs.values()) <= TOL, f"rank {rank}: {errs}"
 
 
+# -- Llama 4's chunked attention ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk, with_docs", [(8, False), (8, True), (5, True)], ids=["c8", "c8-docs", "c5-docs"])
+def test_chunked_attention_equals_the_masked_softmax(chunk, with_docs):
+    """SDPA with ``chunk`` (and documents that cross the chunks) equals the definition, outputs
+    and gradients; flex's forward equals it; the chunks matter."""
+    q, k, v, _ = (t.requires_grad_() for t in _qkv_sinks())
+    ids = _doc_ids([[5, 11, 8], [24]]) if with_docs else None
+    doc = DocumentMask(ids, torch.arange(24)) if with_docs else None
+    out = sdpa_attention(q, k, v, doc, chunk=chunk)
+    ref = reference_attention(q, k, v, ids, chunk=chunk)
+    torch.testing.assert_close(out, ref.float(), rtol=TOL, atol=TOL)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), dout),
+                          torch.autograd.grad(ref, (q, k, v), dout.double())):
+        torch.testing.assert_close(a, b.float(), rtol=TOL, atol=TOL, msg=lambda m: f"d{name}: {m}")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # flex without torch.compile (CPU, forward only)
+        flex = FlexAttention()(q.detach(), k.detach(), v.detach(), doc, chunk=chunk)
+        torch.testing.assert_close(flex, out.detach(), rtol=TOL, atol=TOL)
+    assert (out - sdpa_attention(q, k, v, doc)).abs().max() > 1e-2
+
+
+def _ring_chunks(rank: int, cp: int, chunk: int, with_docs: bool) -> dict:
+    S = 32
+    q, k, v, _ = _qkv_sinks(S=S, Dv=8, seed=5)
+    ids = _doc_ids([[3, 10, 19], [16, 16]]) if with_docs else None
+    dout = torch.randn(2, 4, S, 8, generator=torch.Generator().manual_seed(2))
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    full = reference_attention(*leaves, ids, scale=0.4, chunk=chunk)
+    want = torch.autograd.grad(full, leaves, dout.double())
+    local = [cp_shard(t, rank, cp, 2).requires_grad_() for t in (q, k, v)]
+    doc = DocumentMask(ids, cp_positions(S, rank, cp)) if with_docs else None
+    out = ring_attention(*local, dist.group.WORLD, doc=doc, scale=0.4, chunk=chunk)
+    out.backward(cp_shard(dout, rank, cp, 2))
+    errs = {"out": (cp_gather(out.detach(), dist.group.WORLD, 2).double() - full.detach()).abs().max().item()}
+    for name, t, ref in zip("qkv", local, want):
+        errs[name] = (cp_gather(t.grad, dist.group.WORLD, 2).double() - ref).abs().max().item()
+    return errs
+
+
+@pytest.mark.parametrize("cp, chunk, with_docs", [(2, 12, True), (4, 6, False)], ids=["cp2-c12-docs", "cp4-c6"])
+def test_ring_attention_with_chunks(cp, chunk, with_docs):
+    """Ring attention with chunks that cross the ranks' shards (and documents) equals the
+    definition on the whole sequence."""
+    for rank, errs in enumerate(run_distributed(_ring_chunks, cp, chunk, with_docs)):
+        assert max(errs.values()) <= TOL, f"rank {rank}: {errs}"
+
+
 # -- training with document masks -------------------------------------------------------------
 
 
@@ -269,6 +323,14 @@ def test_document_mask_changes_training(doc_reference, short_doc_shards, tmp_pat
     ({"moe": {"expert_backend": "megablocks"}}, "cpu", "CUDA only"),
     ({"moe": {"expert_backend": "megablocks"}, "train": {"precision": "bf16"}}, "cuda", "not installed"),
     ({"moe": {"expert_backend": "grouped_mm"}}, "cuda", "bf16"),
+    # Llama 4's options, each refused with its field
+    ({"model": {"attention_chunk_size": 8, "attention_backend": "flash"}}, "cpu", "model.attention_backend"),
+    ({"model": {"attention_chunk_size": 8, "sliding_window": 4}}, "cpu", "model.attention_chunk_size"),
+    ({"model": {"no_rope_layers": [1]}}, "cpu", "model.no_rope_layers"),
+    ({"model": {"no_rope_layers": [1, 2]}}, "cpu", "model.no_rope_layers"),
+    ({"model": {"no_rope_layers": [1, 0], "attention": "mla"}}, "cpu", "model.attention"),
+    ({"model": {"attn_temperature_tuning": True, "floor_scale": 0}}, "cpu", "model.floor_scale"),
+    ({"moe": {"apply_probs_on_input": True}}, "cpu", "moe.apply_probs_on_input"),
 ])
 def test_unsupported_backends_are_refused(sections, device, field, tmp_path):
     # refused when the config is read (a layout rule, flex × cp) or when checked for the device

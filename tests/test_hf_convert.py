@@ -88,7 +88,7 @@ def test_logits_loss_and_gradients_match_transformers(case, converted):
     hf_grads = revert_weight_conversion(hf, {n: p.grad for n, p in hf.named_parameters()})
     grads = dict((n, p.grad) for n, p in ours.named_parameters())
     arch = architecture_for(json.loads((c["hf_dir"] / "config.json").read_text()))
-    maps = tensor_maps(c["cfg"], arch.moe_names, arch.name == "DeepseekV3ForCausalLM")
+    maps = tensor_maps(c["cfg"], arch.moe_names, arch.rope_interleaved or arch.name == "DeepseekV3ForCausalLM")
     # KDA's chunked rule multiplies each key channel by its own decays, e^(g_i − g_j) over a
     # chunk, so two fp32 orders of the same sums part further than for one decay per head: the
     # layer alone differs from transformers' by 3e-7 in float64 (transformers' own fp32 inside)
@@ -267,6 +267,11 @@ REFUSED = [
     ("minimax_m2", {"shared_intermediate_size": 64}, "shared_intermediate_size = 64"),
     ("minimax_m2", {"attn_type_list": [0, 1]}, "attn_type_list = [0, 1]"),
     ("minimax_m2", {"rotary_dim": 4}, "rotary_dim = 4"),
+    # Llama 4's keys whose values moetrain does not build
+    ("llama4_text", {"num_experts_per_tok": 2}, "num_experts_per_tok = 2"),
+    ("llama4_text", {"layer_types": ["full_attention", "full_attention"]}, "layer_types = ['full_attention'"),
+    ("llama4_text", {"attention_bias": True}, "attention_bias = True"),
+    ("llama4_text", {"moe_layers": []}, "moe_layers = []"),
 ]
 
 
@@ -317,6 +322,14 @@ def test_export_refuses_what_the_architecture_cannot_hold():
         to_hf(tiny_moetrain(every=2), ARCHITECTURES["mixtral"])
     with pytest.raises(UnsupportedModel, match="moe.num_experts = 4: LlamaForCausalLM is dense"):
         to_hf(tiny_moetrain(), ARCHITECTURES["llama"])
+    # Llama 4's routing on the expert's input: no other architecture holds it, and Llama 4 holds
+    # nothing but its own routing.
+    llama4_like = tiny_moetrain(top_k=1, apply_probs_on_input=True)
+    assert choose_architecture(llama4_like).name == "Llama4ForCausalLM"
+    with pytest.raises(UnsupportedModel, match="moe.apply_probs_on_input = True: MixtralForCausalLM is Llama 4's"):
+        to_hf(llama4_like, ARCHITECTURES["mixtral"])
+    with pytest.raises(UnsupportedModel, match="moe.score_function = 'softmax': Llama4ForCausalLM needs 'sigmoid'"):
+        to_hf(llama4_like, ARCHITECTURES["llama4_text"])
 
 
 def test_init_from_is_checked_before_launch(converted, tmp_path):

@@ -40,7 +40,8 @@ STEPS = 5
 # window under ring attention; GLM-4.5's three blocks split 1 + 2 over two stages).
 SECOND = {"deepseek_v3": {"cp": 2, "ep": 2}, "glm4_moe": {"pp": 2, "dp": 2, "ep": 2, "pp_first_stage_layers": 1},
           "gpt_oss": {"cp": 2, "ep": 2}, "qwen3_next": {"cp": 2, "ep": 2}, "kimi_linear": {"cp": 2, "ep": 2},
-          "nemotron_h": {"pp": 2, "dp": 2, "ep": 2}, "minimax_m2": {"cp": 2, "ep": 2}}
+          "nemotron_h": {"pp": 2, "dp": 2, "ep": 2}, "minimax_m2": {"cp": 2, "ep": 2},
+          "llama4_text": {"cp": 2, "ep": 2}}
 
 
 def layouts(arch: str) -> dict[str, dict]:

@@ -722,6 +722,24 @@ def test_sliding_windows_are_read_from_the_config():
     assert s.attention_flops() == pytest.approx((full.attention_flops() * 2 + 2.0 * 128 * (s.h_q + s.h_v) * 2) / 4)
 
 
+def test_llama4_chunks_are_read_from_the_config():
+    """configs/llama4-scout-like.yaml: Llama 4 Scout's text model (107.8B, 17.2B active); at a
+    32K context its 36 RoPE blocks attend within 8K chunks, the 12 NoPE blocks over the whole."""
+    cfg = load_config("configs/llama4-scout-like.yaml")
+    s = ModelShape.from_config(cfg)
+    assert s.total_params / 1e9 == pytest.approx(107.77, abs=0.01)
+    assert s.active_params / 1e9 == pytest.approx(17.17, abs=0.01)
+    long = ModelShape.from_config(cfg.replace(model={"seq_len": 32768}))
+    assert (long.chunk, long.chunk_layers) == (8192, 36)
+    width = long.h_q + long.h_v
+    for causal in (False, True):
+        half = 0.5 if causal else 1.0
+        want = (2.0 * 32768 * width * half * 12 + 2.0 * 8192 * width * half * 36) / 48
+        assert long.attention_flops(causal) == pytest.approx(want)
+    full = dataclasses.replace(long, chunk=None, chunk_layers=0)
+    assert long.attention_flops(True) < 0.5 * full.attention_flops(True)
+
+
 @pytest.mark.parametrize("lay, reason", [
     (Layout(tp=1, pp=1, dp=1024, ep=64, zero=3), "does not run with ZeRO-3"),
     (Layout(tp=1, pp=1, dp=1024, ep=64, zero=1, ac="full"), "activation_checkpointing: full"),

@@ -53,6 +53,16 @@ MiniMaxM2ForCausalLM        minimax_m2   q/k RMSNorm over the whole projection (
                                          ``partial_rotary_factor``), every block MoE with sigmoid scores and
                                          the score-correction bias (``block_sparse_moe.e_score_correction_bias``),
                                          top-k renormalised, no shared expert; Mixtral's expert names
+Llama4ForCausalLM           llama4_text  RoPE (interleaved pairs, as moetrain's) and NoPE blocks
+                                         (``no_rope_layers``, or every no_rope_layer_interval-th block NoPE);
+                                         chunked attention in the RoPE blocks (``attention_chunk_size``);
+                                         the weightless q/k norm after RoPE (``use_qk_norm`` → ``qk_norm:
+                                         l2``); the NoPE blocks' temperature tuning (attn_temperature_tuning,
+                                         floor_scale, attn_scale); MoE blocks from moe_layers /
+                                         interleave_moe_layer_step, top-1 sigmoid routing that scales the
+                                         expert's input (``moe.apply_probs_on_input``) and one shared expert of
+                                         the experts' width (intermediate_size); dense blocks of
+                                         intermediate_size_mlp; the experts fused (gate_up_proj, gate then up)
 ==========================  ===========  ====================================================================
 
 All of them: RMSNorm pre-norm blocks, SwiGLU (``hidden_act: silu``), grouped-query attention
@@ -64,8 +74,10 @@ Refused, naming the field (never converted approximately): any other architectur
 forward pass); sliding-window attention except GPT-OSS's (Qwen's ``use_sliding_window``, a
 ``layer_types`` entry other than full / sliding attention, sliding blocks that are not every n-th
 block from block 0); RoPE types other than default, llama3 and yarn; partial rotary outside
-GLM-4-MoE, Qwen3-Next / 3.5 and MiniMax-M2; an activation other than silu; attention biases where the architecture above lists
-none (``attention_bias``; Llama's ``mlp_bias``); OLMoE's ``clip_qkv`` and a ``head_dim`` other
+GLM-4-MoE, Qwen3-Next / 3.5 and MiniMax-M2; Llama 4's ``layer_types`` other than the chunked
+RoPE / full NoPE blocks its other keys give, its top-k above 1 and router jitter; an activation
+other than silu; attention biases where the architecture above lists none (``attention_bias``;
+Llama's ``mlp_bias``); OLMoE's ``clip_qkv`` and a ``head_dim`` other
 than hidden / heads; router jitter noise; attention dropout; quantized weights other than
 GPT-OSS's MXFP4 experts and DeepSeek-V3's FP8 blocks; MiniMax-M2's other norm types, shared
 experts or linear-attention blocks (``attn_type_list``) and its MTP modules; a pattern of dense and MoE blocks moetrain's ``moe.every`` /
@@ -86,8 +98,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, MINIMAX_M2_MOE, MIXTRAL_MOE, NEMOTRON_H_NAMES,
-                                 QWEN3_5_NAMES,
+from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, LLAMA4_NAMES, MINIMAX_M2_MOE, MIXTRAL_MOE,
+                                 NEMOTRON_H_NAMES, QWEN3_5_NAMES,
                                  QWEN3_5_VL_NAMES, QWEN3_NEXT_NAMES, QWEN_MOE, Names)
 
 log = logging.getLogger(__name__)
@@ -120,6 +132,8 @@ class Architecture:
     moe_names: Names
     keys: frozenset
     default_theta: float = 10000.0
+    # the checkpoint rotates interleaved pairs, as moetrain does (its q/k rows are copied as they are)
+    rope_interleaved: bool = False
 
 
 _COMMON = frozenset({
@@ -144,6 +158,13 @@ MINIMAX_M2 = Architecture("MiniMaxM2ForCausalLM", "minimax_m2", MINIMAX_M2_MOE, 
     "use_qk_norm", "qk_norm_type", "scoring_func", "use_routing_bias", "shared_intermediate_size", "attn_type_list",
     "sliding_window", "use_mtp", "num_mtp_modules", "mtp_transformer_layers"}, default_theta=5e6)
 LLAMA = Architecture("LlamaForCausalLM", "llama", QWEN_MOE, _COMMON | {"attention_bias", "mlp_bias", "pretraining_tp"})
+# Llama 4's text model; its released config also carries inference-only keys (cache_implementation,
+# for_llm_compressor), read and ignored.
+LLAMA4_TEXT = Architecture("Llama4ForCausalLM", "llama4_text", LLAMA4_NAMES, _COMMON | {
+    "intermediate_size_mlp", "num_local_experts", "num_experts_per_tok", "moe_layers", "interleave_moe_layer_step",
+    "use_qk_norm", "router_jitter_noise", "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size",
+    "layer_types", "attn_temperature_tuning", "floor_scale", "attn_scale", "attention_bias", "cache_implementation",
+    "for_llm_compressor"}, default_theta=500000.0, rope_interleaved=True)
 
 _DEEPSEEK = frozenset({"n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
                        "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
@@ -211,7 +232,7 @@ NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
                                                                      DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
                                                                      QWEN3_5_MOE, QWEN3_5_MOE_VL, KIMI_LINEAR,
-                                                                     NEMOTRON_H, MINIMAX_M2)}
+                                                                     NEMOTRON_H, MINIMAX_M2, LLAMA4_TEXT)}
 
 
 def _supported() -> str:
@@ -417,6 +438,8 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         moe.update(num_experts=r.get("num_local_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=True, every=1, first_dense=0,
                    score_function="sigmoid", routing_bias=True)
+    elif arch is LLAMA4_TEXT:
+        _read_llama4(r, model, moe)
     elif arch in (QWEN3_NEXT, QWEN3_5_MOE):
         _read_qwen3_next(r, model, moe, mtp_depth)
     elif arch is KIMI_LINEAR:
@@ -527,6 +550,49 @@ def _read_qwen3_next(r: _Reader, model: dict, moe: dict, mtp_depth: int = 0) -> 
     moe.update(num_experts=num_experts, top_k=r.get("num_experts_per_tok"), ffn_hidden=r.get("moe_intermediate_size"),
                norm_topk_prob=bool(r.get("norm_topk_prob", True)), shared_experts=1, shared_ffn_hidden=shared,
                shared_expert_gate=True, **_moe_layer_pattern(r, layers, num_experts))  # (Qwen3.5: every block)
+
+
+def _read_llama4(r: _Reader, model: dict, moe: dict) -> None:
+    """Llama 4's text model (the defaults are transformers' ``Llama4TextConfig``'s): RoPE and
+    NoPE blocks, chunked attention in the RoPE ones, the weightless q/k norm, temperature tuning,
+    interleaved dense and MoE blocks with top-1 sigmoid routing on the expert's input and a shared
+    expert."""
+    layers = model["layers"]
+    r.expect("attention_bias", lambda v: not v, False, "q/k/v/o biases are not part of moetrain's Llama 4 mapping")
+    r.expect("router_jitter_noise", lambda v: not v, 0.0, "router jitter noise is not implemented")
+    r.expect("num_experts_per_tok", lambda v: v == 1, 1, "Llama 4's routing scales the expert's input by its "
+                                                         "weight, which moetrain builds for one expert per token")
+    no_rope = list(r.get("no_rope_layers", None) or [])
+    if not no_rope:  # transformers' default: every no_rope_layer_interval-th block NoPE
+        interval = r.get("no_rope_layer_interval", 4)
+        no_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(no_rope) != layers or any(v not in (0, 1) for v in no_rope):
+        raise r.refuse("no_rope_layers", no_rope, "needs one 0 (NoPE) or 1 (RoPE) per block")
+    chunk = r.get("attention_chunk_size", 8192)
+    derived = ["chunked_attention" if v and chunk is not None else "full_attention" for v in no_rope]
+    types = r.get("layer_types", None)
+    if types is not None and list(types) != derived:
+        raise r.refuse("layer_types", types, f"moetrain maps chunked attention in the RoPE blocks and full attention "
+                                             f"in the NoPE ones ({derived})")
+    steps = r.get("interleave_moe_layer_step", 1)
+    moe_layers = r.get("moe_layers", None)
+    moe_layers = list(range(steps - 1, layers, steps)) if moe_layers is None else list(moe_layers)
+    want = [i in moe_layers for i in range(layers)]
+    pattern = next(({"every": e, "first_dense": f} for e in range(1, layers + 1) for f in range(layers + 1)
+                    if [i >= f and (i - f) % e == e - 1 for i in range(layers)] == want), None)
+    if pattern is None or not moe_layers:
+        raise r.refuse("moe_layers", moe_layers, "the MoE blocks are not a pattern of moe.every / moe.first_dense")
+    if head_dim := r.get("head_dim", None):
+        model["head_dim"] = head_dim
+    model.update(ffn_hidden=r.get("intermediate_size_mlp", 16384), no_rope_layers=no_rope,
+                 attention_chunk_size=None if chunk is None else int(chunk),
+                 qk_norm="l2" if r.get("use_qk_norm", True) else "none",
+                 # (no NoPE block: the tuning has nothing to scale)
+                 attn_temperature_tuning=bool(r.get("attn_temperature_tuning", True)) and not all(no_rope),
+                 floor_scale=int(r.get("floor_scale", 8192)), attn_scale=float(r.get("attn_scale", 0.1)))
+    moe.update(num_experts=r.get("num_local_experts", 16), top_k=1, ffn_hidden=r.get("intermediate_size", 8192),
+               shared_experts=1, score_function="sigmoid", norm_topk_prob=False, apply_probs_on_input=True,
+               **pattern)
 
 
 def _first(r: _Reader, keys: tuple[str, ...], default: Any) -> Any:
@@ -672,7 +738,9 @@ def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> No
 
 def choose_architecture(cfg: Config) -> Architecture:
     """The architecture a moetrain model exports to when none is asked for: single-sublayer blocks
-    (``model.hybrid_override_pattern``) → Nemotron-H; KDA → Kimi Linear;
+    (``model.hybrid_override_pattern``) → Nemotron-H; Llama 4's options (NoPE blocks, attention
+    chunks, the l2 q/k norm, temperature tuning, probabilities on the expert's input) → Llama 4;
+    KDA → Kimi Linear;
     gated DeltaNet, gated attention or zero-centred norms → Qwen3-Next; MLA → DeepSeek-V3;
     sinks or expert biases → GPT-OSS; a routing bias, fixed expert groups or partial rotary →
     GLM-4.5; dense → Llama;
@@ -681,6 +749,9 @@ def choose_architecture(cfg: Config) -> Architecture:
     m, moe = cfg.model, cfg.moe
     if m.hybrid_override_pattern:
         return NEMOTRON_H
+    if (m.no_rope_layers or m.attention_chunk_size is not None or m.qk_norm == "l2" or m.attn_temperature_tuning
+            or moe.apply_probs_on_input):
+        return LLAMA4_TEXT
     if m.kda:
         return KIMI_LINEAR
     if m.linear_attention or m.attention_output_gate or m.zero_centered_norm:
@@ -727,6 +798,13 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
 
     if arch is NEMOTRON_H:
         return _nemotron_h_to_hf(cfg, out, dtype, eos_token_id)
+    if arch is LLAMA4_TEXT:
+        return _llama4_to_hf(cfg, out, dtype, eos_token_id)
+    for field, value, default in (("model.no_rope_layers", list(m.no_rope_layers), []),
+                                  ("model.attention_chunk_size", m.attention_chunk_size, None),
+                                  ("model.attn_temperature_tuning", m.attn_temperature_tuning, False),
+                                  ("moe.apply_probs_on_input", moe.apply_probs_on_input, False)):
+        need(field, value, value == default, "is Llama 4's (export with --arch llama4_text)")
     if arch is QWEN3_5_MOE_VL:
         raise UnsupportedModel(f"{arch.name}: moetrain trains and exports its text model only (the vision tower is "
                                f"not imported). Fix: export with --arch {QWEN3_5_MOE.model_type}")
@@ -931,6 +1009,70 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     return out
 
 
+def _llama4_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | None) -> dict:
+    """:func:`to_hf` for Llama 4's text model (``out``: the base config.json's keys when it was one)."""
+    m, moe = cfg.model, cfg.moe
+
+    def need(field: str, value: Any, ok: bool, why: str) -> None:
+        if not ok:
+            raise _refuse_ours(LLAMA4_TEXT, field, value, why)
+
+    need("model.attention", m.attention, m.attention == "gqa", "has grouped-query attention, not MLA")
+    need("model.qk_norm", m.qk_norm, m.qk_norm in ("l2", "none"), "has the weightless q/k norm (l2) or none")
+    for field, value, default in (("hybrid_override_pattern", m.hybrid_override_pattern, ""),
+                                  ("layer_types", list(m.layer_types), []),
+                                  ("mlp_activation", m.mlp_activation, "swiglu"), ("qkv_bias", m.qkv_bias, False),
+                                  ("attention_out_bias", m.attention_out_bias, False),
+                                  ("attention_sinks", m.attention_sinks, False),
+                                  ("sliding_window", m.sliding_window, None),
+                                  ("attention_output_gate", m.attention_output_gate, False),
+                                  ("zero_centered_norm", m.zero_centered_norm, False),
+                                  ("partial_rotary_factor", m.partial_rotary_factor, 1.0), ("rope", m.rope, True),
+                                  ("mtp_depth", m.mtp_depth, 0)):
+        need(f"model.{field}", value, value == default, "is not part of Llama 4")
+    need("moe.num_experts", moe.num_experts, moe.num_experts > 0, "is a mixture of experts")
+    for field, value, default in (("apply_probs_on_input", moe.apply_probs_on_input, True), ("top_k", moe.top_k, 1),
+                                  ("score_function", moe.score_function, "sigmoid"),
+                                  ("norm_topk_prob", moe.norm_topk_prob, False),
+                                  ("routed_scaling_factor", moe.routed_scaling_factor, 1.0),
+                                  ("shared_experts", moe.shared_experts, 1),
+                                  ("shared_expert_gate", moe.shared_expert_gate, False),
+                                  ("routing_bias", moe.routing_bias or moe.bias_update_rate > 0, False),
+                                  ("n_group", moe.n_group, None), ("router_bias", moe.router_bias, False),
+                                  ("expert_biases", moe.expert_biases, False), ("activation", moe.activation, "swiglu")):
+        need(f"moe.{field}", value, value == default, f"needs {default!r} (it routes each token to one expert by "
+                                                       f"a sigmoid, on the expert's input, beside one ungated shared "
+                                                       f"expert; SwiGLU experts)")
+    need("moe.shared_ffn_hidden", moe.shared_hidden, moe.shared_hidden == moe.ffn_hidden,
+         "sizes its shared expert as the routed ones (intermediate_size)")
+    for key in ("rope_theta", "rope_scaling", "rope_parameters", "dtype", "partial_rotary_factor"):
+        out.pop(key, None)
+    no_rope = list(m.no_rope_layers) or [1] * m.layers
+    chunk = m.attention_chunk_size
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
+                    high_freq_factor=m.rope_high_freq_factor,
+                    original_max_position_embeddings=m.rope_original_max_positions)
+    else:
+        need("model.rope_scaling", m.rope_scaling, m.rope_scaling == "none", "has the default or llama3 RoPE")
+    out.update(architectures=[LLAMA4_TEXT.name], model_type=LLAMA4_TEXT.model_type, vocab_size=m.vocab_size,
+               hidden_size=m.hidden, num_hidden_layers=m.layers, num_attention_heads=m.heads,
+               num_key_value_heads=m.kv_heads, head_dim=m.resolved_head_dim, intermediate_size=moe.ffn_hidden,
+               intermediate_size_mlp=m.ffn_hidden, rms_norm_eps=m.norm_eps, hidden_act="silu", attention_dropout=0.0,
+               tie_word_embeddings=m.tie_embeddings, initializer_range=m.init_std, rope_parameters=rope,
+               num_local_experts=moe.num_experts, num_experts_per_tok=1,
+               moe_layers=[i for i in range(m.layers) if moe.is_moe_layer(i)], router_jitter_noise=0.0,
+               router_aux_loss_coef=moe.aux_loss_coef, no_rope_layers=no_rope, attention_chunk_size=chunk,
+               layer_types=["chunked_attention" if v and chunk is not None else "full_attention" for v in no_rope],
+               use_qk_norm=m.qk_norm == "l2", attn_temperature_tuning=m.attn_temperature_tuning,
+               floor_scale=m.floor_scale, attn_scale=m.attn_scale, attention_bias=False, torch_dtype=dtype)
+    out.setdefault("max_position_embeddings", m.seq_len)
+    if eos_token_id is not None and "eos_token_id" not in out:
+        out["eos_token_id"] = eos_token_id
+    return out
+
+
 def _nemotron_h_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | None) -> dict:
     """:func:`to_hf` for Nemotron-H (``out``: the base config.json's keys when it was one)."""
     m, moe = cfg.model, cfg.moe
@@ -950,7 +1092,10 @@ def _nemotron_h_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | No
                                   ("attention_sinks", m.attention_sinks, False), ("sliding_window", m.sliding_window, None),
                                   ("attention_output_gate", m.attention_output_gate, False),
                                   ("zero_centered_norm", m.zero_centered_norm, False),
-                                  ("partial_rotary_factor", m.partial_rotary_factor, 1.0)):
+                                  ("partial_rotary_factor", m.partial_rotary_factor, 1.0),
+                                  ("no_rope_layers", list(m.no_rope_layers), []),
+                                  ("attention_chunk_size", m.attention_chunk_size, None),
+                                  ("attn_temperature_tuning", m.attn_temperature_tuning, False)):
         need(f"model.{field}", value, value == default, "is not part of Nemotron-H")
     if moe.num_experts:
         need("moe.activation", moe.activation, moe.activation == "relu2", "has squared-ReLU experts")

@@ -257,7 +257,7 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, config_out: str
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", hf_dir.resolve().name) or "hf-model"
     cfg = config_from_dict({"run": {"name": name, "dir": f"runs/{name}"}, "model": model, "moe": moe,
                             "checkpoint": {"init_from": str(out)}})
-    maps = _maps_for(cfg, arch, bool(hf_config.get("rope_interleave", False)))
+    maps = _maps_for(cfg, arch, arch.rope_interleaved or bool(hf_config.get("rope_interleave", False)))
     hf = HFTensors(hf_dir)
     vision = r"model\.visual\..*" if arch is QWEN3_5_MOE_VL else None
     if vision:
@@ -422,7 +422,8 @@ def export_hf(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | 
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp_depth=0))
     # DeepSeek-V3's config says whether its checkpoint rotates interleaved pairs (moetrain's own
     # layout, written unpermuted): kept as imported, true for a new export.
-    interleaved = arch.name == "DeepseekV3ForCausalLM" and bool((base or {}).get("rope_interleave", True))
+    interleaved = arch.rope_interleaved or (arch.name == "DeepseekV3ForCausalLM"
+                                            and bool((base or {}).get("rope_interleave", True)))
     maps = _maps_for(cfg, arch, interleaved)
     have = dict(reader.shapes)
     if cfg.model.tie_embeddings:

@@ -84,7 +84,8 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str 
                            f"adapters")
     arch = arch_by_name(arch_name) if arch_name else architecture_for(base) if base is not None \
         else choose_architecture(cfg)
-    interleaved = arch.name == "DeepseekV3ForCausalLM" and bool((base or {}).get("rope_interleave", True))
+    interleaved = arch.rope_interleaved or (arch.name == "DeepseekV3ForCausalLM"
+                                            and bool((base or {}).get("rope_interleave", True)))
     maps = {m.ours: m for m in _maps_for(cfg, arch, interleaved)}
     _refuse_trained_base_tensors(reader, cfg)
 

@@ -53,9 +53,10 @@ from moetrain.model.gated_deltanet import conv_channels_in_hf_order
 @dataclass(frozen=True)
 class Names:
     """The HF tensor names of one architecture family's MoE and attention. ``experts``:
-    ``per_expert`` (one matrix per expert: ``{module}.experts.{e}.{w1|w3|w2}.weight``) or
+    ``per_expert`` (one matrix per expert: ``{module}.experts.{e}.{w1|w3|w2}.weight``),
     ``fused`` (GPT-OSS: ``gate_up_proj`` [E, D, 2F] interleaved, ``down_proj`` [E, F, D], and
-    their biases)."""
+    their biases) or ``fused_cat`` (Llama 4: ``gate_up_proj`` [E, D, 2F] with the gate's F
+    columns first, then the up projection's; ``down_proj`` [E, F, D])."""
 
     module: str
     router: str
@@ -92,6 +93,7 @@ NEMOTRON_H_NAMES = Names("mixer", "gate", "up_proj", "", "down_proj", shared="sh
                          prefix="backbone", embed="embeddings", final_norm="norm_f")
 MINIMAX_M2_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", score_bias="module")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
+LLAMA4_NAMES = Names("feed_forward", "router", experts="fused_cat", dense="feed_forward")
 
 
 @dataclass(frozen=True)
@@ -453,10 +455,11 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
     if moe.routing_bias or moe.bias_update_rate > 0:
         bias_at = mo if names.score_bias == "module" else f"{mo}.{names.router}"
         maps.append(TensorMap(f"{ours}.moe.expert_bias", f"{bias_at}.e_score_correction_bias", "copy", (E,)))
-    if names.experts == "fused":
+    if names.experts in ("fused", "fused_cat"):
         gate_up = (f"{ex}.w1", f"{ex}.w3")
-        maps += [TensorMap(gate_up[0], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, "interleave", gate_up, 0)),
-                 TensorMap(gate_up[1], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, "interleave", gate_up, 1)),
+        how, sizes = ("interleave", ()) if names.experts == "fused" else ("cat", (F, F))
+        maps += [TensorMap(gate_up[0], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, how, gate_up, 0, sizes)),
+                 TensorMap(gate_up[1], f"{mo}.experts.gate_up_proj", "copy", (E, D, F), part=Part(2, how, gate_up, 1, sizes)),
                  TensorMap(f"{ex}.w2", f"{mo}.experts.down_proj", "copy", (E, F, D))]
         if moe.expert_biases:
             b = (f"{ex}.b1", f"{ex}.b3")

@@ -4,16 +4,17 @@ Shape legend: B batch, H query heads, G key/value heads (H % G == 0, grouped-que
 S the tokens this rank's attention sees, Dk query/key head dim, Dv value head dim (Dk under GQA;
 MLA's differ), S_full the whole sample.
 
-A kernel maps (q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv], doc; scale, window, sinks) →
+A kernel maps (q [B, H, S, Dk], k [B, G, S, Dk], v [B, G, S, Dv], doc; scale, window, sinks, chunk) →
 [B, H, S, Dv]: causal attention, restricted to each token's own document when ``doc`` (a
 :class:`DocumentMask`) is given, to the last ``window`` keys (the query's own included) with a
-sliding window, with softmax scale ``scale`` (default Dk^-1/2), and with ``sinks`` ([H], one
+sliding window, to the keys of the query's own ``chunk`` of positions (Llama 4's chunked
+attention: :func:`within_chunk`), with softmax scale ``scale`` (default Dk^-1/2), and with ``sinks`` ([H], one
 logit per head that joins every row's softmax with a zero value: GPT-OSS; Xiao et al. 2023,
 "Efficient Streaming Language Models with Attention Sinks"). ``model.attention_backend`` chooses
 it (:func:`attention_kernel`):
 
 * ``sdpa`` — ``F.scaled_dot_product_attention``: ``is_causal`` without documents or a window, an
-  explicit boolean mask [B, 1, S, S] (causal ∧ same document ∧ window) with them. With sinks, the
+  explicit boolean mask [B, 1, S, S] (causal ∧ same document ∧ window ∧ chunk) with them. With sinks, the
   blockwise kernels below over one block (:class:`SinkAttention`). The reference path; every
   device.
 * ``flex`` — ``torch.nn.attention.flex_attention`` with a block mask built from the same rule
@@ -22,7 +23,7 @@ it (:func:`attention_kernel`):
 * ``flash`` — flash-attn (Dao 2023): ``flash_attn_func`` (causal, ``window_size``) without
   documents, ``flash_attn_varlen_func`` over the packed documents (``cu_seqlens``) with them.
   CUDA, bf16 / fp16. The document boundaries are read to the host once per micro-batch (the
-  varlen kernel takes ``max_seqlen`` as an integer). No sinks.
+  varlen kernel takes ``max_seqlen`` as an integer). No sinks, no chunks.
 
 Under context parallelism :mod:`moetrain.parallel.context` replaces the kernel with ring
 attention, which runs the same blockwise kernels and takes the same arguments.
@@ -74,14 +75,16 @@ class DocumentMask:
         """[B, Sq, Sk] bool: same document and not later (causal in sample positions)."""
         return self.same_document(q_pos, k_pos) & (k_pos[None, None, :] <= q_pos[None, :, None])
 
-    def local_mask(self, window: int | None = None) -> torch.Tensor:
+    def local_mask(self, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
         """[B, 1, S, S] bool over the tokens this rank sees (SDPA's ``attn_mask``: True = attend),
-        within ``window`` keys when given."""
-        key = ("sdpa", window)
+        within ``window`` keys and inside the query's ``chunk`` when given."""
+        key = ("sdpa", window, chunk)
         if key not in self.cache:
             mask = self.visible(self.positions, self.positions)
             if window is not None:
                 mask = mask & within_window(self.positions, self.positions, window)
+            if chunk is not None:
+                mask = mask & within_chunk(self.positions, self.positions, chunk)
             self.cache[key] = mask[:, None]
         return self.cache[key]
 
@@ -92,25 +95,35 @@ def within_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torc
     return (q_pos[:, None] - k_pos[None, :] < window)[None]
 
 
-def causal_mask(S: int, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """[1, 1, S, S] bool: causal, within ``window`` keys when given."""
+def within_chunk(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[1, Sq, Sk] bool: key at position k_pos[j] lies in the same chunk of ``chunk`` positions
+    as the query at q_pos[i] (q // chunk == k // chunk; Llama 4's chunked attention; combine
+    with the causal mask)."""
+    return (q_pos[:, None] // chunk == k_pos[None, :] // chunk)[None]
+
+
+def causal_mask(S: int, device: torch.device, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """[1, 1, S, S] bool: causal, within ``window`` keys and inside the query's ``chunk`` when
+    given."""
     pos = torch.arange(S, device=device)
     mask = pos[None, :] <= pos[:, None]
     if window is not None:
         mask = mask & within_window(pos, pos, window)[0]
+    if chunk is not None:
+        mask = mask & within_chunk(pos, pos, chunk)[0]
     return mask[None, None]
 
 
 @torch.no_grad()
 def head_max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, doc: DocumentMask | None = None,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """The largest attention logit scale·q·k of each query head over the pairs the attention
     sees (causal, inside the document and the window): q [B, H, S, Dk], k [B, G, S, Dk] (G key
     heads, each shared by H / G query heads) → [H] float32. One key head's query heads at a
     time, so the scores held at once are [B, H/G, S, S]. What MuonClip watches (Kimi K2, §2.1)."""
     B, H, S, _ = q.shape
     G = k.shape[1]
-    mask = doc.local_mask(window) if doc is not None else causal_mask(S, q.device, window)  # [B or 1, 1, S, S]
+    mask = doc.local_mask(window, chunk) if doc is not None else causal_mask(S, q.device, window, chunk)
     out = []
     for g, q_g in enumerate(q.view(B, G, H // G, S, -1).unbind(1)):
         scores = (q_g.float() @ k[:, g, None].float().mT) * scale  # [B, H/G, S, S]
@@ -349,13 +362,13 @@ class SinkAttention(torch.autograd.Function):
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
-                   scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+                   chunk: int | None = None) -> torch.Tensor:
     """Causal attention through ``F.scaled_dot_product_attention`` with GQA (kv heads broadcast);
-    with ``doc`` or ``window``, the explicit mask; with ``sinks``, :class:`SinkAttention`."""
+    with ``doc``, ``window`` or ``chunk``, the explicit mask; with ``sinks``, :class:`SinkAttention`."""
     gqa = q.shape[1] != k.shape[1]
-    mask = doc.local_mask(window) if doc is not None else (causal_mask(q.shape[2], q.device, window)
-                                                           if window is not None else None)
+    mask = doc.local_mask(window, chunk) if doc is not None else (
+        causal_mask(q.shape[2], q.device, window, chunk) if window is not None or chunk is not None else None)
     if sinks is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         block_mask = mask[:, 0] if mask is not None else None
@@ -370,32 +383,35 @@ class FlexAttention:
     flex materialises the scores), eager elsewhere (forward only on CPU in torch 2.13)."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
-                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
         from torch.nn.attention.flex_attention import create_block_mask
 
         if sinks is not None:
             raise NotImplementedError("attention sinks with the flex backend (moetrain.config refuses it)")
         B, S = q.shape[0], q.shape[2]
-        key = ("flex", q.device, window)
-        block_mask = doc.cache.get(key) if doc is not None else _causal_block_mask(S, str(q.device), window)
+        key = ("flex", q.device, window, chunk)
+        block_mask = doc.cache.get(key) if doc is not None else _causal_block_mask(S, str(q.device), window, chunk)
         if block_mask is None:
             ids, pos = doc.doc_ids, doc.positions
 
             def mask_mod(b, h, qi, ki):
                 visible = (ids[b, pos[qi]] == ids[b, pos[ki]]) & (pos[ki] <= pos[qi])
-                return visible if window is None else visible & (pos[qi] - pos[ki] < window)
+                if window is not None:
+                    visible = visible & (pos[qi] - pos[ki] < window)
+                return visible if chunk is None else visible & (pos[qi] // chunk == pos[ki] // chunk)
 
             block_mask = doc.cache[key] = create_block_mask(mask_mod, B, None, S, S, device=q.device)
         return _flex(q.device.type)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(S: int, device: str, window: int | None = None):
+def _causal_block_mask(S: int, device: str, window: int | None = None, chunk: int | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, qi, ki):
-        return (ki <= qi) if window is None else (ki <= qi) & (qi - ki < window)
+        visible = (ki <= qi) if window is None else (ki <= qi) & (qi - ki < window)
+        return visible if chunk is None else visible & (qi // chunk == ki // chunk)
 
     return create_block_mask(mask_mod, None, None, S, S, device=device)
 
@@ -412,12 +428,13 @@ class FlashAttention:
     ``flash_attn_varlen_func`` over the documents of the packed sample with ``doc``."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
-                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
         from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-        if sinks is not None:
-            raise NotImplementedError("attention sinks with the flash backend (moetrain.config refuses it)")
+        if sinks is not None or chunk is not None:
+            raise NotImplementedError("attention sinks or chunks with the flash backend (moetrain.config refuses "
+                                      "them)")
         # flash-attn's layout is [B, S, heads, D]; GQA is native; values padded to the key width.
         dv = v.shape[-1]
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, _pad_last(v, q.shape[-1])))

@@ -181,7 +181,8 @@ class Llama3RopeScaling:
     * λ < L / ``high_freq_factor`` (high frequencies): kept;
     * λ > L / ``low_freq_factor`` (low frequencies): f / ``factor``;
     * between: (1 − s) · f / ``factor`` + s · f with s = (L / λ − low_freq_factor) /
-      (high_freq_factor − low_freq_factor), a linear blend in L / λ.
+      (high_freq_factor − low_freq_factor), a linear blend in L / λ (no band when the two
+      factors are equal, as in Llama 4 Scout's config: then f / ``factor`` at the boundary).
     """
 
     factor: float
@@ -193,8 +194,11 @@ class Llama3RopeScaling:
         """Rescaled frequencies: inv_freq [Dr/2] fp32 → ([Dr/2] fp32, attention factor 1)."""
         L = self.original_max_positions
         wavelen = 2 * math.pi / inv_freq
-        s = (L / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
-        blended = (1 - s) * inv_freq / self.factor + s * inv_freq
+        if self.high_freq_factor > self.low_freq_factor:
+            s = (L / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            blended = (1 - s) * inv_freq / self.factor + s * inv_freq
+        else:
+            blended = inv_freq / self.factor
         out = torch.where(wavelen > L / self.low_freq_factor, inv_freq / self.factor, blended)
         return torch.where(wavelen < L / self.high_freq_factor, inv_freq, out), 1.0
 
@@ -336,21 +340,32 @@ class Attention(nn.Module):
     ``output_gate``: ``wq`` also gives each head a gate, its rows [q_h; gate_h] per head, and the
     attention output is multiplied by sigmoid(gate) before ``wo`` (Qwen3-Next's gated attention).
     ``zero_centered_norm``: the q/k norms scale by 1 + weight.
+
+    Llama 4's options (``model.no_rope_layers`` and its neighbours): ``rope`` False leaves the
+    queries and keys unrotated (NoPE), and the forward's ``temperature`` ([S] or [B, S], from
+    :func:`attention_temperature`) then multiplies the queries; ``chunk``: each query sees the
+    keys of its own chunk of positions only; ``qk_norm`` ``l2``: q and k divided by their RMS
+    over each head's dims after RoPE (no weight), in a block that rotates.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, qkv_bias: bool = False,
                  qk_norm: str = "none", norm_eps: float = 1e-5, out_bias: bool = False, sinks: bool = False,
-                 window: int | None = None, output_gate: bool = False, zero_centered_norm: bool = False):
+                 window: int | None = None, output_gate: bool = False, zero_centered_norm: bool = False,
+                 rope: bool = True, chunk: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.output_gate = output_gate
+        self.rope, self.chunk = rope, chunk
+        self.norm_eps = norm_eps
+        # Llama 4's weightless q/k norm, in the blocks that rotate only
+        self.l2_qk_norm = qk_norm == "l2" and rope
         self.wq = Linear(dim, n_heads * head_dim * (2 if output_gate else 1), bias=qkv_bias)
         self.wk = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wv = Linear(dim, n_kv_heads * head_dim, bias=qkv_bias)
         self.wo = Linear(n_heads * head_dim, dim, bias=out_bias)
         self.q_norm: QKNorm | None = None
         self.k_norm: QKNorm | None = None
-        if qk_norm != "none":
+        if qk_norm in ("head", "projection"):
             per_head = qk_norm == "head"
             self.q_norm = QKNorm(head_dim if per_head else n_heads * head_dim, norm_eps, per_head, zero_centered_norm)
             self.k_norm = QKNorm(head_dim if per_head else n_kv_heads * head_dim, norm_eps, per_head,
@@ -369,33 +384,54 @@ class Attention(nn.Module):
         self.max_logit = torch.full((heads,), float("-inf"), device=self.wq.weight.device)
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: DocumentMask | None = None) -> torch.Tensor:
+                doc: DocumentMask | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         # -1 heads: under tensor parallelism the projections hold a slice of the heads.
         q = self.wq(x_BSD).view(B, S, -1, self.head_dim * (2 if self.output_gate else 1))
         k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if not self.output_gate:
-            return self.wo(self.core(q, k, v, cos, sin, doc))
+            return self.wo(self.core(q, k, v, cos, sin, doc, temperature))
         q, gate = q.split(self.head_dim, dim=-1)
-        return self.wo(self.core(q, k, v, cos, sin, doc) * torch.sigmoid(gate.reshape(B, S, -1)))
+        return self.wo(self.core(q, k, v, cos, sin, doc, temperature) * torch.sigmoid(gate.reshape(B, S, -1)))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             doc: DocumentMask | None = None) -> torch.Tensor:
+             doc: DocumentMask | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
         """What lies between the projections: q/k norm, RoPE and the attention kernel, on plain
         (local) tensors also under tensor parallelism. q: [B, S, H, Dh], k/v: [B, S, G, Dh] →
-        [B, S, H·Dh]."""
+        [B, S, H·Dh]; ``temperature`` ([S] or [B, S] fp32): the NoPE blocks' query scale."""
         B, S = q.shape[:2]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.l2_qk_norm:
+            q, k = l2_norm(q, self.norm_eps), l2_norm(k, self.norm_eps)
+        if temperature is not None and not self.rope:
+            t = temperature[None, :, None, None] if temperature.dim() == 1 else temperature[:, :, None, None]
+            q = (q * t).to(q.dtype)
         if self.max_logit is not None:
             torch.maximum(self.max_logit, head_max_logits(q.transpose(1, 2), k.transpose(1, 2), self.head_dim ** -0.5,
-                                                          doc, self.window), out=self.max_logit)
+                                                          doc, self.window, self.chunk), out=self.max_logit)
         sinks = local_cast(self.sinks, None) if self.sinks is not None else None
         out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), doc, window=self.window,
-                          sinks=sinks)  # [B, H, S, Dh]
+                          sinks=sinks, chunk=self.chunk)  # [B, H, S, Dh]
         return out.transpose(1, 2).reshape(B, S, -1)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x divided by its root mean square over the last dim, in fp32, returned in x's dtype (no
+    weight: Llama 4's ``Llama4TextL2Norm``). x: [..., D]."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's query scale for its NoPE blocks: 1 + attn_scale · ln(1 + floor((p + 1) /
+    floor_scale)) at position p (transformers' ``Llama4TextAttention``; Nakanishi 2025,
+    "Scalable-Softmax Is Superior for Attention", whose scale grows with log of the context).
+    positions: [S] or [B, S] integers → the same shape, fp32."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 class FeedForward(nn.Module):

@@ -527,6 +527,8 @@ class MoE(nn.Module):
         dispatch_wire: the dtype the routed tokens travel in (``moe.dispatch_dtype``: None as
             computed, bf16 or float8 E4M3); the layer rounds them to it before dispatching
             (:func:`moetrain.model.fp8.round_trip`), whether or not they leave the rank.
+        probs_on_input: the routing weight scales the token before its expert, f(p·x), and the
+            outputs combine with weight 1 (Llama 4; ``moe.apply_probs_on_input``; top_k 1).
 
     ``parallel`` (:class:`MoEParallel`) says how tokens and experts are spread over ranks. A
     training step calls :meth:`begin_step` before its micro-batches and :meth:`take_statistics`
@@ -539,9 +541,12 @@ class MoE(nn.Module):
                  bias_update_rate: float = 0.0, shared_hidden: int | None = None, shared_gate: bool = False,
                  n_group: int | None = None, topk_group: int | None = None, routing_bias: bool = False,
                  router_bias: bool = False, expert_biases: bool = False, activation: str = "swiglu",
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, probs_on_input: bool = False,
                  dispatch_wire: torch.dtype | None = None):
         super().__init__()
+        if probs_on_input and top_k != 1:
+            raise ValueError(f"probs_on_input needs top_k 1 (got {top_k}): one weight per token")
+        self.probs_on_input = probs_on_input
         self.dispatch_wire = dispatch_wire
         self.num_experts, self.top_k = num_experts, top_k
         self.score_function, self.routed_scaling_factor = score_function, routed_scaling_factor
@@ -726,7 +731,12 @@ class MoE(nn.Module):
             else:  # of the real tokens, on the device (the capacity's selection reads the host anyway)
                 capacity = torch.ceil(real_BS.sum().double() * self.capacity_factor * self.top_k
                                       / self.num_experts).long()
-        pending = dispatcher.start(round_trip(x_TD, self.dispatch_wire), topk_idx_TK, capacity, real_BS is not None)
+        routed_TD, combine_TK = x_TD, topk_p_TK
+        if self.probs_on_input:  # f(p·x): the token scaled before it leaves (fp32 product, x's dtype)
+            routed_TD = (x_TD.float() * topk_p_TK).to(x_TD.dtype)
+            combine_TK = torch.ones_like(topk_p_TK)
+        pending = dispatcher.start(round_trip(routed_TD, self.dispatch_wire), topk_idx_TK, capacity,
+                                   real_BS is not None)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).
         shared_TD = self._shared_output(x_TD) if self.shared is not None and self.parallel.overlap_shared else None
@@ -736,7 +746,7 @@ class MoE(nn.Module):
         y_ND = self.experts(x_ND, counts_El, handle.host_counts, padding_rows=handle.padding_rows)
 
         # 5.-6. back to the source rank, in assignment order, weighted (fp32) and summed over k.
-        y_TD = dispatcher.combine(y_ND, handle, topk_p_TK)
+        y_TD = dispatcher.combine(y_ND, handle, combine_TK)
         if self.shared is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared_output(x_TD))
 

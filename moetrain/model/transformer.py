@@ -23,7 +23,7 @@ from torch import nn
 from moetrain.config import Config, ModelConfig, MoEConfig
 from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
 from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
-                                   YarnRopeScaling, rope_cos_sin, yarn_mscale)
+                                   YarnRopeScaling, attention_temperature, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
 from moetrain.model.gated_deltanet import GatedDeltaNet, delta_rule
 from moetrain.model.kda import KimiDeltaAttention, kda_rule
@@ -75,7 +75,7 @@ class Block(nn.Module):
         else:
             self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
                                        m.norm_eps, m.attention_out_bias, m.attention_sinks, window,
-                                       m.attention_output_gate, zc)
+                                       m.attention_output_gate, zc, rope=m.rope_of(layer), chunk=m.chunk_of(layer))
         if isinstance(self.attention, (Attention, MLAttention)):
             self.attention.kernel = attention_kernel(m.attention_backend)
         self.ffn_norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps, zc) if ffn != "none" else None
@@ -88,7 +88,7 @@ class Block(nn.Module):
                            shared_hidden=moe.shared_hidden, shared_gate=moe.shared_expert_gate, n_group=moe.n_group,
                            topk_group=moe.topk_group, routing_bias=moe.routing_bias, router_bias=moe.router_bias,
                            expert_biases=moe.expert_biases, activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
-                           swiglu_limit=moe.swiglu_limit,
+                           swiglu_limit=moe.swiglu_limit, probs_on_input=moe.apply_probs_on_input,
                            dispatch_wire=dispatch_wire)
         elif ffn == "dense":
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden, m.mlp_activation)
@@ -97,19 +97,24 @@ class Block(nn.Module):
         self.recompute = False
 
     def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
-        """``tokens``: the real (not padding) tokens, which the MoE layer routes (None: all)."""
+                doc: DocumentMask | None = None, tokens: TokenMask | None = None,
+                temperature: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens``: the real (not padding) tokens, which the MoE layer routes (None: all);
+        ``temperature``: the NoPE blocks' query scale (:func:`attention_temperature`; None: 1)."""
         if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, doc, tokens, use_reentrant=False,
-                                                     context_fn=recompute_context)
-        return self._forward(x_BSD, cos, sin, doc, tokens)
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BSD, cos, sin, doc, tokens, temperature,
+                                                     use_reentrant=False, context_fn=recompute_context)
+        return self._forward(x_BSD, cos, sin, doc, tokens, temperature)
 
     def _forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 doc: DocumentMask | None = None, tokens: TokenMask | None = None) -> torch.Tensor:
+                 doc: DocumentMask | None = None, tokens: TokenMask | None = None,
+                 temperature: torch.Tensor | None = None) -> torch.Tensor:
         if self.attention is None:
             h = x_BSD
         elif isinstance(self.attention, RECURRENT):  # no positions: its state orders the tokens
             h = x_BSD + self.attention(self.attention_norm(x_BSD), doc)
+        elif isinstance(self.attention, Attention):
+            h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc, temperature=temperature)
         else:
             h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin, doc=doc)
         if self.moe is not None:
@@ -250,9 +255,12 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(rope_positions, self.rotary_dim, self.rope_theta, self.rope_scaling)
         if not self.model_cfg.rope:  # NoPE: the rotation by angle 0 is the identity, exactly
             cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+        m = self.model_cfg
+        temperature = (attention_temperature(rope_positions, m.floor_scale, m.attn_scale)
+                       if m.attn_temperature_tuning else None)
         tokens = TokenMask.from_padding(padding.to(h.device), positions) if padding is not None else None
         for block in self.layers.values():
-            h = block(h, cos, sin, doc, tokens)
+            h = block(h, cos, sin, doc, tokens, temperature)
         if self.output is None:
             return self.norm(h) if self.norm is not None else h
         logits = self.output(self.norm(h) if self.norm is not None else h).float()

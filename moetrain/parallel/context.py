@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.attention import (DocumentMask, Kernel, _acc_dtype, block_backward, block_forward, merge_sinks,
-                                      pick_kernel, sink_grad, within_window)
+                                      pick_kernel, sink_grad, within_chunk, within_window)
 from moetrain.parallel.peers import waiting_on_peers
 
 __all__ = ["cp_shard", "cp_unshard", "cp_positions", "cp_gather", "ring_attention", "HeadAllToAll",
@@ -171,13 +171,13 @@ def _merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse
 
 
 class _BlockMasks:
-    """Masks of the (query, K/V block) pairs of the ring — document mask and sliding window —
-    restricted to the visible part that :func:`_visible_part` selects; ``None`` everywhere
-    without either."""
+    """Masks of the (query, K/V block) pairs of the ring — document mask, sliding window and
+    attention chunks — restricted to the visible part that :func:`_visible_part` selects;
+    ``None`` everywhere without any of them."""
 
     def __init__(self, doc: DocumentMask | None, window: int | None, ring: "_Ring", local_len: int, seq_len: int,
-                 device: torch.device):
-        self.doc, self.window, self.ring, self.c = doc, window, ring, local_len // 2
+                 device: torch.device, chunk: int | None = None):
+        self.doc, self.window, self.chunk, self.ring, self.c = doc, window, chunk, ring, local_len // 2
         self.seq_len, self.device = seq_len, device
         self.positions: dict[int, torch.Tensor] = {}
 
@@ -187,7 +187,7 @@ class _BlockMasks:
         return self.positions[rank]
 
     def __call__(self, src: int, part: str) -> torch.Tensor | None:
-        if self.doc is None and self.window is None:
+        if self.doc is None and self.window is None and self.chunk is None:
             return None
         q_pos, k_pos, c = self._pos(self.ring.rank), self._pos(src), self.c
         if part == _KV_FIRST:
@@ -198,7 +198,9 @@ class _BlockMasks:
             mask = self.doc.visible(q_pos, k_pos) if part == _DIAGONAL else self.doc.same_document(q_pos, k_pos)
         else:
             mask = (k_pos[None, :] <= q_pos[:, None])[None]
-        return mask if self.window is None else mask & within_window(q_pos, k_pos, self.window)
+        if self.window is not None:
+            mask = mask & within_window(q_pos, k_pos, self.window)
+        return mask if self.chunk is None else mask & within_chunk(q_pos, k_pos, self.chunk)
 
 
 def _ring_forward(ring, kernel, q, k, v, causal, scale, masks):
@@ -295,9 +297,9 @@ class _RingAttention(torch.autograd.Function):
     owner after cp hops (Liu et al. 2023, §3). No autograd through the communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, causal, scale, kernel, doc, window):
+    def forward(ctx, q, k, v, sinks, group, causal, scale, kernel, doc, window, chunk):
         ring = _Ring(group)
-        masks = _BlockMasks(doc, window, ring, q.shape[2], q.shape[2] * ring.size, q.device)
+        masks = _BlockMasks(doc, window, ring, q.shape[2], q.shape[2] * ring.size, q.device, chunk)
         out, lse = _ring_forward(ring, kernel, q, k, v, causal, scale, masks)
         if sinks is not None:  # one more key per head, with a zero value (moetrain.model.attention)
             out, lse = merge_sinks(out, lse, sinks)
@@ -311,13 +313,13 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.masks)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    causal: bool = True, scale: float | None = None, kernel: Kernel = "auto",
                    doc: DocumentMask | None = None, window: int | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Exact attention over the sequence split across the ranks of ``group`` (ring attention).
 
     Args:
@@ -345,6 +347,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             positions; its blocks run on the ``math`` kernel with the mask).
         sinks: [Hq] per-head sink logits joining every row's softmax, merged once after the ring
             (:func:`moetrain.model.attention.merge_sinks`).
+        chunk: each query sees the keys of its own chunk of ``chunk`` global positions only
+            (Llama 4's chunked attention; the chunks cross the ranks' shards; its blocks run on
+            the ``math`` kernel with the mask).
 
     Returns:
         out [B, Hq, Sl, Dv] in q's dtype, the same layout; differentiable w.r.t. q, k, v, sinks.
@@ -377,7 +382,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     dv = v.shape[3]
     if dv < d:  # K and V travel as one message of one width
         v = torch.nn.functional.pad(v, (0, d - dv))
-    out = _RingAttention.apply(q, k, v, sinks, group, causal, scale, pick_kernel(kernel, q), doc, window)
+    out = _RingAttention.apply(q, k, v, sinks, group, causal, scale, pick_kernel(kernel, q), doc, window, chunk)
     return out[..., :dv] if dv < d else out
 
 
@@ -390,9 +395,10 @@ class RingAttentionKernel:
         self.group = group
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
-                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group, causal=True, doc=doc, scale=scale, window=window, sinks=sinks)
+                 scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
+                 chunk: int | None = None) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group, causal=True, doc=doc, scale=scale, window=window, sinks=sinks,
+                              chunk=chunk)
 
 
 class HeadAllToAll:

@@ -150,6 +150,8 @@ class ModelShape:
     expert_matrices: int = 3                  # each routed / shared expert: 3 = SwiGLU, 2 = squared ReLU
     window: int | None = None                 # sliding-window span (tokens) of ``window_layers`` layers
     window_layers: int = 0
+    chunk: int | None = None                  # attention chunk (tokens) of ``chunk_layers`` layers (Llama 4)
+    chunk_layers: int = 0
     # multi-head latent attention (DeepSeek-V2 §2.1): set kv_lora_rank; head_dim_override is then
     # the query/key width d_n + d_r, v_head_dim d_v, qk_rope_dim d_r; q_lora_rank None: one
     # query projection
@@ -198,6 +200,7 @@ class ModelShape:
         ffns = [m.ffn_type(i, moe) for i in range(m.layers)]
         flags = tuple(f == "moe" for f in ffns)
         windowed = sum(1 for i in range(m.layers) if m.window_of(i) is not None)
+        chunked = sum(1 for i in range(m.layers) if m.chunk_of(i) is not None)
         mla = m.attention == "mla"
         attn: dict = dict(head_dim_override=m.head_dim)
         if mla:
@@ -226,6 +229,7 @@ class ModelShape:
                    dispatch_fp8=dispatch_wire(moe.dispatch_dtype, cfg.train.precision) == E4M3,
                    fp8_gemms=cfg.train.precision == "fp8",
                    window=m.sliding_window if windowed else None, window_layers=windowed,
+                   chunk=m.attention_chunk_size if chunked else None, chunk_layers=chunked,
                    mlp_matrices=2 if m.mlp_activation == "relu2" else 3,
                    expert_matrices=2 if moe.activation == "relu2" else 3, mtp_depth=m.mtp_depth,
                    mixer_none=mixers.count("none"), ffn_none=ffns.count("none"),
@@ -542,16 +546,20 @@ class ModelShape:
     def attention_flops(self, causal: bool = False) -> float:
         """Forward QKᵀ and AV FLOPs per token of one layer, averaged over the layers:
         2·s·(h_q + h_v) (= 4·s·h_q when d_v = d), half with a causal mask; a sliding-window
-        layer attends to ``window`` keys (all of them, causal or not); a gated-DeltaNet block
-        its delta rule (:meth:`linear_flops`, independent of s)."""
+        layer attends to ``window`` keys (all of them, causal or not); a chunked layer (Llama 4)
+        to the keys of its chunk, as full attention over min(chunk, s) tokens; a gated-DeltaNet
+        block its delta rule (:meth:`linear_flops`, independent of s)."""
         full = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
         if self.linear_layers or self.kda_layers or self.mamba_layers:
             return (full * self.attention_layers + self.linear_flops() * self.linear_layers
                     + self.kda_flops() * self.kda_layers + self.mamba_flops() * self.mamba_layers) / self.layers
-        if not self.window or not self.window_layers:
+        windows = self.window_layers if self.window else 0
+        chunks = self.chunk_layers if self.chunk else 0
+        if not windows and not chunks:
             return full
-        windowed = 2.0 * min(self.window, self.seq_len) * (self.h_q + self.h_v)
-        return (full * (self.layers - self.window_layers) + windowed * self.window_layers) / self.layers
+        windowed = 2.0 * min(self.window or 0, self.seq_len) * (self.h_q + self.h_v)
+        chunked = 2.0 * min(self.chunk or 0, self.seq_len) * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
+        return (full * (self.layers - windows - chunks) + windowed * windows + chunked * chunks) / self.layers
 
     @property
     def logits_flops(self) -> float:
