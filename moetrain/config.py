@@ -82,6 +82,39 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """``model.dsa``: DeepSeek Sparse Attention on MLA (DeepSeek-AI 2025, "DeepSeek-V3.2-Exp"
+    §2.1; DeepSeek-V3.2, GLM-5). A lightning indexer scores every earlier token of each query,
+    I(t, s) = Σ_j w(t, j) · ReLU(q_I(t, j) · k_I(s)) · ``index_head_dim``^-1/2 over ``index_heads``
+    heads j, from a query q_I [index_heads, index_head_dim] projected from MLA's query latent, one
+    key k_I [index_head_dim] shared by the heads (LayerNorm; RoPE on its first ``qk_rope_head_dim``
+    dims, as the query's) and per-head weights w projected from the block's input (times
+    index_heads^-1/2); each query then attends to its ``index_topk`` best-scored visible keys (all
+    of them when it sees fewer). ``index_topk`` 0 (the default) turns DSA off. ``stage``:
+
+    * ``dense_warmup`` — attention stays dense, every parameter but the indexers' is frozen, and
+      the indexers learn KL(p ‖ softmax(I)) with p the main attention's probabilities summed over
+      its heads and L1-normalised (the report's eq. 3);
+    * ``sparse`` — the attention is over the selected keys; the indexers learn the KL over the
+      selected keys only (eq. 4) while the rest of the model learns the language-modelling loss.
+
+    In both the indexer's inputs are detached (its loss trains the indexer alone; the selection
+    gives the main model no gradient). The loss, weighted by ``indexer_loss_coef``, joins the
+    objective through the indexers' gradients and is logged as ``indexer_loss`` (mean over the
+    DSA layers and the tokens)."""
+
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 0
+    stage: Literal["dense_warmup", "sparse"] = "sparse"
+    indexer_loss_coef: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.index_topk > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder shape. ``hidden``: model width d. ``ffn_hidden``: SwiGLU inner width of the dense
     MLP. ``vocab_size``: ``null`` takes the tokenizer's vocabulary from the data manifest,
@@ -202,7 +235,9 @@ class ModelConfig:
       1 + ``attn_scale`` · ln(1 + floor((p + 1) / ``floor_scale``)) at position p, which keeps the
       attention sharp at long context (Nakanishi 2025, "Scalable-Softmax"; Llama 4's
       temperature tuning). p is the position RoPE uses (it restarts at each document with
-      ``data.reset_position_ids``)."""
+      ``data.reset_position_ids``).
+
+    ``dsa``: DeepSeek Sparse Attention on the MLA blocks (:class:`DSAConfig`)."""
 
     layers: int = 4
     hidden: int = 256
@@ -270,6 +305,7 @@ class ModelConfig:
     attn_temperature_tuning: bool = False
     floor_scale: int = 8192
     attn_scale: float = 0.1
+    dsa: DSAConfig = field(default_factory=DSAConfig)
 
     def layer_type(self, layer: int) -> str:
         """Block ``layer``'s token mixer: ``full_attention``, ``linear_attention``, ``kda``,
@@ -1471,6 +1507,38 @@ def save_config(cfg: Config, path: str | os.PathLike, layers: Layers | None = No
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_dsa(cfg: Config) -> None:
+    """model.dsa (DeepSeek Sparse Attention), each field named with its fix."""
+    m, d = cfg.model, cfg.model.dsa
+    if d.index_topk < 0:
+        raise field_error("model.dsa.index_topk", d.index_topk, "must be 0 (off) or positive", "use e.g. 2048")
+    if not d.enabled:
+        return
+    _bounds(cfg, "model.dsa", positive="index_heads index_head_dim", non_negative="indexer_loss_coef")
+    if m.attention != "mla" or m.q_lora_rank is None:
+        raise field_error("model.dsa.index_topk", d.index_topk, "DSA's indexer reads MLA's query latent: it needs "
+                          f"model.attention = 'mla' with a q_lora_rank (got {m.attention!r}, q_lora_rank "
+                          f"{m.q_lora_rank})", "set attention: mla and q_lora_rank, or index_topk: 0")
+    if d.index_head_dim < m.qk_rope_head_dim or d.index_head_dim % 2:
+        raise field_error("model.dsa.index_head_dim", d.index_head_dim, "must be even and at least "
+                          f"model.qk_rope_head_dim={m.qk_rope_head_dim} (RoPE rotates its first dims)",
+                          "use e.g. 128 (DeepSeek-V3.2)")
+    if m.layer_types or m.hybrid_override_pattern or m.mtp_depth:
+        field = ("model.layer_types" if m.layer_types else "model.hybrid_override_pattern"
+                 if m.hybrid_override_pattern else "model.mtp_depth")
+        raise field_error(field, getattr(m, field.split(".")[1]), "is not built beside model.dsa",
+                          "train DSA on MLA blocks only, without MTP modules")
+    if m.sliding_window is not None or m.attention_sinks:
+        raise field_error("model.sliding_window" if m.sliding_window is not None else "model.attention_sinks",
+                          m.sliding_window if m.sliding_window is not None else True,
+                          "is not built beside model.dsa", "remove it")
+    if m.attention_backend != "sdpa":
+        raise field_error("model.attention_backend", m.attention_backend, "runs no DSA selection mask",
+                          "use attention_backend sdpa (the masked attention; moetrain.model.dsa)")
+    if cfg.train.lora.r:
+        raise field_error("train.lora.r", cfg.train.lora.r, "is not built beside model.dsa", "set train.lora.r: 0")
+
+
 def _check_llama4_attention(cfg: Config) -> None:
     """model.no_rope_layers, attention_chunk_size, qk_norm l2, attn_temperature_tuning and
     moe.apply_probs_on_input (Llama 4's), each named with its fix."""
@@ -1872,8 +1940,10 @@ def planned_device_type(cfg: Config) -> str:
 
 def _bounds(cfg: Config, section: str, positive: str = "", non_negative: str = "") -> None:
     """The fields of ``section`` named in ``positive`` must be > 0 (``null`` passes), those in
-    ``non_negative`` >= 0."""
-    values = getattr(cfg, section)
+    ``non_negative`` >= 0. ``section`` may be dotted (``model.dsa``)."""
+    values = cfg
+    for part in section.split("."):
+        values = getattr(values, part)
     for name in positive.split():
         if (value := getattr(values, name)) is not None and value <= 0:
             raise field_error(f"{section}.{name}", value, "must be positive", "use a value greater than 0")
@@ -1986,6 +2056,7 @@ def _check_model(cfg: Config, device: str | None) -> None:
     if m.sliding_window is not None and m.sliding_window < 1:
         raise field_error("model.sliding_window", m.sliding_window, "must be at least 1", "use null or e.g. 128")
     _check_llama4_attention(cfg)
+    _check_dsa(cfg)
     _bounds(cfg, "model", positive="window_every", non_negative="mtp_depth mtp_loss_coef")
     if m.hybrid_override_pattern:
         p = m.hybrid_override_pattern

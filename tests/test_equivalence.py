@@ -22,11 +22,14 @@ STEPS = 5
 def full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's parameters' gradients as the single-process model holds them: DTensor
     gradients (TP, EP, FSDP) made full. Under pipeline parallelism each rank returns its stage's
-    parameters; the test takes the union over ranks."""
+    parameters; the test takes the union over ranks. Frozen parameters (no gradient) are left
+    out."""
     out = {}
     for part in trainer.model_parts:
         for name, p in part.named_parameters():
             g = p.grad
+            if g is None and not p.requires_grad:
+                continue
             out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
     return out
 

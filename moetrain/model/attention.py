@@ -363,12 +363,17 @@ class SinkAttention(torch.autograd.Function):
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
                    scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-                   chunk: int | None = None) -> torch.Tensor:
+                   chunk: int | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention through ``F.scaled_dot_product_attention`` with GQA (kv heads broadcast);
-    with ``doc``, ``window`` or ``chunk``, the explicit mask; with ``sinks``, :class:`SinkAttention`."""
+    with ``doc``, ``window``, ``chunk`` or ``select`` ([B, S, S] bool, the keys each query may
+    see besides the causal rule: DSA's top-k, :mod:`moetrain.model.dsa`), the explicit mask;
+    with ``sinks``, :class:`SinkAttention`."""
     gqa = q.shape[1] != k.shape[1]
     mask = doc.local_mask(window, chunk) if doc is not None else (
-        causal_mask(q.shape[2], q.device, window, chunk) if window is not None or chunk is not None else None)
+        causal_mask(q.shape[2], q.device, window, chunk)
+        if window is not None or chunk is not None or select is not None else None)
+    if select is not None:
+        mask = mask & select[:, None]
     if sinks is not None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         block_mask = mask[:, 0] if mask is not None else None

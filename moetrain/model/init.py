@@ -7,7 +7,7 @@ some blocks, gets exactly the values the single-process model has. Norm weights 
 [1, 16], dt_bias 1 (Qwen3-Next's), the convolution normal with std kernel^−½. Mamba-2: A_log =
 log(1 … H), D and dt_bias 1 (Nemotron-H's), the convolution as gated DeltaNet's, its bias 0.
 Output projections (``wo``, ``w2``) use std / sqrt(2·layers) (GPT-2, Radford et al. 2019 §2.3).
-Low-rank adapters (:mod:`moetrain.model.lora`): A uniform in ±1/√in, per expert for the experts'
+DSA's indexer key norm: weight 1, bias 0. Low-rank adapters (:mod:`moetrain.model.lora`): A uniform in ±1/√in, per expert for the experts'
 stacks, B zero. An FP8 base draws the same values and stores them quantized (codes and block scales).
 """
 
@@ -19,6 +19,7 @@ import zlib
 import torch
 from torch import nn
 
+from moetrain.model.dsa import KeyNorm
 from moetrain.model.fp8 import quantize_blocks
 from moetrain.model.gated_deltanet import GatedDeltaNet, GatedRMSNorm
 from moetrain.model.kda import KimiDeltaAttention
@@ -51,6 +52,9 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
         full = f"{prefix}{mod_name}"
         if isinstance(module, RMSNorm):
             module.weight.fill_(0.0 if module.zero_centered else 1.0)
+        elif isinstance(module, KeyNorm):  # DSA's indexer key norm: the identity LayerNorm
+            module.weight.fill_(1.0)
+            module.bias.zero_()
         elif isinstance(module, (GatedRMSNorm, GroupedGatedRMSNorm)):
             module.weight.fill_(1.0)
         elif isinstance(module, Mamba2):

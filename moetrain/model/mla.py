@@ -19,6 +19,11 @@ Phases of :meth:`MLAttention.forward`:
 Phase 2 can be recomputed in backward (``mla_up_proj``, as Megatron-Core's recompute module of
 that name): only the latents stay in memory.
 
+With DeepSeek Sparse Attention (``model.dsa``, :mod:`moetrain.model.dsa`) an :class:`Indexer`
+scores the keys from the block's input and the query latent c_q; in the ``sparse`` stage phase 3
+attends to each query's selected keys only, and in training the indexer's loss joins the output's
+gradient.
+
 Hugging Face's ``kv_a_proj_with_mqa`` is [Ckv + Dr, D]: moetrain keeps its two parts as two
 projections (``wkv_a`` and ``wk_rope``), so that under tensor parallelism the RoPE key's
 gradient, which every tp rank computes for its own heads, can be summed over tp on its own
@@ -32,7 +37,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.model.attention import DocumentMask, head_max_logits, sdpa_attention
+from moetrain.model.dsa import Indexer, attention_probabilities, visible_keys
 from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local_cast
+from moetrain.model.moe import AttachAuxLoss
 from moetrain.model.recompute import recompute_context
 
 
@@ -43,8 +50,9 @@ class MLAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, q_lora_rank: int | None, kv_lora_rank: int, qk_nope_head_dim: int,
                  qk_rope_head_dim: int, v_head_dim: int, scale: float, norm_eps: float = 1e-6,
-                 window: int | None = None, sinks: bool = False):
+                 window: int | None = None, sinks: bool = False, indexer: Indexer | None = None):
         super().__init__()
+        self.indexer = indexer
         self.heads, self.nope, self.rope, self.v_dim = heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk = qk_nope_head_dim + qk_rope_head_dim
         self.wq: Linear | None = None
@@ -97,10 +105,36 @@ class MLAttention(nn.Module):
                                                         context_fn=recompute_context)
         else:
             q, k, v = self.up(c_q, c_kv, k_r, cos, sin)
+        # 2b. DSA: score the keys, select each query's top-k (the sparse stage attends to those)
+        idx, select = self.indexer, None
+        if idx is not None:
+            q_pos, k_pos = idx.positions(S, x_BSD.device)
+            visible = visible_keys(q_pos, k_pos, doc, B)  # [B, S, T]
+            scores = idx.scores(x_BSD, c_q, cos, sin)
+            if idx.sparse:
+                select = idx.select(scores, visible)
         # 3. attend
         if self.max_logit is not None:
             torch.maximum(self.max_logit, head_max_logits(q, k, self.scale, doc, self.window), out=self.max_logit)
         sinks = local_cast(self.sinks, None) if self.sinks is not None else None
-        out = self.kernel(q, k, v, doc, scale=self.scale, window=self.window, sinks=sinks)  # [B, H, S, Dv]
+        kw = {"select": select} if select is not None else {}
+        out = self.kernel(q, k, v, doc, scale=self.scale, window=self.window, sinks=sinks, **kw)  # [B, H, S, Dv]
         # 4. project out
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        out = self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        if idx is None or not (self.training and torch.is_grad_enabled()):
+            return out
+        # 5. the indexer's loss against this attention's probabilities (no gradient to them)
+        over = select if select is not None else visible
+        par = idx.parallel
+        k_all = k.detach()
+        if par is not None and par.gather_seq is not None:
+            with torch.no_grad():
+                k_all = par.gather_seq(k_all.transpose(1, 2)).transpose(1, 2)  # [B, H, T, Dk]
+        p = attention_probabilities(q.detach(), k_all, self.scale, over)
+        if par is not None and par.sum_heads is not None:
+            p = par.sum_heads(p)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)  # L1-normalised over the keys
+        loss = idx.loss(scores, p, over, B * k_pos.numel())
+        idx.record(loss)
+        scale = idx.loss_coef * (par.loss_scale if par is not None else 1.0)
+        return AttachAuxLoss.apply(out, loss * scale, idx.loss_grad_scale)

@@ -22,6 +22,7 @@ from torch import nn
 
 from moetrain.config import Config, ModelConfig, MoEConfig
 from moetrain.model.attention import DocumentMask, attention_kernel, positions_in_document
+from moetrain.model.dsa import Indexer
 from moetrain.model.layers import (Attention, Embedding, FeedForward, Linear, Llama3RopeScaling, RMSNorm,
                                    YarnRopeScaling, attention_temperature, rope_cos_sin, yarn_mscale)
 from moetrain.model.fp8 import dispatch_wire
@@ -69,9 +70,12 @@ class Block(nn.Module):
                                                 m.linear_conv_kernel_dim, m.norm_eps, m.linear_chunk_size)
             self.attention.rule = kda_rule(m.linear_attention_backend)
         elif m.attention == "mla":
+            d = m.dsa
+            indexer = Indexer(m.hidden, m.q_lora_rank, d.index_heads, d.index_head_dim, m.qk_rope_head_dim,
+                              d.index_topk, d.stage, d.indexer_loss_coef) if d.enabled else None
             self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
                                          m.qk_rope_head_dim, m.v_head_dim, mla_scale(m), m.norm_eps, window,
-                                         m.attention_sinks)
+                                         m.attention_sinks, indexer)
         else:
             self.attention = Attention(m.hidden, m.heads, m.kv_heads, m.resolved_head_dim, m.qkv_bias, m.qk_norm,
                                        m.norm_eps, m.attention_out_bias, m.attention_sinks, window,

@@ -11,8 +11,9 @@ The order is fixed; each step says why it sits where it does:
    node-limited routing: one :class:`~moetrain.model.moe.MoEParallel` per layer;
 4b. low-rank adapters (``train.lora``) — beside the weights they adapt, placed as those are
    (so after 3-4), the base frozen (and stored in ``base_dtype``) before FSDP takes the
-   parameters over;
-5. context parallelism — swap the attention kernel for ring attention over cp;
+   parameters over; likewise DSA's dense warm-up freezes all but the indexers;
+5. context parallelism — swap the attention kernel for ring attention over cp; DSA's indexers
+   gather their keys over cp and sum the attention's probabilities over tp;
 6. activation checkpointing — wraps whole blocks, so it comes after their contents changed;
    then ``train.compile`` compiles each block's computation (the recomputation wraps it);
 7. data parallelism / ZeRO — FSDP2 (``replicate`` for stage 0) wraps each parameter group over
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from moetrain.config import Config, check_supported
+from moetrain.model.dsa import Indexer
 from moetrain.model.init import init_weights
 from moetrain.model.fp8_gemm import set_fp8
 from moetrain.model.layers import set_compute_dtype
@@ -41,7 +43,7 @@ from moetrain.model.moe import GroupedExperts, resolve_expert_backend
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.activation import apply_activation_checkpointing
 from moetrain.parallel.compile import apply_compile
-from moetrain.parallel.context import apply_context_parallel
+from moetrain.parallel.context import apply_context_parallel, apply_indexer_parallel
 from moetrain.parallel.data_parallel import apply_data_parallel
 from moetrain.parallel.ep_overlap import InTurnExchange
 from moetrain.parallel.exchange import Exchange
@@ -52,6 +54,17 @@ from moetrain.parallel.precision import compute_dtype, fp8_recipe
 from moetrain.parallel.runner import StepRunner, build_runner
 from moetrain.parallel.state import CP, EP, PP, TP, ParallelState
 from moetrain.parallel.tensor import apply_tensor_parallel
+
+
+def freeze_all_but_indexers(model: nn.Module) -> None:
+    """DSA's dense warm-up (``model.dsa.stage: dense_warmup``): every parameter but the
+    indexers' stops training."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in model.modules():
+        if isinstance(m, Indexer):
+            for p in m.parameters():
+                p.requires_grad_(True)
 
 
 def _materialize(part: nn.Module, cfg: Config, ps: ParallelState) -> None:
@@ -123,9 +136,17 @@ def build_model_parts(cfg: Config, ps: ParallelState) -> tuple[list[Transformer]
             if cfg.train.lora.base_dtype is not None:
                 convert_base(part, cfg.train.lora.base_dtype, cfg.train.fp8_block)
             place_adapters(part)
+        # 4c. DSA's dense warm-up trains the indexers alone: the rest is frozen (no gradient,
+        #     optimizer state or reduction), as LoRA's base.
+        if cfg.model.dsa.enabled and cfg.model.dsa.stage == "dense_warmup":
+            freeze_all_but_indexers(part)
         # 5. context parallelism: ring attention over cp, RoPE at the chunks' global positions.
         if ps.size(CP) > 1:
             apply_context_parallel(part, ps.group(CP), cfg.model.seq_len)
+        # 5b. DSA under tp / cp: the indexer keys gathered over cp, the attention's probabilities
+        #     summed over tp.
+        if cfg.model.dsa.enabled and (ps.size(CP) > 1 or ps.size(TP) > 1):
+            apply_indexer_parallel(part, ps, cfg.model.seq_len)
         # 6. activation checkpointing: recompute blocks (full) or core attention (selective).
         if cfg.parallel.activation_checkpointing != "none":
             apply_activation_checkpointing(part, cfg.parallel.activation_checkpointing)

@@ -30,6 +30,7 @@ Public API: :func:`cp_shard`, :func:`cp_unshard`, :func:`cp_positions`, :func:`c
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,32 @@ def cp_gather(x_local: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> 
     return cp_unshard(torch.cat(parts, dim=seq_dim), cp_size, seq_dim)
 
 
+class _SequenceGather(torch.autograd.Function):
+    """Forward: every cp rank's [B, Sl, ...] → the whole sample [B, S, ...] in sequence order
+    (all-gather, then the load-balanced layout undone). Backward: this rank's slice of the sum of
+    every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return cp_gather(x, group, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # An all-reduce, then this rank's slice (gloo has no reduce-scatter); the tensor is the
+        # indexer's one-head keys, small beside the attention's own traffic.
+        group = ctx.group
+        total = grad.contiguous()
+        dist.all_reduce(total, group=group)
+        return cp_shard(total, dist.get_rank(group), dist.get_world_size(group), 1).contiguous(), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole sample from this rank's part, differentiable: x [B, Sl, ...] → [B, cp · Sl,
+    ...] in sequence order (its gradient sums every rank's). A collective over ``group``."""
+    return _SequenceGather.apply(x, group)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Ring communication and block visibility
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +203,9 @@ class _BlockMasks:
     ``None`` everywhere without any of them."""
 
     def __init__(self, doc: DocumentMask | None, window: int | None, ring: "_Ring", local_len: int, seq_len: int,
-                 device: torch.device, chunk: int | None = None):
+                 device: torch.device, chunk: int | None = None, select: torch.Tensor | None = None):
         self.doc, self.window, self.chunk, self.ring, self.c = doc, window, chunk, ring, local_len // 2
+        self.select = select  # [B, Sl, S] bool over the sample's key positions (DSA), or None
         self.seq_len, self.device = seq_len, device
         self.positions: dict[int, torch.Tensor] = {}
 
@@ -187,7 +215,7 @@ class _BlockMasks:
         return self.positions[rank]
 
     def __call__(self, src: int, part: str) -> torch.Tensor | None:
-        if self.doc is None and self.window is None and self.chunk is None:
+        if self.doc is None and self.window is None and self.chunk is None and self.select is None:
             return None
         q_pos, k_pos, c = self._pos(self.ring.rank), self._pos(src), self.c
         if part == _KV_FIRST:
@@ -200,6 +228,9 @@ class _BlockMasks:
             mask = (k_pos[None, :] <= q_pos[:, None])[None]
         if self.window is not None:
             mask = mask & within_window(q_pos, k_pos, self.window)
+        if self.select is not None:
+            rows = self.select[:, c:] if part == _Q_SECOND else self.select
+            mask = mask & rows[:, :, k_pos]
         return mask if self.chunk is None else mask & within_chunk(q_pos, k_pos, self.chunk)
 
 
@@ -297,9 +328,9 @@ class _RingAttention(torch.autograd.Function):
     owner after cp hops (Liu et al. 2023, §3). No autograd through the communication."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, causal, scale, kernel, doc, window, chunk):
+    def forward(ctx, q, k, v, sinks, group, causal, scale, kernel, doc, window, chunk, select):
         ring = _Ring(group)
-        masks = _BlockMasks(doc, window, ring, q.shape[2], q.shape[2] * ring.size, q.device, chunk)
+        masks = _BlockMasks(doc, window, ring, q.shape[2], q.shape[2] * ring.size, q.device, chunk, select)
         out, lse = _ring_forward(ring, kernel, q, k, v, causal, scale, masks)
         if sinks is not None:  # one more key per head, with a zero value (moetrain.model.attention)
             out, lse = merge_sinks(out, lse, sinks)
@@ -313,13 +344,14 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = _ring_backward(ctx.ring, ctx.kernel, dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.masks)
         dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else None
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    causal: bool = True, scale: float | None = None, kernel: Kernel = "auto",
                    doc: DocumentMask | None = None, window: int | None = None,
-                   sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, chunk: int | None = None,
+                   select: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over the sequence split across the ranks of ``group`` (ring attention).
 
     Args:
@@ -350,6 +382,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         chunk: each query sees the keys of its own chunk of ``chunk`` global positions only
             (Llama 4's chunked attention; the chunks cross the ranks' shards; its blocks run on
             the ``math`` kernel with the mask).
+        select: [B, Sl, S] bool, the keys (by sample position) each of this rank's queries may
+            see besides the causal rule (DSA's top-k selection, :mod:`moetrain.model.dsa`; its
+            blocks run on the ``math`` kernel with the mask).
 
     Returns:
         out [B, Hq, Sl, Dv] in q's dtype, the same layout; differentiable w.r.t. q, k, v, sinks.
@@ -382,7 +417,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     dv = v.shape[3]
     if dv < d:  # K and V travel as one message of one width
         v = torch.nn.functional.pad(v, (0, d - dv))
-    out = _RingAttention.apply(q, k, v, sinks, group, causal, scale, pick_kernel(kernel, q), doc, window, chunk)
+    out = _RingAttention.apply(q, k, v, sinks, group, causal, scale, pick_kernel(kernel, q), doc, window, chunk,
+                               select)
     return out[..., :dv] if dv < d else out
 
 
@@ -396,9 +432,9 @@ class RingAttentionKernel:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: DocumentMask | None = None, *,
                  scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
-                 chunk: int | None = None) -> torch.Tensor:
+                 chunk: int | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
         return ring_attention(q, k, v, self.group, causal=True, doc=doc, scale=scale, window=window, sinks=sinks,
-                              chunk=chunk)
+                              chunk=chunk, select=select)
 
 
 class HeadAllToAll:
@@ -459,3 +495,36 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq
             module.context = heads
     cp_rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
     model.positions = cp_positions(seq_len, cp_rank, cp_size)
+
+
+class _SumOverTP:
+    """Sums a tensor over the tp ranks (all-reduce, no autograd): the main attention's
+    probabilities of the heads each tp rank holds, for DSA's indexer loss."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def apply_indexer_parallel(model: torch.nn.Module, ps, seq_len: int) -> None:
+    """Give every DSA indexer of ``model`` its :class:`~moetrain.model.dsa.IndexerParallel`:
+    under cp its keys (and, without gradient, the attention's keys for its loss) gathered over the
+    cp ranks, its queries at this rank's positions, its loss share scaled by cp (the gradient
+    reduction averages over cp); under tp the attention's probabilities summed over the tp ranks,
+    which hold the other heads. ``ps``: the :class:`~moetrain.parallel.state.ParallelState`."""
+    from moetrain.model.dsa import Indexer, IndexerParallel
+    from moetrain.parallel.state import CP, TP
+
+    cp, tp = ps.size(CP), ps.size(TP)
+    group = ps.group(CP) if cp > 1 else None
+    par = IndexerParallel(
+        gather_seq=(lambda x: gather_sequence(x, group)) if cp > 1 else None,
+        positions=cp_positions(seq_len, dist.get_rank(group), cp) if cp > 1 else None, cp=cp,
+        loss_scale=float(cp), sum_heads=_SumOverTP(ps.group(TP)) if tp > 1 else None)
+    for module in model.modules():
+        if isinstance(module, Indexer):
+            module.parallel = par

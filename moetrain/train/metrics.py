@@ -44,7 +44,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "B200": 2250.0,
                     "A100": 312.0, "A800": 312.0}
 
 # Record keys that are per-step scalars (everything else is structure or bookkeeping).
-SCALARS = ("loss", "mtp_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_gib",
+SCALARS = ("loss", "mtp_loss", "indexer_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mem_gib",
            "step_time_s", "dropped_fraction", "elapsed_s", "eta_s")
 
 

@@ -161,6 +161,9 @@ class Trainer:
         if cfg.train.memory_history and self.device.type == "cuda":
             start_memory_history()
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
+        # DeepSeek Sparse Attention's indexers held here (model.dsa), by block index.
+        self.indexers = {k: b.attention.indexer for part in self.model_parts for k, b in part.blocks().items()
+                         if getattr(b.attention, "indexer", None) is not None}
 
         manifests = self._verify_data()
         # The padding of packed fine-tuning data is kept out of the MoE layers (moe.route_padding);
@@ -479,6 +482,8 @@ class Trainer:
         forwards = self.runner.forwards_per_step(accum)  # 2 per micro-batch when ep_overlap splits them
         for moe in self.moe_layers.values():
             moe.begin_step(forwards)
+        for indexer in self.indexers.values():
+            indexer.begin_step(forwards)
         if self.qk_clip is not None:  # the logits of this step's forwards only (not validation's)
             self.qk_clip.reset()
 
@@ -512,6 +517,8 @@ class Trainer:
             readings["trained_tokens"] = self._trained_tokens
         if max_logit is not None:
             readings["max_logit"] = max_logit
+        if self.cfg.model.dsa.enabled:
+            readings["indexer"] = self._indexer_loss(forwards)
         a2a = self._a2a_bytes([rows for _, rows in moe_stats.values()])
         if a2a is not None:
             readings.update(intra_node=a2a[0], inter_node=a2a[1])
@@ -528,6 +535,7 @@ class Trainer:
             "consumed_samples": self.loader.consumed_samples,
             "consumed_samples_by_source": self.loader.consumed_samples_by_source(),
             **({"mtp_loss": host["mtp"][0]} if self.cfg.model.mtp_depth else {}),
+            **({"indexer_loss": host["indexer"][0]} if self.cfg.model.dsa.enabled else {}),
             "expert_load": {n: {"tokens": [int(x) for x in row],
                                 "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
                             for n, row in rows.items()},
@@ -547,6 +555,24 @@ class Trainer:
             extra["anomaly"] = {"kind": "nan" if flags["nonfinite"] else "spike", "skipped": bool(flags["skip"]),
                                 "z": flags["z"]}
         return StepResult(self.step, host["lm"][0], host["aux"][0], host["z"][0], host["grad_norm"][0], lr, extra)
+
+    def _indexer_loss(self, forwards: int) -> torch.Tensor:
+        """The step's DSA indexer loss (float64 scalar on the device): the mean over the model's
+        DSA layers, the forwards and the data-parallel ranks of each forward's KL per token.
+        Each rank's share covers its queries: the shares add up over cp, stages hold their own
+        layers (summed over pp with their count), and the tp ranks hold the same value (taken
+        once)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, DSA layers]
+        for indexer in self.indexers.values():
+            value = indexer.take_loss_sum()
+            if value is not None:
+                total[0] += value
+        total[1] = float(len(self.indexers))
+        if self.ps.size(PP) > 1:
+            dist.all_reduce(total, group=self.ps.group(PP))
+        if self.ps.size(DP_CP) > 1:  # the cp shares add up; the dp ranks' means add up: divided below
+            dist.all_reduce(total[:1], group=self.ps.group(DP_CP))
+        return total[0] / (total[1].clamp(min=1.0) * forwards * self.ps.size(DP))
 
     def _a2a_bytes(self, rows_sent: list[tuple[int, int]]) -> torch.Tensor | None:
         """Bytes the forward dispatch all-to-alls of this step sent within and across NVLink
@@ -666,6 +692,8 @@ class Trainer:
         if res.step % self.cfg.train.log_every == 0 or val_loss is not None:
             loads = " ".join(f"L{n}:{v['max_over_mean']:.2f}" for n, v in res.extra["expert_load"].items())
             mtp = f" | mtp {res.extra['mtp_loss']:.4f}" if "mtp_loss" in res.extra else ""
+            if "indexer_loss" in res.extra:
+                mtp += f" | indexer {res.extra['indexer_loss']:.4f}"
             log.info("step %d/%d | loss %.4f%s | aux %.4f | lr %.2e | grad %.3f | %.0f tok/s | %.3f TFLOP/s/dev | "
                      "mem %.2f GiB | load max/mean %s%s | %s elapsed | eta %s", res.step, self.cfg.train.steps,
                      res.loss, mtp, res.aux_loss, res.lr, res.grad_norm, res.extra["tokens_per_s"],

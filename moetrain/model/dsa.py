@@ -1,0 +1,206 @@
+"""DeepSeek Sparse Attention (DSA): the lightning indexer and its top-k selection on MLA
+(DeepSeek-AI 2025, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse
+Attention", §2.1; transformers' ``DeepseekV32Indexer``).
+
+Shape legend: B batch, S the queries this rank holds, T the keys the indexer scores (the whole
+sample: every key, also under context parallelism), D hidden, Cq the query latent (MLA's
+``q_lora_rank``), Hi index heads, Di index head dim, Dr the RoPE dims (MLA's ``qk_rope_head_dim``).
+
+The indexer (:class:`Indexer`):
+
+* a query per index head from MLA's query latent, q_I = c_q W_q [B, S, Hi, Di], and one key per
+  token shared by the heads, k_I = LayerNorm(x W_k) [B, T, Di]; RoPE on the first Dr dims of both
+  (moetrain's interleaved pairs: a checkpoint that rotates halves, DeepSeek-V3.2's, is permuted
+  on import, :mod:`moetrain.hf.tensors`);
+* per-head weights w = x W_w · Hi^-1/2 [B, S, Hi];
+* scores I(t, s) = Σ_j w(t, j) · ReLU(q_I(t, j) · k_I(s) · Di^-1/2) (the report's eq. 1), over the
+  keys a query sees (causal, its document); each query keeps its ``topk`` best (all of them when
+  it sees fewer): the attention then runs over those keys only (:func:`select_topk`).
+
+Its loss (:meth:`Indexer.loss`) is KL(p ‖ softmax(I)) per query, p the main attention's
+probabilities summed over its heads and L1-normalised, over every visible key (``dense_warmup``,
+eq. 3) or over the selected keys (``sparse``, eq. 4); the mean over the sample's tokens, times
+``model.dsa.indexer_loss_coef``, joins the objective as a gradient on the indexer alone
+(:class:`~moetrain.model.moe.AttachAuxLoss`): its inputs are detached, and the selection, a
+top-k, gives the main model no gradient.
+
+The reference path here scores and selects densely ([B, S, T] per layer) and attends with a
+boolean mask (the attention kernels' ``select``): exact, O(S·T) memory. Under context
+parallelism :mod:`moetrain.parallel.context` sets :class:`IndexerParallel`: the indexer keys (one
+head, Di wide) are gathered over the cp ranks with their gradient, and the main attention's keys
+without it, for p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.attention import DocumentMask
+from moetrain.model.layers import Linear, apply_rope, cast
+from moetrain.model.recompute import is_recomputing
+
+
+@dataclass
+class IndexerParallel:
+    """How the indexer's keys are spread over ranks, the one object
+    :mod:`moetrain.parallel.context` hands an :class:`Indexer` (None: one process).
+
+    * ``gather_seq`` — this rank's [B, S, ...] → the whole sample's [B, T, ...] in sequence
+      order, differentiable (its backward sums every rank's gradient of each key);
+    * ``positions`` — [S] the sample positions of this rank's queries; ``cp`` the ranks the
+      sample is split over (T = cp · S);
+    * ``loss_scale`` — the factor on this rank's share of the loss so that the gradient
+      reduction (a mean over cp) gives the one-process gradient: cp;
+    * ``sum_heads`` — sums a [B, S, T] head sum of the main attention's probabilities over the
+      tp ranks, which hold the other heads (no autograd); None without tp.
+
+    Under tensor parallelism the indexer is replicated: every tp rank scores the whole
+    (gathered) sequence with the same weights and gets the same selection, loss and gradient, so
+    its parameters are reduced over dp × cp only, like the rest of the block."""
+
+    gather_seq: Callable[[torch.Tensor], torch.Tensor] | None = None
+    positions: torch.Tensor | None = None
+    cp: int = 1
+    loss_scale: float = 1.0
+    sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+class KeyNorm(nn.Module):
+    """LayerNorm (Ba et al. 2016) with a weight and a bias, statistics in fp32: x [..., Di] → the
+    same shape and dtype (eps 1e-6, DeepSeek-V3.2's indexer key norm)."""
+
+    compute_dtype: torch.dtype | None = None
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = cast(self.weight, self.compute_dtype).float(), cast(self.bias, self.compute_dtype).float()
+        return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one MLA block (module docstring). ``dim`` D, ``q_lora_rank`` Cq,
+    ``heads`` Hi, ``head_dim`` Di, ``rope_dim`` Dr, ``topk`` keys per query, ``stage``
+    ``dense_warmup`` or ``sparse``, ``loss_coef`` the loss weight."""
+
+    def __init__(self, dim: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int, topk: int,
+                 stage: str = "sparse", loss_coef: float = 1.0):
+        super().__init__()
+        self.heads, self.head_dim, self.rope_dim, self.topk = heads, head_dim, rope_dim, topk
+        self.stage, self.loss_coef = stage, loss_coef
+        self.wq_b = Linear(q_lora_rank, heads * head_dim, bias=False)
+        self.wk = Linear(dim, head_dim, bias=False)
+        self.k_norm = KeyNorm(head_dim)
+        self.weights_proj = Linear(dim, heads, bias=False)
+        self.parallel: IndexerParallel | None = None
+        # The gradient given to the loss in backward: 1 / forwards of the step (begin_step).
+        self.loss_grad_scale = 1.0
+        # This step's loss summed over its forwards (float64 on the device; begin_step clears it).
+        self.loss_sum: torch.Tensor | None = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.stage == "sparse"
+
+    def begin_step(self, forwards: int) -> None:
+        """A training step of ``forwards`` forward passes starts: the loss's gradient is scaled
+        by 1 / forwards (the LM loss is divided the same way) and its sum starts from zero."""
+        self.loss_grad_scale = 1.0 / forwards
+        self.loss_sum = None
+
+    def take_loss_sum(self) -> torch.Tensor | None:
+        """This step's indexer loss summed over its forwards (this rank's share, unscaled;
+        float64 scalar on the device), or None before any; starts again from zero."""
+        out, self.loss_sum = self.loss_sum, None
+        return out
+
+    def positions(self, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([S] the sample positions of this rank's queries, [T] those of the keys, in order)."""
+        if self.parallel is None or self.parallel.positions is None:
+            pos = torch.arange(S, device=device)
+            return pos, pos
+        return self.parallel.positions.to(device), torch.arange(S * self.parallel.cp, device=device)
+
+    def scores(self, x_BSD: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """I [B, S, T] fp32 (the module docstring's scores, before any mask). ``x_BSD`` the
+        block's normed input, ``c_q`` [B, S, Cq] MLA's query latent, both detached here."""
+        B, S, _ = x_BSD.shape
+        x, c_q = x_BSD.detach(), c_q.detach()
+        q = self.wq_b(c_q).view(B, S, self.heads, self.head_dim)
+        q = apply_rope(q, cos, sin) if self.rope_dim else q  # the first Dr dims rotate
+        k = self.k_norm(self.wk(x)).unsqueeze(2)  # [B, S, 1, Di]
+        k = (apply_rope(k, cos, sin) if self.rope_dim else k).squeeze(2)
+        if self.parallel is not None and self.parallel.gather_seq is not None:
+            k = self.parallel.gather_seq(k)  # [B, T, Di]
+        w = self.weights_proj(x).float() * self.heads ** -0.5  # [B, S, Hi]
+        qf, kt = q.float(), k.float().transpose(1, 2)  # [B, S, Hi, Di], [B, Di, T]
+        scale = self.head_dim ** -0.5
+        out = None
+        for j in range(self.heads):  # one head's [B, S, T] at a time
+            term = w[..., j, None] * F.relu(qf[:, :, j] @ kt * scale)
+            out = term if out is None else out + term
+        return out
+
+    def select(self, scores_BST: torch.Tensor, visible_BST: torch.Tensor) -> torch.Tensor:
+        """[B, S, T] bool: the ``topk`` best-scored visible keys of each query (every visible key
+        when it sees fewer). On the device, no host read."""
+        return select_topk(scores_BST, visible_BST, self.topk)
+
+    def loss(self, scores_BST: torch.Tensor, p_BST: torch.Tensor, over_BST: torch.Tensor, tokens: int) -> torch.Tensor:
+        """This rank's share of the indexer loss: Σ over its queries of KL(p ‖ softmax(I)) over
+        the keys ``over_BST`` (visible, or selected), divided by ``tokens`` (the micro-batch's
+        whole sequences' query count, B · T). ``p_BST`` the target distribution (zero outside
+        ``over_BST``, rows summing to 1), no gradient. Scalar fp32, differentiable w.r.t. the scores."""
+        log_q = torch.log_softmax(scores_BST.masked_fill(~over_BST, float("-inf")), dim=-1)
+        kl = torch.xlogy(p_BST, p_BST) - p_BST * log_q.masked_fill(~over_BST, 0.0)
+        return kl.sum() / tokens
+
+    def record(self, loss: torch.Tensor) -> None:
+        """Add this forward's loss share to the step's sum (not under activation recomputation,
+        which would count it twice)."""
+        if is_recomputing():
+            return
+        value = loss.detach().double()
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+
+
+def select_topk(scores_BST: torch.Tensor, visible_BST: torch.Tensor, topk: int) -> torch.Tensor:
+    """[B, S, T] bool: for each query row the ``topk`` largest ``scores_BST`` among the keys
+    ``visible_BST`` marks (all the visible ones when fewer). Ties go to ``torch.topk``'s order,
+    which depends only on the row's values and positions, so every layout that scores the same
+    keys in the same order selects the same ones."""
+    masked = scores_BST.masked_fill(~visible_BST, float("-inf"))
+    k = min(topk, masked.shape[-1])
+    idx = masked.topk(k, dim=-1).indices
+    chosen = torch.zeros_like(visible_BST).scatter_(-1, idx, True)
+    return chosen & visible_BST
+
+
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, doc: DocumentMask | None, batch: int) -> torch.Tensor:
+    """[B, S, T] bool: the keys at positions ``k_pos`` [T] that the queries at ``q_pos`` [S] see
+    (not later, and in the same document when ``doc`` is given)."""
+    if doc is not None:
+        return doc.visible(q_pos, k_pos)
+    return (k_pos[None, None, :] <= q_pos[None, :, None]).expand(batch, -1, -1)
+
+
+@torch.no_grad()
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, allowed_BST: torch.Tensor) -> torch.Tensor:
+    """Σ over the heads of softmax(scale · q kᵀ) over the keys ``allowed_BST`` marks: q [B, H, S,
+    Dk], k [B, H, T, Dk] → [B, S, T] fp32 (each head's rows sum to 1; the caller L1-normalises
+    after summing the heads of every rank). One head's [B, S, T] at a time; no gradient."""
+    out = None
+    for h in range(q.shape[1]):
+        logits = (q[:, h].float() @ k[:, h].float().transpose(1, 2)) * scale
+        p = torch.softmax(logits.masked_fill(~allowed_BST, float("-inf")), dim=-1).nan_to_num(0.0)
+        out = p if out is None else out + p
+    return out
