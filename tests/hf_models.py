@@ -18,7 +18,9 @@ partial rotary, a gated shared expert and a dense block; Kimi Linear KDA blocks 
 RoPE, DeepSeek-V3's group-limited routing and a dense first block; Nemotron-H single-sublayer
 blocks (Mamba-2, squared-ReLU MLP, attention without RoPE, MoE with squared-ReLU experts); Llama 4
 a RoPE block with chunked attention and the l2 q/k norm beside a NoPE block with temperature
-tuning, top-1 sigmoid routing on the expert's input with a shared expert, fused experts.
+tuning, top-1 sigmoid routing on the expert's input with a shared expert, fused experts;
+DeepSeek-V3.2 and GLM-5 DeepSeek Sparse Attention's indexer (top 6 of 16 keys) on MLA, its RoPE
+rotating halves (V3.2) or interleaved pairs (GLM-5).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ VOCAB = 320  # > 257 (the byte tokenizer of tests/conftest.py) and even (tp = 2)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
 ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "llama", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next",
-         "qwen3_5_moe", "kimi_linear", "nemotron_h", "minimax_m2", "llama4_text")
+         "qwen3_5_moe", "kimi_linear", "nemotron_h", "minimax_m2", "llama4_text", "deepseek_v32", "glm_moe_dsa")
 
 
 def hf_config(arch: str, **over):
@@ -137,6 +139,20 @@ def hf_config(arch: str, **over):
             eos_token_id=None, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                 "original_max_position_embeddings": 32})
+    elif arch in ("deepseek_v32", "glm_moe_dsa"):
+        # DeepSeek Sparse Attention on DeepSeek-V3's blocks: each query of a 16-token sample keeps
+        # its 6 best-scored keys (8 index heads of 8, RoPE on the first 4 dims: rotate-half in
+        # DeepSeek-V3.2's indexer, interleaved in GLM-5's); YaRN with mscale as DeepSeek-V3's; a
+        # dense first block, then 4 experts in 2 groups with a shared one.
+        cls = tf.DeepseekV32Config if arch == "deepseek_v32" else tf.GlmMoeDsaConfig
+        kw = dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                  topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5, q_lora_rank=16, kv_lora_rank=12,
+                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_key_value_heads=4, index_topk=6,
+                  index_head_dim=8, index_n_heads=8, first_k_dense_replace=1, pad_token_id=None, bos_token_id=None,
+                  eos_token_id=None,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                   "beta_fast": 32, "beta_slow": 1})
     else:
         raise ValueError(arch)
     return cls(**{**COMMON, **kw, **over})

@@ -4,7 +4,8 @@ moetrain's (fp32, CPU, gloo).
 For every architecture of tests/hf_models.py, ``checkpoint.init_from`` loads the imported
 weights directory into dp2×ep2 (dp2 for the dense Llama) and tp2×pp2 — Qwen2-MoE also into
 dp2×tp2×ep2 with ZeRO-3, and DeepSeek-V3, GLM-4.5 and GPT-OSS into dp2×tp2×ep2 with SP and
-cp2×ep2 or pp2×dp2×ep2 instead (Qwen3-Next and Kimi Linear: cp2×ep2) — where every rank's parameters must equal the file's bit for bit; each
+cp2×ep2 or pp2×dp2×ep2 instead (Qwen3-Next, Kimi Linear, MiniMax-M2, Llama 4 and DeepSeek-V3.2: cp2×ep2;
+Nemotron-H and GLM-5: pp2×dp2×ep2) — where every rank's parameters must equal the file's bit for bit; each
 trains 5 steps (enough to move every weight away from the file's: an export that ignored training
 would fail) and saves a training checkpoint. Then, in one process, ``init_from`` that
 checkpoint (weights only: step 0, empty optimizer state) gives moetrain's logits; the export of
@@ -41,7 +42,8 @@ STEPS = 5
 SECOND = {"deepseek_v3": {"cp": 2, "ep": 2}, "glm4_moe": {"pp": 2, "dp": 2, "ep": 2, "pp_first_stage_layers": 1},
           "gpt_oss": {"cp": 2, "ep": 2}, "qwen3_next": {"cp": 2, "ep": 2}, "kimi_linear": {"cp": 2, "ep": 2},
           "nemotron_h": {"pp": 2, "dp": 2, "ep": 2}, "minimax_m2": {"cp": 2, "ep": 2},
-          "llama4_text": {"cp": 2, "ep": 2}}
+          "llama4_text": {"cp": 2, "ep": 2}, "deepseek_v32": {"cp": 2, "ep": 2},
+          "glm_moe_dsa": {"pp": 2, "dp": 2, "ep": 2}}
 
 
 def layouts(arch: str) -> dict[str, dict]:

@@ -32,11 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # planned as those runs: test_planner.py).
 LARGE = ["mixtral-8x7b.yaml", "deepseek-v3-like.yaml", "llama3-70b-like.yaml"]
 CONFIGS = LARGE + ["demo-moe.yaml", "finetune-gpt-oss.yaml", "finetune-glm4-moe.yaml", "finetune-qwen3-moe.yaml",
-                   "qwen3-next-80b-a3b-like.yaml", "nemotron-3-nano-like.yaml", "llama4-scout-like.yaml"]
+                   "qwen3-next-80b-a3b-like.yaml", "nemotron-3-nano-like.yaml", "llama4-scout-like.yaml",
+                   "deepseek-v32-like.yaml"]
 DRAWS = {**{name: 350 for name in LARGE}, "demo-moe.yaml": 100, "finetune-gpt-oss.yaml": 100,
          "finetune-glm4-moe.yaml": 100, "finetune-qwen3-moe.yaml": 100,
          "qwen3-next-80b-a3b-like.yaml": 100, "nemotron-3-nano-like.yaml": 100,
-         "llama4-scout-like.yaml": 100}  # 1,050 + 700 layouts
+         "llama4-scout-like.yaml": 100, "deepseek-v32-like.yaml": 100}  # 1,050 + 800 layouts
 
 
 def draw_layout(rng: random.Random) -> Layout:

@@ -365,7 +365,8 @@ def test_megatron_software_facts_cost_what_they_should():
 @pytest.mark.parametrize("path, published", [
     ("configs/mixtral-8x7b.yaml", False), ("configs/deepseek-v3-like.yaml", False),
     ("configs/llama3-70b-like.yaml", False), ("configs/llama3-405b-like.yaml", False),
-    ("configs/llama4-scout-like.yaml", False), ("configs/gpt3-175b.yaml", True), ("configs/megatron2021/gpt-145.6b.yaml", True)])
+    ("configs/llama4-scout-like.yaml", False), ("configs/deepseek-v32-like.yaml", False),
+    ("configs/gpt3-175b.yaml", True), ("configs/megatron2021/gpt-145.6b.yaml", True)])
 def test_shipped_configs_load_and_fit_their_own_layout(path, published):
     cfg = load_config(path)
     prof = load_profile(cfg.launch.profile)

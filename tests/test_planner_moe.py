@@ -740,6 +740,37 @@ def test_llama4_chunks_are_read_from_the_config():
     assert long.attention_flops(True) < 0.5 * full.attention_flops(True)
 
 
+def test_dsa_costs_the_indexer_and_the_selected_keys():
+    """configs/deepseek-v32-like.yaml at 128K: the indexer's parameters (r_q·H_I·D_I + h·D_I +
+    2·D_I + h·H_I per layer), its scores over every key and the main attention over k = 2,048
+    keys per query; the planner ranks the sparse model's step well below dense MLA's."""
+    cfg = load_config("configs/deepseek-v32-like.yaml")
+    s = ModelShape.from_config(cfg)
+    dense = ModelShape.from_config(cfg.replace(model={"dsa": {"index_topk": 0}}))
+    h, Hi, Di, k, L = 7168, 64, 128, 2048, 131072
+    assert s.indexer_params == 1536 * Hi * Di + h * Di + 2 * Di + h * Hi
+    assert s.total_params - dense.total_params == 61 * s.indexer_params
+    indexer = 2.0 * L * Hi * (Di + 1)
+    assert s.attention_flops() == pytest.approx(indexer + 2.0 * k * (s.h_q + s.h_v))
+    kbar = (k * (k + 1) / 2 + (L - k) * k) / L
+    assert s.attention_flops(causal=True) == pytest.approx(indexer / 2 + 2.0 * kbar * (s.h_q + s.h_v))
+    # at 128K the indexer (H_I·(D_I + 1) = 8,256 wide against MLA's a·(d_qk + d_v) = 40,960) is
+    # most of what is left: a quarter of dense MLA's attention FLOPs
+    assert s.attention_flops(causal=True) < 0.25 * dense.attention_flops(causal=True)
+    # k ≥ the sequence: the sparse attention is the dense one (plus the indexer)
+    short = dataclasses.replace(s, seq_len=1024)
+    assert short.attention_flops(causal=True) == pytest.approx(
+        1024 * Hi * (Di + 1) + 2.0 * 512 * (s.h_q + s.h_v))
+    warm = dataclasses.replace(s, dsa_dense=True)
+    assert warm.attention_flops() > dense.attention_flops()
+    prof = load_profile(cfg.launch.profile)
+    lay = Layout.from_config(cfg)
+    sparse_plan = Planner.from_config(cfg, prof, cfg.launch.nodes).evaluate(lay)
+    dense_cfg = cfg.replace(model={"dsa": {"index_topk": 0}})
+    dense_plan = Planner.from_config(dense_cfg, prof, cfg.launch.nodes).evaluate(lay)
+    assert sparse_plan.fits and sparse_plan.step_s < 0.5 * dense_plan.step_s
+
+
 @pytest.mark.parametrize("lay, reason", [
     (Layout(tp=1, pp=1, dp=1024, ep=64, zero=3), "does not run with ZeRO-3"),
     (Layout(tp=1, pp=1, dp=1024, ep=64, zero=1, ac="full"), "activation_checkpointing: full"),

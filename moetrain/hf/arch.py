@@ -98,7 +98,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from moetrain.config import Config
-from moetrain.hf.tensors import (DEEPSEEK_MOE, GPT_OSS_MOE, KIMI_MOE, LLAMA4_NAMES, MINIMAX_M2_MOE, MIXTRAL_MOE,
+from moetrain.hf.tensors import (DEEPSEEK_MOE, GLM_DSA_NAMES, GPT_OSS_MOE, KIMI_MOE, LLAMA4_NAMES, MINIMAX_M2_MOE, MIXTRAL_MOE,
                                  NEMOTRON_H_NAMES, QWEN3_5_NAMES,
                                  QWEN3_5_VL_NAMES, QWEN3_NEXT_NAMES, QWEN_MOE, Names)
 
@@ -174,6 +174,15 @@ DEEPSEEK_V3 = Architecture("DeepseekV3ForCausalLM", "deepseek_v3", DEEPSEEK_MOE,
     "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
     "rope_interleave"})
 GLM4_MOE = Architecture("Glm4MoeForCausalLM", "glm4_moe", DEEPSEEK_MOE, _COMMON | _DEEPSEEK | {"use_qk_norm"})
+# DeepSeek Sparse Attention on DeepSeek-V3's blocks: DeepSeek-V3.2 (its indexer rotates halves) and
+# GLM-5 (interleaved pairs; its indexer_types may share a layer's top-k with the next: refused).
+_DSA = frozenset({"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_head_dim",
+                  "index_topk", "index_head_dim", "index_n_heads", "layer_types", "mlp_layer_types", "mlp_bias"})
+DEEPSEEK_V32 = Architecture("DeepseekV32ForCausalLM", "deepseek_v32", DEEPSEEK_MOE, _COMMON | _DEEPSEEK | _DSA,
+                            rope_interleaved=True)
+GLM_MOE_DSA = Architecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", GLM_DSA_NAMES,
+                           _COMMON | _DEEPSEEK | _DSA | {"indexer_types"}, rope_interleaved=True)
+DSA_ARCHS = (DEEPSEEK_V32, GLM_MOE_DSA)
 GPT_OSS = Architecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_MOE, _COMMON | {
     "num_local_experts", "num_experts_per_tok", "attention_bias", "layer_types", "sliding_window", "swiglu_alpha",
     "swiglu_limit", "quantization_config"}, default_theta=150000.0)
@@ -232,7 +241,8 @@ NEMOTRON_H = Architecture("NemotronHForCausalLM", "nemotron_h", NEMOTRON_H_NAMES
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, LLAMA,
                                                                      DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_NEXT,
                                                                      QWEN3_5_MOE, QWEN3_5_MOE_VL, KIMI_LINEAR,
-                                                                     NEMOTRON_H, MINIMAX_M2, LLAMA4_TEXT)}
+                                                                     NEMOTRON_H, MINIMAX_M2, LLAMA4_TEXT, DEEPSEEK_V32,
+                                                                     GLM_MOE_DSA)}
 
 
 def _supported() -> str:
@@ -472,6 +482,9 @@ def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
         moe.update(num_experts=r.get("num_experts"), top_k=r.get("num_experts_per_tok"),
                    ffn_hidden=r.get("intermediate_size"), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
                    every=1, first_dense=0)
+    elif arch in DSA_ARCHS:
+        _read_deepseek_moe(r, model, moe, mtp_depth)
+        _read_dsa(r, model, moe)
     elif arch in (DEEPSEEK_V3, GLM4_MOE):
         _read_deepseek_moe(r, model, moe, mtp_depth)
         if arch is DEEPSEEK_V3:
@@ -715,6 +728,36 @@ def _read_nemotron_h(r: _Reader, mtp_depth: int) -> tuple[dict, dict]:
     return model, moe
 
 
+def _read_dsa(r: _Reader, model: dict, moe: dict) -> None:
+    """DeepSeek-V3.2 / GLM-5: DeepSeek-V3's MLA blocks with the lightning indexer of DeepSeek
+    Sparse Attention (``model.dsa``, stage ``sparse``: the released models are past the dense
+    warm-up); the dense blocks from ``mlp_layer_types`` (first ones only)."""
+    r.expect("attention_bias", lambda v: not v, False, "q/k/v/o biases are not part of MLA in moetrain")
+    r.expect("mlp_bias", lambda v: not v, False, "MLP biases are not implemented")
+    layers = model["layers"]
+    types = r.get("layer_types", None)
+    if types is not None and any(t != "indexed_attention" for t in types):
+        raise r.refuse("layer_types", types, "every block is DSA (indexed_attention) in moetrain's mapping")
+    indexers = r.get("indexer_types", None)
+    if indexers is not None and any(t != "full" for t in indexers):
+        raise r.refuse("indexer_types", indexers, "a block that reuses another's top-k (shared) is not built: "
+                                                  "every block has its own indexer (full)")
+    mlp = r.get("mlp_layer_types", None)
+    if mlp is not None:
+        dense = mlp.count("dense")
+        if len(mlp) != layers or list(mlp) != ["dense"] * dense + ["sparse"] * (layers - dense):
+            raise r.refuse("mlp_layer_types", mlp, "only dense first blocks, then MoE blocks (moe.first_dense) are "
+                                                   "mapped")
+        moe["first_dense"] = dense
+    q_lora = r.expect("q_lora_rank", lambda v: v is not None, None, "DSA's indexer reads the query latent")
+    model.update(attention="mla", q_lora_rank=q_lora, kv_lora_rank=r.get("kv_lora_rank"),
+                 qk_nope_head_dim=r.get("qk_nope_head_dim"), qk_rope_head_dim=r.get("qk_rope_head_dim"),
+                 v_head_dim=r.get("v_head_dim"), kv_heads=model["heads"], head_dim=None,
+                 dsa={"index_topk": int(r.get("index_topk", 2048)), "index_head_dim": int(r.get("index_head_dim", 128)),
+                      "index_heads": int(r.get("index_n_heads", 64 if r.arch is DEEPSEEK_V32 else 32)),
+                      "stage": "sparse"})
+
+
 def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> None:
     """DeepSeek-V3's (and GLM-4.5's) MoE: sigmoid scores with the score-correction bias,
     group-limited top-k, routed scaling, shared experts of n_shared_experts × the routed width,
@@ -738,7 +781,8 @@ def _read_deepseek_moe(r: _Reader, model: dict, moe: dict, mtp_depth: int) -> No
 
 def choose_architecture(cfg: Config) -> Architecture:
     """The architecture a moetrain model exports to when none is asked for: single-sublayer blocks
-    (``model.hybrid_override_pattern``) → Nemotron-H; Llama 4's options (NoPE blocks, attention
+    (``model.hybrid_override_pattern``) → Nemotron-H; DSA (``model.dsa``) → DeepSeek-V3.2;
+    Llama 4's options (NoPE blocks, attention
     chunks, the l2 q/k norm, temperature tuning, probabilities on the expert's input) → Llama 4;
     KDA → Kimi Linear;
     gated DeltaNet, gated attention or zero-centred norms → Qwen3-Next; MLA → DeepSeek-V3;
@@ -749,6 +793,8 @@ def choose_architecture(cfg: Config) -> Architecture:
     m, moe = cfg.model, cfg.moe
     if m.hybrid_override_pattern:
         return NEMOTRON_H
+    if m.dsa.enabled:
+        return DEEPSEEK_V32
     if (m.no_rope_layers or m.attention_chunk_size is not None or m.qk_norm == "l2" or m.attn_temperature_tuning
             or moe.apply_probs_on_input):
         return LLAMA4_TEXT
@@ -812,7 +858,11 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
          "has a token mixer and an MLP in every block (single-sublayer blocks are Nemotron-H's)")
     need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "swiglu", "has SwiGLU MLPs")
     need("moe.activation", moe.activation, moe.activation != "relu2", "has gated experts")
-    deepseek_like, gpt_oss, next_ = (arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR), arch is GPT_OSS,
+    dsa = arch in DSA_ARCHS
+    need("model.dsa.index_topk", m.dsa.index_topk, m.dsa.enabled == dsa,
+         "has DeepSeek Sparse Attention's indexer" if dsa else "has no sparse-attention indexer (DeepSeek-V3.2 and "
+                                                              "GLM-5 have: --arch deepseek_v32)")
+    deepseek_like, gpt_oss, next_ = (arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR, *DSA_ARCHS), arch is GPT_OSS,
                                      arch in (QWEN3_NEXT, QWEN3_5_MOE))
     kimi = arch is KIMI_LINEAR
     gdn = "linear_attention" in m.layer_types
@@ -827,8 +877,9 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
          "gates its attention output" if next_ else "has no attention output gate")
     need("model.zero_centered_norm", m.zero_centered_norm, m.zero_centered_norm == next_,
          "scales its norms by 1 + weight" if next_ else "scales its norms by their weight")
-    need("model.attention", m.attention, (m.attention == "mla") == (arch in (DEEPSEEK_V3, KIMI_LINEAR)),
-         "has multi-head latent attention" if arch in (DEEPSEEK_V3, KIMI_LINEAR)
+    mla_arch = arch in (DEEPSEEK_V3, KIMI_LINEAR, *DSA_ARCHS)
+    need("model.attention", m.attention, (m.attention == "mla") == mla_arch,
+         "has multi-head latent attention" if mla_arch
          else "has grouped-query attention, not MLA")
     need("model.qkv_bias", m.qkv_bias, m.qkv_bias if gpt_oss else not m.qkv_bias or arch in (QWEN2_MOE, GLM4_MOE),
          "has q/k/v biases" if gpt_oss else "has no q/k/v biases")
@@ -987,7 +1038,19 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
                    n_shared_experts=moe.shared_experts, first_k_dense_replace=moe.first_dense,
                    routed_scaling_factor=moe.routed_scaling_factor, norm_topk_prob=moe.norm_topk_prob,
                    n_group=moe.n_group or 1, topk_group=moe.topk_group or 1, num_nextn_predict_layers=m.mtp_depth)
-        if arch is DEEPSEEK_V3:
+        if dsa:
+            out.update(attention_bias=False, mlp_bias=False, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                       qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                       v_head_dim=m.v_head_dim, num_key_value_heads=m.heads, index_topk=m.dsa.index_topk,
+                       index_head_dim=m.dsa.index_head_dim, index_n_heads=m.dsa.index_heads,
+                       layer_types=["indexed_attention"] * m.layers,
+                       mlp_layer_types=["sparse" if moe.is_moe_layer(i) else "dense" for i in range(m.layers)])
+            out.pop("num_nextn_predict_layers", None)  # (refused beside DSA: no MTP)
+            for key in ("head_dim", "qk_head_dim", "rope_interleave"):
+                out.pop(key, None)
+            if arch is GLM_MOE_DSA:
+                out["indexer_types"] = ["full"] * m.layers
+        elif arch is DEEPSEEK_V3:
             out.update(attention_bias=False, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                        v_head_dim=m.v_head_dim, num_key_value_heads=m.heads)

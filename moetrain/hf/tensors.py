@@ -19,8 +19,10 @@ occur:
   adding a second RoPE layout to the model keeps one RoPE path (and the ring attention's) and lets
   the permutation be checked bit-exactly by a round trip;
   Only a head's rotary rows are permuted: all of them, the first ``partial_rotary_factor`` of
-  them (GLM-4.5, Qwen3-Next), or the last ``qk_rope_head_dim`` of an MLA query head; none where the
-  HF checkpoint itself rotates interleaved pairs (DeepSeek's ``rope_interleave: true``). A gated
+  them (GLM-4.5, Qwen3-Next), the last ``qk_rope_head_dim`` of an MLA query head, or the first
+  ``qk_rope_head_dim`` of a DSA indexer's query heads and key (and its LayerNorm's weight and bias:
+  a LayerNorm's statistics do not depend on the order either); none where the HF checkpoint itself
+  rotates interleaved pairs (DeepSeek's ``rope_interleave: true``, Llama 4, GLM-5's indexer). A gated
   query projection (Qwen3-Next: [q_h; gate_h] per head) is a "head" of 2·Dh rows whose rotary
   rows are its query's;
 * ``experts`` — moetrain stacks the experts: w1, w3 [E, D, F] and w2 [E, F, D] (x @ w); HF keeps
@@ -80,6 +82,9 @@ class Names:
     # where the aux-loss-free routing bias lives: "router" ({module}.{router}.e_score_correction_bias,
     # DeepSeek-V3's) or "module" ({module}.e_score_correction_bias, MiniMax-M2's)
     score_bias: str = "router"
+    # how DSA's indexer rotates the first qk_rope_head_dim dims of its query and key: "half"
+    # (DeepSeek-V3.2: rotate-half, permuted as the ``rope`` layout) or "interleaved" (GLM-5: as moetrain)
+    indexer_rope: str = "half"
 
 
 MIXTRAL_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2")
@@ -92,6 +97,7 @@ QWEN3_5_VL_NAMES = Names("mlp", "gate", mtp="qwen3_next", gdn="split", prefix="m
 NEMOTRON_H_NAMES = Names("mixer", "gate", "up_proj", "", "down_proj", shared="shared_experts", dense="mixer",
                          prefix="backbone", embed="embeddings", final_norm="norm_f")
 MINIMAX_M2_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", score_bias="module")
+GLM_DSA_NAMES = Names("mlp", "gate", shared="shared_experts", indexer_rope="interleaved")
 KIMI_MOE = Names("block_sparse_moe", "gate", "w1", "w3", "w2", shared="shared_experts", dense="block_sparse_moe")
 LLAMA4_NAMES = Names("feed_forward", "router", experts="fused_cat", dense="feed_forward")
 
@@ -419,6 +425,15 @@ def _block_maps(cfg: Config, ours: str, hf: str, layer: int, names: Names, rope_
                  TensorMap(f"{ours}.attention.kv_a_norm.weight", f"{at}.kv_a_layernorm.weight", "copy", (ckv,)),
                  TensorMap(f"{ours}.attention.wkv_b.weight", f"{at}.kv_b_proj.weight", "copy", (H * (dn + dv), ckv)),
                  TensorMap(f"{ours}.attention.wo.weight", f"{at}.o_proj.weight", "copy", (D, H * dv))]
+        if m.dsa.enabled:  # DSA's indexer: RoPE on the first dr dims of its query heads and its key
+            d, ix, hx = m.dsa, f"{ours}.attention.indexer", f"{at}.indexer"
+            Hi, Di = d.index_heads, d.index_head_dim
+            irope = "copy" if names.indexer_rope == "interleaved" else "rope"
+            maps += [TensorMap(f"{ix}.wq_b.weight", f"{hx}.wq_b.weight", irope, (Hi * Di, m.q_lora_rank), Hi, (0, dr)),
+                     TensorMap(f"{ix}.wk.weight", f"{hx}.wk.weight", irope, (Di, D), 1, (0, dr)),
+                     TensorMap(f"{ix}.k_norm.weight", f"{hx}.k_norm.weight", irope, (Di,), 1, (0, dr)),
+                     TensorMap(f"{ix}.k_norm.bias", f"{hx}.k_norm.bias", irope, (Di,), 1, (0, dr)),
+                     TensorMap(f"{ix}.weights_proj.weight", f"{hx}.weights_proj.weight", "copy", (Hi, D))]
     else:
         rot = (0, m.rotary_dim) if m.rotary_dim != Dh else None
         q_rows = H * Dh * (2 if m.attention_output_gate else 1)

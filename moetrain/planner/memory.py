@@ -141,6 +141,8 @@ class ActivationArch:
     # MLA (DeepSeek-V2 §2.1): per token the query latent r_q (0: no bottleneck), the key-value
     # latent r_kv and the RoPE key d_r; None: grouped-query attention
     mla: tuple[int, int, int] | None = None
+    # DSA (model.dsa): keys per query, index heads, index head dim; None: no indexer
+    dsa: tuple[int, int, int] | None = None
 
     @classmethod
     def gpt(cls, s: int, h: int, a: int) -> "ActivationArch":
@@ -152,9 +154,10 @@ class ActivationArch:
     def of(cls, shape: ModelShape) -> "ActivationArch":
         """moetrain's layer on GPU: RMSNorm, GQA, fused SwiGLU, no dropout, flash attention."""
         mla = (shape.q_lora_rank or 0, shape.kv_lora_rank, shape.qk_rope_dim) if shape.is_mla else None
+        dsa = (shape.dsa_topk, shape.index_heads, shape.index_head_dim) if shape.dsa_topk else None
         return cls(hidden=shape.hidden, heads=shape.heads, h_q=shape.h_q, h_kv=shape.h_kv, ffn=shape.ffn,
                    seq_len=shape.seq_len, mlp="swiglu" if shape.mlp_matrices == 3 else "gelu",
-                   h_v=shape.h_v, h_kv_v=shape.h_kv_v, mla=mla)
+                   h_v=shape.h_v, h_kv_v=shape.h_kv_v, mla=mla, dsa=dsa)
 
 
 def activation_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
@@ -180,6 +183,12 @@ def attention_terms(arch: ActivationArch) -> list[tuple[str, float, str]]:
         # every head its own K (the RoPE part broadcast): Q, K of a·(d_n + d_r) each.
         r_q, r_kv, d_r = arch.mla
         t += [("MLA latents", 2.0 * (2 * r_q + 2 * r_kv + d_r), "repl")]
+    if arch.dsa is not None:
+        # DSA's indexer (every tp rank scores the whole sequence): its query heads and key, and
+        # each query's selected key indices (int32), as a sparse kernel keeps them; the score
+        # rows are recomputed blockwise, not kept.
+        k, Hi, Di = arch.dsa
+        t += [("DSA indexer q, k", 2.0 * (Hi * Di + Di), "repl"), ("DSA top-k indices", 4.0 * min(k, s), "repl")]
     t += [
         ("Q, K", 2.0 * (arch.h_q + arch.h_kv), "shard"),
         ("V", 2.0 * (arch.h_kv_v or arch.h_kv), "shard"),

@@ -152,6 +152,12 @@ class ModelShape:
     window_layers: int = 0
     chunk: int | None = None                  # attention chunk (tokens) of ``chunk_layers`` layers (Llama 4)
     chunk_layers: int = 0
+    # DeepSeek Sparse Attention (model.dsa) on every MLA layer: keys per query (0: off), the
+    # indexer's heads and head dim, and the dense warm-up (the attention stays dense)
+    dsa_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    dsa_dense: bool = False
     # multi-head latent attention (DeepSeek-V2 §2.1): set kv_lora_rank; head_dim_override is then
     # the query/key width d_n + d_r, v_head_dim d_v, qk_rope_dim d_r; q_lora_rank None: one
     # query projection
@@ -216,6 +222,9 @@ class ModelShape:
             attn.update(mamba_layers=mixers.count("mamba"), mamba_heads=m.mamba_num_heads,
                         mamba_head_dim=m.mamba_head_dim, mamba_state=m.ssm_state_size, mamba_groups=m.n_groups,
                         mamba_conv=m.conv_kernel, mamba_chunk=m.mamba_chunk_size)
+        if m.dsa.enabled:
+            attn.update(dsa_topk=m.dsa.index_topk, index_heads=m.dsa.index_heads, index_head_dim=m.dsa.index_head_dim,
+                        dsa_dense=m.dsa.stage == "dense_warmup")
         if m.attention_output_gate:  # the gate's half of the query projection
             attn["gate_width"] = m.heads * m.resolved_head_dim
         return cls(layers=m.layers, hidden=m.hidden, heads=m.heads, kv_heads=m.heads if mla else m.kv_heads,
@@ -297,8 +306,37 @@ class ModelShape:
         h = self.hidden
         if self.is_mla:
             q = h * self.q_lora_rank + self.q_lora_rank * self.h_q if self.q_lora_rank else h * self.h_q
-            return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h
+            return q + h * (self.kv_lora_rank + self.qk_rope_dim) + self.up_kv_params + self.h_v * h \
+                + self.indexer_params
         return h * (self.h_q + self.gate_width + self.h_kv + self.h_kv_v) + self.h_v * h
+
+    @property
+    def indexer_params(self) -> int:
+        """DSA's indexer of one layer (0 without): its query projection from the query latent
+        r_q × H_I·D_I, its key h × D_I with the key norm's weight and bias 2·D_I, its head weights
+        h × H_I."""
+        if not self.dsa_topk:
+            return 0
+        Hi, Di = self.index_heads, self.index_head_dim
+        return (self.q_lora_rank or self.hidden) * Hi * Di + self.hidden * Di + 2 * Di + self.hidden * Hi
+
+    def dsa_attention_flops(self, causal: bool = False) -> float:
+        """Forward FLOPs per token of one DSA layer's attention core (DeepSeek-V3.2-Exp §2.1):
+        the indexer's scores against every visible key, 2·s·H_I·D_I plus the head weighting
+        2·s·H_I (half of both when causal), and the main attention over the selected keys only,
+        2·k̄·(h_q + h_v) with k̄ the keys a query attends to on average — min(k, s), or causally
+        (k(k + 1)/2 + (s − k)·k) / s: O(s·k) per sequence instead of O(s²). In the dense warm-up the
+        main attention stays dense, and its probabilities are computed once more, without
+        gradient, for the indexer's loss (2·s·h_q, half when causal)."""
+        s, k, half = self.seq_len, self.dsa_topk, 0.5 if causal else 1.0
+        indexer = 2.0 * s * self.index_heads * (self.index_head_dim + 1) * half
+        if self.dsa_dense:
+            return indexer + 2.0 * s * (self.h_q + self.h_v) * half + 2.0 * s * self.h_q * half
+        if causal:
+            kbar = s / 2 if k >= s else (k * (k + 1) / 2 + (s - k) * k) / s
+        else:
+            kbar = min(k, s)
+        return indexer + 2.0 * kbar * (self.h_q + self.h_v)
 
     @property
     def attention_layers(self) -> int:
@@ -549,6 +587,8 @@ class ModelShape:
         layer attends to ``window`` keys (all of them, causal or not); a chunked layer (Llama 4)
         to the keys of its chunk, as full attention over min(chunk, s) tokens; a gated-DeltaNet
         block its delta rule (:meth:`linear_flops`, independent of s)."""
+        if self.dsa_topk:  # every layer MLA with DSA (model.dsa refuses hybrids and windows)
+            return self.dsa_attention_flops(causal)
         full = 2.0 * self.seq_len * (self.h_q + self.h_v) * (0.5 if causal else 1.0)
         if self.linear_layers or self.kda_layers or self.mamba_layers:
             return (full * self.attention_layers + self.linear_flops() * self.linear_layers

@@ -207,7 +207,10 @@ def microbatch_buffers(shape: ModelShape, layout: Layout, act_bytes: int = 2,
     return {
         "tokens": tokens,
         "tp": tokens * shape.hidden * act_bytes,                       # gathered activation of one TP region
-        "cp": layout.cp * tokens * shape.h_kv * 2 * act_bytes / layout.tp,  # all K and V chunks of the ring
+        # all K and V chunks of the ring; with DSA also the indexer keys (one head, every tp rank)
+        # and, for the indexer's loss, the attention's keys once more (moetrain.model.dsa)
+        "cp": layout.cp * tokens * (shape.h_kv * 2 / layout.tp + (
+            shape.index_head_dim + shape.h_kv / layout.tp if shape.dsa_topk else 0)) * act_bytes,
         # a gated-DeltaNet / Mamba-2 layer's head exchange, both ways, forward (its tp rank's heads)
         "cp_heads": tokens * shape.head_exchange_width() * act_bytes / layout.tp,
         "ep": routed,                                                  # routed token copies of one dispatch
