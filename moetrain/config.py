@@ -101,13 +101,20 @@ class DSAConfig:
     In both the indexer's inputs are detached (its loss trains the indexer alone; the selection
     gives the main model no gradient). The loss, weighted by ``indexer_loss_coef``, joins the
     objective through the indexers' gradients and is logged as ``indexer_loss`` (mean over the
-    DSA layers and the tokens)."""
+    DSA layers and the tokens).
+
+    ``attention``: how the sparse stage attends — ``masked``, the reference (dense scores with
+    the selection as a mask: exact, O(S²) per layer, every layout), or ``gathered``: MLA in its
+    absorbed form (DeepSeek-V2 §2.1.2: the key up-projection folded into the queries) over the
+    K selected latents of each query, O(S·K) per layer, blocks of queries recomputed in backward
+    (what DeepSeek's sparse kernels do, in PyTorch; needs ``parallel.cp`` 1)."""
 
     index_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 0
     stage: Literal["dense_warmup", "sparse"] = "sparse"
     indexer_loss_coef: float = 1.0
+    attention: Literal["masked", "gathered"] = "masked"
 
     @property
     def enabled(self) -> bool:
@@ -1537,6 +1544,9 @@ def _check_dsa(cfg: Config) -> None:
                           "use attention_backend sdpa (the masked attention; moetrain.model.dsa)")
     if cfg.train.lora.r:
         raise field_error("train.lora.r", cfg.train.lora.r, "is not built beside model.dsa", "set train.lora.r: 0")
+    if d.attention == "gathered" and cfg.parallel.cp > 1:
+        raise field_error("model.dsa.attention", d.attention, f"gathers each query's keys from this rank's sequence, "
+                          f"and parallel.cp = {cfg.parallel.cp} splits it", "use attention: masked with cp")
 
 
 def _check_llama4_attention(cfg: Config) -> None:

@@ -379,7 +379,13 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: Docum
         block_mask = mask[:, 0] if mask is not None else None
         return SinkAttention.apply(q, k, v, sinks, block_mask, scale, pick_kernel("auto", q))
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        # Values narrower than the keys (MLA) are padded with zeros to the keys' width, which adds
+        # zero columns to the output: the flash kernels take one head size (without, SDPA falls
+        # back to the math kernel, which holds the [S, S] scores of every head).
+        dv = v.shape[-1]
+        out = F.scaled_dot_product_attention(q, k, _pad_last(v, q.shape[-1]), is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out if dv == q.shape[-1] else out[..., :dv]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 

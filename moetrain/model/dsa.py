@@ -90,13 +90,16 @@ class KeyNorm(nn.Module):
 class Indexer(nn.Module):
     """The lightning indexer of one MLA block (module docstring). ``dim`` D, ``q_lora_rank`` Cq,
     ``heads`` Hi, ``head_dim`` Di, ``rope_dim`` Dr, ``topk`` keys per query, ``stage``
-    ``dense_warmup`` or ``sparse``, ``loss_coef`` the loss weight."""
+    ``dense_warmup`` or ``sparse``, ``loss_coef`` the loss weight, ``gathered`` the sparse stage
+    attends over the gathered selected keys (:meth:`moetrain.model.mla.MLAttention`; else masked)."""
 
     def __init__(self, dim: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int, topk: int,
-                 stage: str = "sparse", loss_coef: float = 1.0):
+                 stage: str = "sparse", loss_coef: float = 1.0, gathered: bool = False):
         super().__init__()
         self.heads, self.head_dim, self.rope_dim, self.topk = heads, head_dim, rope_dim, topk
         self.stage, self.loss_coef = stage, loss_coef
+        # the sparse stage's attention over the gathered selected latents (model.dsa.attention)
+        self.gathered = gathered
         self.wq_b = Linear(q_lora_rank, heads * head_dim, bias=False)
         self.wk = Linear(dim, head_dim, bias=False)
         self.k_norm = KeyNorm(head_dim)
@@ -130,9 +133,11 @@ class Indexer(nn.Module):
             return pos, pos
         return self.parallel.positions.to(device), torch.arange(S * self.parallel.cp, device=device)
 
-    def scores(self, x_BSD: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """I [B, S, T] fp32 (the module docstring's scores, before any mask). ``x_BSD`` the
-        block's normed input, ``c_q`` [B, S, Cq] MLA's query latent, both detached here."""
+    def project(self, x_BSD: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The indexer's query [B, S, Hi, Di], key [B, T, Di] (gathered over cp) and head weights
+        [B, S, Hi] (fp32, times Hi^-1/2) from the block's normed input ``x_BSD`` and MLA's query
+        latent ``c_q`` [B, S, Cq], both detached here."""
         B, S, _ = x_BSD.shape
         x, c_q = x_BSD.detach(), c_q.detach()
         q = self.wq_b(c_q).view(B, S, self.heads, self.head_dim)
@@ -141,7 +146,10 @@ class Indexer(nn.Module):
         k = (apply_rope(k, cos, sin) if self.rope_dim else k).squeeze(2)
         if self.parallel is not None and self.parallel.gather_seq is not None:
             k = self.parallel.gather_seq(k)  # [B, T, Di]
-        w = self.weights_proj(x).float() * self.heads ** -0.5  # [B, S, Hi]
+        return q, k, self.weights_proj(x).float() * self.heads ** -0.5
+
+    def score(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """I [B, S, T] fp32 (eq. 1, before any mask) from :meth:`project`'s q, k, w."""
         qf, kt = q.float(), k.float().transpose(1, 2)  # [B, S, Hi, Di], [B, Di, T]
         scale = self.head_dim ** -0.5
         out = None
@@ -149,6 +157,37 @@ class Indexer(nn.Module):
             term = w[..., j, None] * F.relu(qf[:, :, j] @ kt * scale)
             out = term if out is None else out + term
         return out
+
+    def score_selected(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, idx_BSK: torch.Tensor) -> torch.Tensor:
+        """I at the selected keys only: [B, S, K] fp32, I[b, s, j] = I(s, idx[b, s, j]) — what the
+        sparse stage's loss needs, O(S·K·Hi·Di) instead of O(S·T·Hi·Di)."""
+        k_sel = gather_rows(k.float(), idx_BSK)  # [B, S, K, Di]
+        logits = torch.einsum("bshd,bskd->bshk", q.float(), k_sel) * self.head_dim ** -0.5
+        return torch.einsum("bsh,bshk->bsk", w, F.relu(logits))
+
+    def scores(self, x_BSD: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """I [B, S, T] fp32 (the module docstring's scores, before any mask). ``x_BSD`` the
+        block's normed input, ``c_q`` [B, S, Cq] MLA's query latent, both detached here."""
+        return self.score(*self.project(x_BSD, c_q, cos, sin))
+
+    @torch.no_grad()
+    def topk_indices(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, q_pos: torch.Tensor,
+                     k_pos: torch.Tensor, doc: DocumentMask | None, block: int = 256
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's ``topk`` best visible keys, scored one block of ``block`` queries at a time
+        ([B, block, T] at once): (idx [B, S, K] int64, valid [B, S, K] bool — False where a query
+        sees fewer than K keys), K = min(topk, T). No gradient."""
+        B, S = q.shape[:2]
+        K = min(self.topk, k.shape[1])
+        idx, valid = [], []
+        for s0 in range(0, S, block):
+            s1 = min(S, s0 + block)
+            scores = self.score(q[:, s0:s1], k, w[:, s0:s1])
+            visible = visible_keys(q_pos[s0:s1], k_pos, doc, B)
+            top = scores.masked_fill(~visible, float("-inf")).topk(K, dim=-1).indices
+            idx.append(top)
+            valid.append(visible.gather(-1, top))
+        return torch.cat(idx, dim=1), torch.cat(valid, dim=1)
 
     def select(self, scores_BST: torch.Tensor, visible_BST: torch.Tensor) -> torch.Tensor:
         """[B, S, T] bool: the ``topk`` best-scored visible keys of each query (every visible key
@@ -185,6 +224,15 @@ def select_topk(scores_BST: torch.Tensor, visible_BST: torch.Tensor, topk: int) 
     return chosen & visible_BST
 
 
+def gather_rows(x_BTC: torch.Tensor, idx_BSK: torch.Tensor) -> torch.Tensor:
+    """Rows of x_BTC [B, T, C] at idx_BSK [B, S, K] (int64 in [0, T)) → [B, S, K, C]: one index per
+    row (``index_select`` on the flattened batch; its backward adds rows, not elements)."""
+    B, T, C = x_BTC.shape
+    S, K = idx_BSK.shape[1:]
+    flat = (idx_BSK + torch.arange(B, device=idx_BSK.device).view(B, 1, 1) * T).reshape(-1)
+    return x_BTC.reshape(B * T, C).index_select(0, flat).view(B, S, K, C)
+
+
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, doc: DocumentMask | None, batch: int) -> torch.Tensor:
     """[B, S, T] bool: the keys at positions ``k_pos`` [T] that the queries at ``q_pos`` [S] see
     (not later, and in the same document when ``doc`` is given)."""
@@ -204,3 +252,67 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, allo
         p = torch.softmax(logits.masked_fill(~allowed_BST, float("-inf")), dim=-1).nan_to_num(0.0)
         out = p if out is None else out + p
     return out
+
+
+class SparseLatentAttention(torch.autograd.Function):
+    """MLA's absorbed attention over each query's selected latents (DSA's sparse stage with
+    ``model.dsa.attention: gathered``), one block of queries at a time, forward and backward.
+
+    qq [B, S, H, C] the absorbed queries ([q_n W_ukᵀ; q_r], C = Ckv + Dr), latents [B, T, C]
+    ([c_kv; k_r]), top / valid [B, S, K] the selected keys → (o [B, S, H, Ckv] the heads'
+    weighted value latents, in qq's dtype; p [B, S, K] fp32 the softmax probabilities summed over
+    the heads, no gradient: the indexer loss's target). Scores and softmax in fp32.
+
+    Forward keeps nothing of a block; backward recomputes its scores (FlashAttention-2's
+    recomputation, Dao 2023, with the gathered keys in place of a key block): dP = dO·vᵀ,
+    dS = P ∘ (dP − rowsum(dO ∘ O)), dq = dS·k, and the selected latents' gradients, summed over
+    the heads, added into one [B·T, C] buffer (``index_add_``). Memory: one block's
+    [B, block, K, C] gathered latents and [B, block, H, K] scores at a time."""
+
+    @staticmethod
+    def forward(ctx, qq: torch.Tensor, latents: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, scale: float,
+                ckv: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, H, _ = qq.shape
+        outs, probs = [], []
+        for s0 in range(0, S, block):
+            s1 = min(S, s0 + block)
+            g = gather_rows(latents, top[:, s0:s1]).float()  # [B, Sb, K, C]
+            p = _block_probs(qq[:, s0:s1], g, valid[:, s0:s1], scale)  # [B, Sb, H, K]
+            outs.append(torch.einsum("bshk,bskc->bshc", p, g[..., :ckv]))
+            probs.append(p.sum(2))
+        o = torch.cat(outs, dim=1)
+        ctx.save_for_backward(qq, latents, top, valid, o)
+        ctx.scale, ctx.ckv, ctx.block = scale, ckv, block
+        p_sum = torch.cat(probs, dim=1)
+        ctx.mark_non_differentiable(p_sum)
+        return o.to(qq.dtype), p_sum
+
+    @staticmethod
+    def backward(ctx, d_o: torch.Tensor, _dp: torch.Tensor | None):
+        qq, latents, top, valid, o = ctx.saved_tensors
+        scale, ckv, block = ctx.scale, ctx.ckv, ctx.block
+        B, S, H, C = qq.shape
+        T = latents.shape[1]
+        d_qq = torch.empty(qq.shape, dtype=torch.float32, device=qq.device)
+        d_lat = torch.zeros(B * T, C, dtype=torch.float32, device=latents.device)
+        offsets = torch.arange(B, device=top.device).view(B, 1, 1) * T
+        d_o = d_o.float()
+        for s0 in range(0, S, block):
+            s1 = min(S, s0 + block)
+            q_b, do_b = qq[:, s0:s1].float(), d_o[:, s0:s1]
+            g = gather_rows(latents, top[:, s0:s1]).float()  # [B, Sb, K, C]
+            p = _block_probs(q_b, g, valid[:, s0:s1], scale)
+            d_p = torch.einsum("bshc,bskc->bshk", do_b, g[..., :ckv])
+            d_s = p * (d_p - (do_b * o[:, s0:s1]).sum(-1, keepdim=True)) * scale
+            d_qq[:, s0:s1] = torch.einsum("bshk,bskc->bshc", d_s, g)
+            d_g = torch.einsum("bshk,bshc->bskc", d_s, q_b)
+            d_g[..., :ckv] += torch.einsum("bshk,bshc->bskc", p, do_b)
+            d_lat.index_add_(0, (top[:, s0:s1] + offsets).reshape(-1), d_g.reshape(-1, C))
+        return d_qq.to(qq.dtype), d_lat.view(B, T, C).to(latents.dtype), None, None, None, None, None
+
+
+def _block_probs(q_b: torch.Tensor, g: torch.Tensor, valid_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale · q gᵀ) over one block's selected keys: q_b [B, Sb, H, C], g [B, Sb, K, C]
+    → [B, Sb, H, K] fp32, 0 at the invalid ones."""
+    logits = torch.einsum("bshc,bskc->bshk", q_b.float(), g) * scale
+    return torch.softmax(logits.masked_fill(~valid_b[:, :, None], float("-inf")), dim=-1)

@@ -32,12 +32,14 @@ gradient, which every tp rank computes for its own heads, can be summed over tp 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.model.attention import DocumentMask, head_max_logits, sdpa_attention
-from moetrain.model.dsa import Indexer, attention_probabilities, visible_keys
+from moetrain.model.dsa import Indexer, SparseLatentAttention, attention_probabilities, visible_keys
 from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local_cast
 from moetrain.model.moe import AttachAuxLoss
 from moetrain.model.recompute import recompute_context
@@ -72,6 +74,9 @@ class MLAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(heads)) if sinks else None
         self.kernel: AttentionKernel = sdpa_attention
         self.recompute_up = False
+        # Under tensor parallelism: the key-value latent as every tp rank's heads read it, its
+        # gradient summed over tp (set by moetrain.parallel.tensor; DSA's gathered attention)
+        self.latent_to_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
         # [heads on this rank] float32: each head's largest logit since the last reset (track_max_logits)
         self.register_buffer("max_logit", None, persistent=False)
 
@@ -99,6 +104,8 @@ class MLAttention(nn.Module):
         c_q = x_BSD if self.wq_a is None else self.q_a_norm(self.wq_a(x_BSD))
         c_kv = self.kv_a_norm(self.wkv_a(x_BSD))
         k_r = self.wk_rope(x_BSD)
+        if self.indexer is not None and self.indexer.sparse and self.indexer.gathered:
+            return self._gathered_forward(x_BSD, c_q, c_kv, k_r, cos, sin, doc)
         # 2. up-project (recomputed in backward with mla_up_proj)
         if self.recompute_up and torch.is_grad_enabled():
             q, k, v = torch.utils.checkpoint.checkpoint(self.up, c_q, c_kv, k_r, cos, sin, use_reentrant=False,
@@ -138,3 +145,47 @@ class MLAttention(nn.Module):
         idx.record(loss)
         scale = idx.loss_coef * (par.loss_scale if par is not None else 1.0)
         return AttachAuxLoss.apply(out, loss * scale, idx.loss_grad_scale)
+
+    def _gathered_forward(self, x_BSD: torch.Tensor, c_q: torch.Tensor, c_kv: torch.Tensor, k_r: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, doc: DocumentMask | None) -> torch.Tensor:
+        """DSA's sparse stage with ``model.dsa.attention: gathered``: MLA in its absorbed form
+        (DeepSeek-V2 §2.1.2) over each query's K selected keys. The key up-projection W_uk is
+        folded into the queries, q̃ = [q_n W_ukᵀ; q_r] [B, S, H, Ckv + Dr], so every head attends
+        to the same selected latents [c_kv; k_r] (gathered once per query, not per head); the
+        value up-projection W_uv follows the weighted sum. One block of ``_BLOCK`` queries at a
+        time, recomputed in backward (:class:`~moetrain.model.dsa.SparseLatentAttention`):
+        [B, block, K, Ckv + Dr] gathered at once. Equal to the masked path up to fp32 rounding
+        (tests/test_dsa.py)."""
+        idx = self.indexer
+        B, S, _ = x_BSD.shape
+        q_pos, k_pos = idx.positions(S, x_BSD.device)
+        q_i, k_i, w_i = idx.project(x_BSD, c_q, cos, sin)
+        top, valid = idx.topk_indices(q_i, k_i, w_i, q_pos, k_pos, doc)  # [B, S, K]
+        q = (self.wq(c_q) if self.wq is not None else self.wq_b(c_q)).view(B, S, -1, self.nope + self.rope)
+        H = q.shape[2]
+        w = local_cast(self.wkv_b.weight, self.wkv_b.compute_dtype).view(H, self.nope + self.v_dim, -1)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # [H, Dn, Ckv], [H, Dv, Ckv]
+        q_abs = torch.einsum("bshn,hnc->bshc", q[..., :self.nope], w_uk)
+        q_rot = apply_rope(q[..., self.nope:], cos, sin)
+        qq = torch.cat([q_abs, q_rot.to(q_abs.dtype)], dim=-1)  # [B, S, H, Ckv + Dr]
+        if self.latent_to_heads is not None:
+            c_kv = self.latent_to_heads(c_kv)
+        latents = torch.cat([c_kv, apply_rope(k_r.unsqueeze(2), cos, sin).squeeze(2).to(c_kv.dtype)], dim=-1)
+        training = self.training and torch.is_grad_enabled()
+        o_lat, p = SparseLatentAttention.apply(qq, latents, top, valid, self.scale, c_kv.shape[-1], _BLOCK)
+        out = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)  # [B, S, H, Dv]
+        out = self.wo(out.reshape(B, S, -1))
+        if not training:
+            return out
+        par = idx.parallel  # p [B, S, K]: this rank's heads' probabilities, summed
+        if par is not None and par.sum_heads is not None:
+            p = par.sum_heads(p)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+        loss = idx.loss(idx.score_selected(q_i, k_i, w_i, top), p, valid, B * k_pos.numel())
+        idx.record(loss)
+        scale = idx.loss_coef * (par.loss_scale if par is not None else 1.0)
+        return AttachAuxLoss.apply(out, loss * scale, idx.loss_grad_scale)
+
+
+# Queries per block of the gathered sparse attention: [B, block, K, Ckv + Dr] gathered latents.
+_BLOCK = 256

@@ -72,7 +72,7 @@ class Block(nn.Module):
         elif m.attention == "mla":
             d = m.dsa
             indexer = Indexer(m.hidden, m.q_lora_rank, d.index_heads, d.index_head_dim, m.qk_rope_head_dim,
-                              d.index_topk, d.stage, d.indexer_loss_coef) if d.enabled else None
+                              d.index_topk, d.stage, d.indexer_loss_coef, d.attention == "gathered") if d.enabled else None
             self.attention = MLAttention(m.hidden, m.heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
                                          m.qk_rope_head_dim, m.v_head_dim, mla_scale(m), m.norm_eps, window,
                                          m.attention_sinks, indexer)

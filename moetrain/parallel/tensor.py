@@ -296,6 +296,9 @@ def apply_tensor_parallel(model: Transformer, ps: ParallelState, cfg: Config) ->
             attn.sinks = nn.Parameter(distribute_tensor(attn.sinks, ps.submesh(TP), [Shard(0)], src_data_rank=None))
         if isinstance(attn, MLAttention):  # every rank's heads read the RoPE key: sum its gradient
             attn.wk_rope.register_forward_hook(lambda mod, args, out: CopyToTP.apply(out, group))
+            # DSA's gathered attention reads the key-value latent without wkv_b's module (its heads'
+            # rows of the weight): sum the latent's gradient over tp as wkv_b's input reduction does
+            attn.latent_to_heads = lambda x: CopyToTP.apply(x, group)
             continue
         for norm in (attn.q_norm, attn.k_norm):
             if norm is not None and not norm.per_head:

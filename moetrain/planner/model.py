@@ -324,19 +324,20 @@ class ModelShape:
         """Forward FLOPs per token of one DSA layer's attention core (DeepSeek-V3.2-Exp §2.1):
         the indexer's scores against every visible key, 2·s·H_I·D_I plus the head weighting
         2·s·H_I (half of both when causal), and the main attention over the selected keys only,
-        2·k̄·(h_q + h_v) with k̄ the keys a query attends to on average — min(k, s), or causally
-        (k(k + 1)/2 + (s − k)·k) / s: O(s·k) per sequence instead of O(s²). In the dense warm-up the
-        main attention stays dense, and its probabilities are computed once more, without
-        gradient, for the indexer's loss (2·s·h_q, half when causal)."""
+        in MLA's absorbed form as the sparse kernels run it (every head attends to the selected
+        latents: scores 2·(r_kv + d_r), values 2·r_kv per head and key), 2·k̄·a·(2·r_kv + d_r) with
+        k̄ the keys a query attends to on average — k' = min(k, s), or causally
+        (k'(k' + 1)/2 + (s − k')·k') / s: O(s·k) per sequence instead of O(s²) (the absorption's own
+        GEMMs cost what the key-value up-projection costs, counted with the parameters). In the
+        dense warm-up the main attention stays dense, and its probabilities are computed once
+        more, without gradient, for the indexer's loss (2·s·h_q, half when causal)."""
         s, k, half = self.seq_len, self.dsa_topk, 0.5 if causal else 1.0
         indexer = 2.0 * s * self.index_heads * (self.index_head_dim + 1) * half
         if self.dsa_dense:
             return indexer + 2.0 * s * (self.h_q + self.h_v) * half + 2.0 * s * self.h_q * half
-        if causal:
-            kbar = s / 2 if k >= s else (k * (k + 1) / 2 + (s - k) * k) / s
-        else:
-            kbar = min(k, s)
-        return indexer + 2.0 * kbar * (self.h_q + self.h_v)
+        k = min(k, s)
+        kbar = (k * (k + 1) / 2 + (s - k) * k) / s if causal else k
+        return indexer + 2.0 * kbar * self.heads * (2 * self.kv_lora_rank + self.qk_rope_dim)
 
     @property
     def attention_layers(self) -> int:
