@@ -49,6 +49,11 @@
    (dequantized per GEMM) against the bf16 base — each within 1 % of its losses at every step —,
    and the step times against the full bf16 fine-tune of 1.
 
+9c. DeepSeek Sparse Attention (``model.dsa``), one MLA layer of benchmarks/bench_dsa.py in bf16:
+   the gathered sparse path against the masked reference at 1,024 tokens (outputs and input
+   gradient within 2e-2), and its step against dense MLA at 4,096 and 16,384 tokens (k = 512).
+   moetrain's PyTorch paths on the GPU: FlashMLA's and TileLang's kernels are not wired in.
+
 10. ``--mfu`` instead: MFU on a model that fills the GPU (``--set`` overrides the demo config; the
    defaults of :data:`MFU_MODEL` make a 2.8B-parameter MoE, 6 layers of hidden 4096 with 8 experts
    of 4096 and top-2, 4096-token sequences): bf16 and fp8 tensorwise for ``--steps`` steps, their
@@ -202,7 +207,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a check of the torch install)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override applied to every training of the check (repeatable)")
-    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap,memory,muon,lora",
+    ap.add_argument("--only", default="parity,syncs,backends,dispatch,fp8,overlap,memory,muon,lora,dsa",
                     help="comma-separated sections of the check to run (default: all); bf16 is trained as the "
                          "baseline of the fp8 sections either way")
     ap.add_argument("--overlap-ranks", type=int, default=0,
@@ -297,6 +302,8 @@ def main() -> int:
         muon(a, out, bf16, extra, failures)
     if "lora" in only:
         lora(a, out, bf16, extra, failures)
+    if "dsa" in only:
+        dsa(out, cuda, failures)
     out["wall_s"] = time.time() - t0
     out["failures"] = failures
     print(json.dumps(out, indent=1, default=str))
@@ -496,6 +503,60 @@ def lora(a, out: dict, bf16: dict, extra: list[str], failures: list[str]) -> Non
     except Exception as e:  # noqa: BLE001
         out["lora"] = {"error": f"{type(e).__name__}: {e}"}
         failures.append(f"lora: {e}")
+
+
+def dsa(out: dict, cuda: bool, failures: list[str]) -> None:
+    # 9c. DeepSeek Sparse Attention, one MLA layer of benchmarks/bench_dsa.py in bf16 on the device:
+    #     the gathered path against the masked reference at 1,024 tokens (outputs and the input's
+    #     gradient within 2e-2 of the largest entry: bf16 rounding of differently ordered sums), and
+    #     the layer's step against dense MLA at 4,096 and 16,384 tokens (k = 512). The GPU kernels
+    #     (FlashMLA, TileLang) are not wired in: this times moetrain's PyTorch paths on the GPU.
+    from bench_dsa import SHAPE, layer
+
+    from moetrain.model.layers import rope_cos_sin, set_compute_dtype
+
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    def build(kind: str):
+        m = layer(kind).to(dev)
+        set_compute_dtype(m, dtype)
+        return m
+
+    def run(m, seq: int, seed: int = 0):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        x = torch.randn(1, seq, SHAPE["hidden"], device=dev, dtype=dtype, generator=g).requires_grad_()
+        cos, sin = rope_cos_sin(torch.arange(seq, device=dev), SHAPE["qk_rope_head_dim"], 10000.0)
+        y = m(x, cos, sin)
+        y.float().square().mean().backward()
+        return y.detach().float(), x.grad.float()
+
+    def timed(kind: str, seq: int) -> float:
+        m = build(kind)
+        run(m, seq)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            run(m, seq)
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / 3
+
+    try:
+        (ym, gm), (yg, gg) = run(build("dsa-masked"), 1024), run(build("dsa-gathered"), 1024)
+        res: dict = {"parity_out": ((ym - yg).abs().max() / ym.abs().max()).item(),
+                     "parity_grad": ((gm - gg).abs().max() / gm.abs().max()).item()}
+        for seq in (4096, 16384):
+            dense, sparse = timed("dense", seq), timed("dsa-gathered", seq)
+            res[str(seq)] = {"dense_s": dense, "gathered_s": sparse, "gathered_over_dense": sparse / dense}
+        out["dsa"] = res
+        if max(res["parity_out"], res["parity_grad"]) > 2e-2:
+            failures.append(f"dsa: the gathered path is {res['parity_out']:.2e} / {res['parity_grad']:.2e} off the "
+                            f"masked reference (limit 2e-2)")
+    except Exception as e:  # noqa: BLE001
+        out["dsa"] = {"error": f"{type(e).__name__}: {e}"}
+        failures.append(f"dsa: {e}")
 
 
 def muon(a, out: dict, bf16: dict, extra: list[str], failures: list[str]) -> None:

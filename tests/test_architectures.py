@@ -1,8 +1,9 @@
 """The architectures of 2025-26 — DeepSeek-V3 (MLA, multi-token prediction, group-limited
 routing with a score-correction bias), GLM-4.5 (partial RoPE, q/k norm, attention biases),
 GPT-OSS (attention sinks, alternating sliding windows, router and expert biases, clamped SwiGLU,
-YaRN) and Llama 4 (NoPE blocks with temperature tuning, chunked attention, the l2 q/k norm, top-1
-routing on the expert's input) — train in every layout as in one process.
+YaRN), Llama 4 (NoPE blocks with temperature tuning, chunked attention, the l2 q/k norm, top-1
+routing on the expert's input) and MiniMax-M2 (q/k norms over the whole projection, partial RoPE,
+sigmoid routing with a score-correction bias) — train in every layout as in one process.
 
 Each layout runs 20 steps with gradient clipping against one process: losses (and the MTP loss)
 within 1e-5 relative per step, gradient norms within 1e-5 relative, and the first step's
@@ -53,7 +54,15 @@ LLAMA4 = {
     "moe": {"num_experts": 4, "top_k": 1, "every": 2, "shared_experts": 1, "score_function": "sigmoid",
             "norm_topk_prob": False, "apply_probs_on_input": True},
 }
-ARCHS = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS, "llama4_text": LLAMA4}
+# MiniMax-M2: q/k norms over the whole projection (their statistic summed over tp), half of each
+# head rotated, sigmoid routing with a score-correction bias, the top-k renormalised.
+MINIMAX_M2 = {
+    "model": {"layers": 2, "qk_norm": "projection", "partial_rotary_factor": 0.5},
+    "moe": {"num_experts": 4, "top_k": 2, "shared_experts": 0, "score_function": "sigmoid", "routing_bias": True,
+            "bias_update_rate": 0.001, "norm_topk_prob": True},
+}
+ARCHS = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS, "llama4_text": LLAMA4,
+         "minimax_m2": MINIMAX_M2}
 
 
 def train(rank: int, world: int, data: str, run_dir: str, arch: str, parallel: dict, data_section: dict) -> dict:
@@ -130,6 +139,7 @@ EXTRA = [
     # Llama 4's chunks and document masks across the cp shards; and plain dp2 × ep2.
     ("llama4_text", {"cp": 2, "ep": 2}, True),
     ("llama4_text", {"dp": 2, "ep": 2}, False),
+    ("minimax_m2", {"dp": 2, "ep": 2}, False),
 ]
 
 

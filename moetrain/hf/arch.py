@@ -859,9 +859,6 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     need("model.mlp_activation", m.mlp_activation, m.mlp_activation == "swiglu", "has SwiGLU MLPs")
     need("moe.activation", moe.activation, moe.activation != "relu2", "has gated experts")
     dsa = arch in DSA_ARCHS
-    need("model.dsa.index_topk", m.dsa.index_topk, m.dsa.enabled == dsa,
-         "has DeepSeek Sparse Attention's indexer" if dsa else "has no sparse-attention indexer (DeepSeek-V3.2 and "
-                                                              "GLM-5 have: --arch deepseek_v32)")
     deepseek_like, gpt_oss, next_ = (arch in (DEEPSEEK_V3, GLM4_MOE, KIMI_LINEAR, *DSA_ARCHS), arch is GPT_OSS,
                                      arch in (QWEN3_NEXT, QWEN3_5_MOE))
     kimi = arch is KIMI_LINEAR
@@ -871,6 +868,9 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     need("model.layer_types", list(m.layer_types), not m.mamba,
          "has no Mamba-2 layers (Nemotron-H has them, in blocks of one sublayer each: "
          "model.hybrid_override_pattern)")
+    need("model.dsa.index_topk", m.dsa.index_topk, m.dsa.enabled == dsa,
+         "has DeepSeek Sparse Attention's indexer" if dsa else "has no sparse-attention indexer (DeepSeek-V3.2 and "
+                                                              "GLM-5 have: --arch deepseek_v32)")
     need("model.rope", m.rope, m.rope != kimi, "has no positional encoding in its MLA layers" if kimi
          else "rotates its queries and keys (RoPE)")
     need("model.attention_output_gate", m.attention_output_gate, m.attention_output_gate == next_,
@@ -1082,6 +1082,8 @@ def _llama4_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | None) 
 
     need("model.attention", m.attention, m.attention == "gqa", "has grouped-query attention, not MLA")
     need("model.qk_norm", m.qk_norm, m.qk_norm in ("l2", "none"), "has the weightless q/k norm (l2) or none")
+    for kind, what in (("mamba", "Mamba-2"), ("kda", "Kimi Delta Attention"), ("linear_attention", "gated-DeltaNet")):
+        need("model.layer_types", list(m.layer_types), kind not in m.layer_types, f"has no {what} layers")
     for field, value, default in (("hybrid_override_pattern", m.hybrid_override_pattern, ""),
                                   ("layer_types", list(m.layer_types), []),
                                   ("mlp_activation", m.mlp_activation, "swiglu"), ("qkv_bias", m.qkv_bias, False),
@@ -1092,7 +1094,7 @@ def _llama4_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | None) 
                                   ("zero_centered_norm", m.zero_centered_norm, False),
                                   ("partial_rotary_factor", m.partial_rotary_factor, 1.0), ("rope", m.rope, True),
                                   ("mtp_depth", m.mtp_depth, 0)):
-        need(f"model.{field}", value, value == default, "is not part of Llama 4")
+        need(f"model.{field}", value, value == default, f"needs {default!r} (Llama 4's blocks have no other)")
     need("moe.num_experts", moe.num_experts, moe.num_experts > 0, "is a mixture of experts")
     for field, value, default in (("apply_probs_on_input", moe.apply_probs_on_input, True), ("top_k", moe.top_k, 1),
                                   ("score_function", moe.score_function, "sigmoid"),

@@ -24,11 +24,15 @@ eq. 3) or over the selected keys (``sparse``, eq. 4); the mean over the sample's
 (:class:`~moetrain.model.moe.AttachAuxLoss`): its inputs are detached, and the selection, a
 top-k, gives the main model no gradient.
 
-The reference path here scores and selects densely ([B, S, T] per layer) and attends with a
-boolean mask (the attention kernels' ``select``): exact, O(S·T) memory. Under context
-parallelism :mod:`moetrain.parallel.context` sets :class:`IndexerParallel`: the indexer keys (one
-head, Di wide) are gathered over the cp ranks with their gradient, and the main attention's keys
-without it, for p.
+Two attention paths for the sparse stage (``model.dsa.attention``). ``masked``, the reference:
+the scores and the selection dense ([B, S, T] per layer), the attention with a boolean mask (the
+attention kernels' ``select``): exact, O(S·T) memory, every layout. ``gathered``: the indexer
+scores blocks of queries and keeps only their top-k indices (:meth:`Indexer.topk_indices`), MLA
+attends in its absorbed form over each query's gathered latents (:class:`SparseLatentAttention`),
+and the loss reads the scores and probabilities at the selected keys only: O(S·K) beside the
+indexer's O(S·T) scoring. Under context parallelism :mod:`moetrain.parallel.context` sets
+:class:`IndexerParallel`: the indexer keys (one head, Di wide) are gathered over the cp ranks with
+their gradient, and the main attention's keys without it, for p.
 """
 
 from __future__ import annotations
