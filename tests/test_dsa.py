@@ -204,3 +204,29 @@ def test_gathered_attention_equals_the_masked_one(layout, short_doc_shards, tmp_
                                               ref["norms"]), 1):
         assert abs(a - b) <= 3e-6, f"step {step}: indexer loss {a} vs masked {b}"
         assert abs(na - nb) <= 1e-5 * abs(nb), f"step {step}: grad norm {na} vs masked {nb}"
+
+
+# -- from the warm-up to the sparse stage -------------------------------------------------------------
+
+
+def stage_run(rank: int, world: int, data: str, run_dir: str, stage: str, init_from: str | None) -> dict:
+    from moetrain.utils import ConfigError
+
+    cfg = tiny_config(data, run_dir, model={**MLA, "dsa": dsa(stage)}, moe={"num_experts": 4, "top_k": 2},
+                      train={"steps": 4}, checkpoint={"resume": True, "every": 0, "init_from": init_from})
+    try:
+        trainer = Trainer(cfg, write_files=False)
+    except ConfigError as e:
+        return {"refused": str(e)}
+    start = trainer.step
+    losses = [trainer.train_step().loss for _ in range(2)]
+    return {"start": start, "losses": losses, "saved": str(trainer.save_checkpoint())}
+
+
+def test_the_sparse_stage_starts_from_the_warmups_weights(tiny_shards, tmp_path):
+    warm = run_distributed(stage_run, 1, str(tiny_shards), str(tmp_path / "warm"), "dense_warmup", None)[0]
+    # resuming the warm-up's run dir in the other stage is refused, naming the fix
+    refused = run_distributed(stage_run, 1, str(tiny_shards), str(tmp_path / "warm"), "sparse", None)[0]
+    assert "model.dsa.stage = 'dense_warmup'" in refused["refused"] and "checkpoint.init_from" in refused["refused"]
+    sparse = run_distributed(stage_run, 1, str(tiny_shards), str(tmp_path / "sparse"), "sparse", warm["saved"])[0]
+    assert sparse["start"] == 0 and all(x == x for x in sparse["losses"])

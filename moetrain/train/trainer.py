@@ -270,11 +270,24 @@ class Trainer:
             if self.write_files:
                 append_event(self.cfg.run_dir, self.fence, "initialised", weights=str(loaded))
 
+    def _check_dsa_stage(self, path: Path) -> None:
+        """A checkpoint of DSA's dense warm-up holds optimizer states for the indexers alone: the
+        sparse stage (or a model without DSA) starts from its weights, not by resuming it."""
+        saved = json.loads((path / "manifest.json").read_text()).get("train_state", {}).get("dsa_stage")
+        dsa = self.cfg.model.dsa
+        now = dsa.stage if dsa.enabled else None
+        if "dense_warmup" in (saved, now) and saved != now:
+            raise ConfigError(f"checkpoint {path} was saved with model.dsa.stage = {saved!r} and this run has "
+                              f"{now!r}: the warm-up trains the indexers alone, so its optimizer state does not fit "
+                              f"the other stage. Fix: start the new stage in another run.dir with "
+                              f"checkpoint.init_from={path} (its weights, a fresh optimizer)")
+
     def _resume(self) -> bool:
         """Load the latest complete checkpoint when there is one; True if it did."""
         found = self.checkpointer.latest_valid()
         if found is not None:
             _, path = found
+            self._check_dsa_stage(path)
             state = self.checkpointer.load(path, self.model_parts, self.optimizers)
             if self.lora_base is not None and state.get("lora_base") != self.lora_base:
                 raise ConfigError(f"checkpoint {path} holds low-rank adapters trained on the base "
@@ -331,6 +344,8 @@ class Trainer:
                        "anomaly": self.anomaly.state_dict()}
         if self.lora_base is not None:
             train_state["lora_base"] = self.lora_base
+        if self.cfg.model.dsa.enabled:
+            train_state["dsa_stage"] = self.cfg.model.dsa.stage
         return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout,
                                       wait=wait or not self.cfg.checkpoint.async_)
 
