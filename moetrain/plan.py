@@ -10,6 +10,10 @@ assumed vocabulary, which the output names); the layout (tp, pp, virtual
 stages, dp, cp, ep, ZeRO stage, micro-batch, activation checkpointing, schedule) is searched.
 ``--layout`` fixes some or all of those keys (``tp, pp, dp, cp, ep, etp, vpp, zero, mbs, ac,
 schedule, sp``); with all of them it evaluates that one layout, fitting or not.
+``--expert-loads FILE`` (a run's ``metrics.jsonl``, or a JSON list of tokens per expert) takes
+the busiest expert-parallel rank's share of the tokens from measured loads at each ep, instead of
+the assumed imbalance; ``--redundant-experts N`` shows what N spare slots placed by EPLB
+(:mod:`moetrain.topology.eplb`) make of it.
 ``--published`` prints the comparison with published training results, dense and MoE: run,
 hardware, GPUs, precision, metric, published value, prediction, error, layout, and the median /
 max |error| of the held rows (docs/topology.md §5).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from moetrain.config import ConfigError, load_config
@@ -108,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value (repeatable), as for submit")
     ap.add_argument("--published", action="store_true", help="compare with published training results")
+    ap.add_argument("--expert-loads", metavar="FILE",
+                    help="measured tokens per expert: a run's metrics.jsonl (the mean of its steps' expert_load, "
+                         "per MoE layer) or a JSON list (one layer) or list of lists; the busiest expert-parallel "
+                         "rank's share then comes from them at each ep instead of the assumed 1.1")
+    ap.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                    help="with --expert-loads: N spare expert slots placed by EPLB (moe.eplb), its effect on the "
+                         "busiest rank")
     args = ap.parse_args(argv)
     if args.published:
         return _published(args.format)
@@ -124,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         alloc = resolve_allocation(names if names is not None else n_nodes, cfg, prof, args.topology)
         fixed: dict[str, Any] = parse_layout_spec(args.layout) if args.layout else {}
         planner = Planner.from_config(cfg, prof, n_nodes, allocation=alloc)
+        if args.expert_loads:
+            planner.expert_loads = read_expert_loads(Path(args.expert_loads))
+            planner.redundant_experts = args.redundant_experts
+            if len(planner.expert_loads[0]) != planner.shape.num_experts:
+                raise ValueError(f"--expert-loads {args.expert_loads}: {len(planner.expert_loads[0])} experts, the "
+                                 f"model has moe.num_experts = {planner.shape.num_experts}")
     except (ConfigError, ProfileError, LayoutError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,6 +212,35 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # a published run's layout (Layout.runs_in_moetrain)
             print(f"\n#1 is not a layout moetrain's trainer runs: {e}")
     return 0
+
+
+def read_expert_loads(path: Path) -> list[list[float]]:
+    """Tokens per expert per MoE layer ([layers][E]) from ``path``: a run's ``metrics.jsonl``
+    (the mean over its records of each layer's ``expert_load`` tokens) or a JSON list (one
+    layer) or list of lists.
+
+    Raises:
+        ValueError: no loads in the file, or layers of different expert counts.
+    """
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        sums: dict[str, list[float]] = {}
+        count: dict[str, int] = {}
+        for line in text.splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            for layer, v in (rec.get("expert_load") or {}).items():
+                row = sums.setdefault(layer, [0.0] * len(v["tokens"]))
+                sums[layer] = [a + b for a, b in zip(row, v["tokens"])]
+                count[layer] = count.get(layer, 0) + 1
+        loads = [[x / count[k] for x in sums[k]] for k in sorted(sums, key=lambda k: (len(k), k))]
+    else:
+        data = json.loads(text)
+        loads = [data] if data and not isinstance(data[0], list) else data
+    if not loads or not loads[0]:
+        raise ValueError(f"{path}: no expert loads (a metrics.jsonl with expert_load, or a JSON list)")
+    if len({len(row) for row in loads}) != 1:
+        raise ValueError(f"{path}: the layers have different numbers of experts")
+    return [[float(x) for x in row] for row in loads]
 
 
 if __name__ == "__main__":

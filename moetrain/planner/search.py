@@ -26,6 +26,7 @@ from moetrain.planner.model import ModelShape
 from moetrain.planner.timing import StepTime, TimingAssumptions, step_time
 from moetrain.planner.traffic import AxisPlace, places_from_rank_map
 from moetrain.topology.cluster import TIERS, Allocation, ClusterProfile, synthetic_allocation
+from moetrain.topology.eplb import Placement, place_experts, rank_loads
 from moetrain.topology.mapper import map_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,6 +148,11 @@ class Planner:
                  mem: MemoryAssumptions = MemoryAssumptions(), timing: TimingAssumptions = TimingAssumptions(),
                  facts: LayoutFacts | None = None):
         self.shape = shape
+        # Measured tokens per expert ([layers][E], moetrain.plan --expert-loads): the busiest
+        # expert-parallel rank's share then comes from them at each ep (measured_imbalance),
+        # with ``redundant_experts`` spare slots placed by EPLB; None: timing.moe_imbalance.
+        self.expert_loads: list[list[float]] | None = None
+        self.redundant_experts = 0
         # What the layout rules (moetrain.config.layout_refusal) read besides the layout: the
         # config's for a planner made from one, else the model shape's with the stage split left
         # to the framework of a published run.
@@ -177,6 +183,35 @@ class Planner:
                                             ep_overlap_split=cfg.parallel.ep_overlap_split,
                                             optimizer=cfg.train.optimizer),
                    facts=LayoutFacts.from_config(cfg, published=published))
+
+    def timing_for(self, lay: Layout) -> TimingAssumptions:
+        """The timing assumptions of ``lay``: :attr:`timing`, its MoE imbalance taken from the
+        measured expert loads at ``lay.ep`` when there are some."""
+        if self.expert_loads is None or not self.shape.is_moe:
+            return self.timing
+        return dataclasses.replace(self.timing, moe_imbalance=self.measured_imbalance(lay.ep))
+
+    def measured_imbalance(self, ep: int) -> float:
+        """Tokens on the busiest of ``ep`` expert-parallel ranks over the mean, from
+        :attr:`expert_loads`, averaged over the layers (each layer waits for its own busiest
+        rank): the experts placed contiguously (E / ep per rank, moetrain's placement), or with
+        :attr:`redundant_experts` spare slots by EPLB (:func:`moetrain.topology.eplb.place_experts`;
+        where the slots do not split over ``ep``, contiguously). An ep the experts do not split
+        over keeps ``timing.moe_imbalance``."""
+        ratios = []
+        for loads in self.expert_loads:
+            E = len(loads)
+            if self.redundant_experts and (E + self.redundant_experts) % ep == 0:
+                pl = place_experts(loads, E + self.redundant_experts, ep)
+            else:
+                if E % ep:
+                    return self.timing.moe_imbalance
+                n = E // ep
+                pl = Placement(tuple(tuple(range(p * n, (p + 1) * n)) for p in range(ep)))
+            per_rank = rank_loads(loads, pl)
+            mean = sum(per_rank) / ep
+            ratios.append(max(per_rank) / mean if mean > 0 else 1.0)
+        return sum(ratios) / len(ratios)
 
     # -- placement ---------------------------------------------------------------------------
     def places(self, lay: Layout) -> tuple[dict[str, AxisPlace], list[str]]:
@@ -235,7 +270,8 @@ class Planner:
         why = self.check(lay)
         if why:
             raise ValueError(f"layout {lay.short()}: {why}")
-        mem = memory_per_gpu(self.shape, lay, self.global_batch, self.mem, self.timing.moe_imbalance)
+        timing = self.timing_for(lay)
+        mem = memory_per_gpu(self.shape, lay, self.global_batch, self.mem, timing.moe_imbalance)
         plan = Plan(lay, mem, self.capacity, world=self.world, peak_tflops=self.profile.peak_tflops,
                     tokens_per_step=self.global_batch * self.shape.seq_len)
         if self.shape.layers % (lay.pp * lay.vpp):
@@ -243,7 +279,7 @@ class Planner:
                               f"timed by the fullest stage; the trainer's config needs an even split")
         if with_time:
             places, broken = self.places(lay)
-            plan.time = step_time(self.shape, lay, self.global_batch, self.profile, places, self.mem, self.timing)
+            plan.time = step_time(self.shape, lay, self.global_batch, self.profile, places, self.mem, timing)
             plan.broken_rules = broken
         return plan
 
@@ -345,7 +381,7 @@ class Planner:
         for plan in fitting:
             places, broken = self.places(plan.layout)
             plan.time = step_time(self.shape, plan.layout, self.global_batch, self.profile, places, self.mem,
-                                  self.timing)
+                                  self.timing_for(plan.layout))
             plan.broken_rules = broken
         fitting.sort(key=lambda p: (round(p.step_s, 9), p.layout.cp, p.layout.pp, p.layout.tp, p.layout.vpp,
                                     p.layout.zero, p.memory_gib))

@@ -1,0 +1,97 @@
+"""Expert placement by measured load (moetrain/topology/eplb.py): every expert placed, the
+slots and the nodes respected, the busiest rank brought near the mean on a skewed load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moetrain.topology.eplb import Placement, place_experts, rank_loads
+
+
+def contiguous(E: int, ranks: int) -> Placement:
+    """moetrain's placement without EPLB: rank p holds experts p·E/P … (p + 1)·E/P − 1."""
+    n = E // ranks
+    return Placement(tuple(tuple(range(p * n, (p + 1) * n)) for p in range(ranks)))
+
+
+def test_every_expert_placed_in_whole_slots_within_its_node():
+    rng = random.Random(0)
+    loads = [rng.expovariate(1.0) for _ in range(16)]
+    pl = place_experts(loads, slots=24, ranks=8, nodes=2)
+    assert all(len(r) == 3 for r in pl.slots)
+    assert sorted(pl.replicas) == list(range(16)) and sum(pl.replicas.values()) == 24
+    node_experts = [set(e for r in pl.slots[n * 4:(n + 1) * 4] for e in r) for n in range(2)]
+    assert not node_experts[0] & node_experts[1], "an expert's replicas stay in its node"
+    assert all(len(s) == 8 for s in node_experts)
+    assert pl == place_experts(list(loads), slots=24, ranks=8, nodes=2), "deterministic"
+    assert len(pl.physical_to_logical()) == 24
+
+
+def test_a_skewed_load_is_brought_near_the_mean():
+    # half of the tokens to two of 16 experts, over 4 ranks: without EPLB the rank holding both
+    # carries 2.3× the mean; 4 redundant slots bring it within 1.15×
+    loads = [0.25, 0.25] + [0.5 / 14] * 14
+    plain = rank_loads(loads, contiguous(16, 4))
+    assert max(plain) / (sum(plain) / 4) == pytest.approx(2.2857, rel=1e-3)
+    pl = place_experts(loads, slots=20, ranks=4)
+    balanced = rank_loads(loads, pl)
+    assert sum(balanced) == pytest.approx(1.0)
+    assert max(balanced) / (sum(balanced) / 4) <= 1.15
+    assert pl.replicas[0] == pl.replicas[1] == 3
+    # without spare slots the packing alone can only separate the two hot experts
+    packed = rank_loads(loads, place_experts(loads, slots=16, ranks=4))
+    assert max(packed) / 0.25 < max(plain) / 0.25
+
+
+def test_uniform_loads_stay_uniform():
+    pl = place_experts([1.0] * 8, slots=8, ranks=4)
+    assert rank_loads([1.0] * 8, pl) == [2.0] * 4
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(slots=10, ranks=4), "multiple of the ranks"),
+    (dict(slots=4, ranks=4), "at least the 8 experts"),
+    (dict(slots=12, ranks=4, nodes=3), "split evenly over 3 nodes"),
+])
+def test_bad_shapes_are_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        place_experts([1.0] * 8, **args)
+
+
+def test_the_planner_takes_the_busiest_rank_from_measured_loads(tmp_path):
+    """``moetrain.plan --expert-loads``: the busiest ep rank's share at each ep from a run's
+    metrics (contiguous placement), and what ``--redundant-experts`` spare slots make of it."""
+    import dataclasses
+    import json
+
+    from moetrain.config import load_config
+    from moetrain.plan import read_expert_loads
+    from moetrain.planner.layout import Layout
+    from moetrain.planner.search import Planner
+    from moetrain.topology import load_profile
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "expert_load": {"0": {"tokens": [30, 20, 10, 10, 10, 10, 5, 5]},
+                                        "1": {"tokens": [10] * 8}}} for s in (1, 2)]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    loads = read_expert_loads(metrics)
+    assert loads == [[30.0, 20, 10, 10, 10, 10, 5, 5], [10.0] * 8]
+    (tmp_path / "one.json").write_text("[1, 2, 3, 4, 5, 6, 7, 8]")
+    assert read_expert_loads(tmp_path / "one.json") == [[1.0, 2, 3, 4, 5, 6, 7, 8]]
+
+    cfg = load_config("configs/mixtral-8x7b.yaml")
+    planner = Planner.from_config(cfg, load_profile("h100-superpod"), 16)
+    planner.expert_loads = loads
+    # one expert per rank at ep 8: layer 0's busiest rank has 30 of a mean 12.5, layer 1 is even
+    assert planner.measured_imbalance(8) == pytest.approx((30 / 12.5 + 1.0) / 2)
+    assert planner.measured_imbalance(2) == pytest.approx((70 / 50 + 1.0) / 2)
+    lay = Layout(tp=2, pp=1, dp=64, ep=8, zero=1, mbs=1, ac="selective")
+    skewed = planner.evaluate(lay).step_s
+    planner.redundant_experts = 8
+    assert planner.measured_imbalance(8) < 1.2
+    balanced = planner.evaluate(lay).step_s
+    planner.expert_loads = None
+    assumed = planner.evaluate(dataclasses.replace(lay)).step_s
+    assert balanced < skewed and abs(balanced - assumed) < 0.2 * assumed
