@@ -367,14 +367,23 @@ def _moe_layer_pattern(r: _Reader, layers: int, num_experts: int) -> dict:
     step = r.get("decoder_sparse_step", 1)
     mlp_only = set(r.get("mlp_only_layers", None) or [])
     want = [num_experts > 0 and i not in mlp_only and (i + 1) % step == 0 for i in range(layers)]
-    for every in range(1, layers + 1):
-        for first_dense in range(layers + 1):
-            got = [i >= first_dense and (i - first_dense) % every == every - 1 for i in range(layers)]
-            if got == want:
-                return {"every": every, "first_dense": first_dense}
+    pattern = _every_first_dense(want)
+    if pattern is not None:
+        return pattern
     raise r.refuse("mlp_only_layers", sorted(mlp_only),
                    f"with decoder_sparse_step={step} the MoE blocks {[i for i in range(layers) if want[i]]} are not "
                    f"a pattern of moe.every / moe.first_dense")
+
+
+def _every_first_dense(want: list[bool]) -> dict | None:
+    """``moe.every`` / ``moe.first_dense`` giving MoE blocks exactly where ``want`` [layers] is
+    True, or None when no pair does."""
+    layers = len(want)
+    for every in range(1, layers + 1):
+        for first_dense in range(layers + 1):
+            if [i >= first_dense and (i - first_dense) % every == every - 1 for i in range(layers)] == want:
+                return {"every": every, "first_dense": first_dense}
+    return None
 
 
 def from_hf(hf: dict, mtp_depth: int = 0) -> tuple[Architecture, dict, dict]:
@@ -590,9 +599,7 @@ def _read_llama4(r: _Reader, model: dict, moe: dict) -> None:
     steps = r.get("interleave_moe_layer_step", 1)
     moe_layers = r.get("moe_layers", None)
     moe_layers = list(range(steps - 1, layers, steps)) if moe_layers is None else list(moe_layers)
-    want = [i in moe_layers for i in range(layers)]
-    pattern = next(({"every": e, "first_dense": f} for e in range(1, layers + 1) for f in range(layers + 1)
-                    if [i >= f and (i - f) % e == e - 1 for i in range(layers)] == want), None)
+    pattern = _every_first_dense([i in moe_layers for i in range(layers)])
     if pattern is None or not moe_layers:
         raise r.refuse("moe_layers", moe_layers, "the MoE blocks are not a pattern of moe.every / moe.first_dense")
     if head_dim := r.get("head_dim", None):
@@ -826,6 +833,15 @@ def _refuse_ours(arch: Architecture, field: str, value: Any, why: str) -> Unsupp
                             f"(--arch) or train without it")
 
 
+def _needs(arch: Architecture) -> Callable[[str, Any, bool, str], None]:
+    """``need(field, value, ok, why)``: refuses moetrain field ``field`` = ``value`` for ``arch``
+    (:func:`_refuse_ours`) unless ``ok``."""
+    def need(field: str, value: Any, ok: bool, why: str) -> None:
+        if not ok:
+            raise _refuse_ours(arch, field, value, why)
+    return need
+
+
 def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str = "float32",
           eos_token_id: int | None = None) -> dict:
     """The ``config.json`` of moetrain model ``cfg`` as ``arch``. ``base``: the config.json the
@@ -838,9 +854,7 @@ def to_hf(cfg: Config, arch: Architecture, base: dict | None = None, dtype: str 
     m, moe = cfg.model, cfg.moe
     out = dict(base) if base and base.get("model_type") == arch.model_type else {}
 
-    def need(field: str, value: Any, ok: bool, why: str) -> None:
-        if not ok:
-            raise _refuse_ours(arch, field, value, why)
+    need = _needs(arch)
 
     if arch is NEMOTRON_H:
         return _nemotron_h_to_hf(cfg, out, dtype, eos_token_id)
@@ -1076,9 +1090,7 @@ def _llama4_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | None) 
     """:func:`to_hf` for Llama 4's text model (``out``: the base config.json's keys when it was one)."""
     m, moe = cfg.model, cfg.moe
 
-    def need(field: str, value: Any, ok: bool, why: str) -> None:
-        if not ok:
-            raise _refuse_ours(LLAMA4_TEXT, field, value, why)
+    need = _needs(LLAMA4_TEXT)
 
     need("model.attention", m.attention, m.attention == "gqa", "has grouped-query attention, not MLA")
     need("model.qk_norm", m.qk_norm, m.qk_norm in ("l2", "none"), "has the weightless q/k norm (l2) or none")
@@ -1142,9 +1154,7 @@ def _nemotron_h_to_hf(cfg: Config, out: dict, dtype: str, eos_token_id: int | No
     """:func:`to_hf` for Nemotron-H (``out``: the base config.json's keys when it was one)."""
     m, moe = cfg.model, cfg.moe
 
-    def need(field: str, value: Any, ok: bool, why: str) -> None:
-        if not ok:
-            raise _refuse_ours(NEMOTRON_H, field, value, why)
+    need = _needs(NEMOTRON_H)
 
     need("model.hybrid_override_pattern", m.hybrid_override_pattern, bool(m.hybrid_override_pattern)
          and set(m.hybrid_override_pattern) <= set("M*-E"),

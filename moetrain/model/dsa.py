@@ -46,6 +46,7 @@ from torch import nn
 
 from moetrain.model.attention import DocumentMask
 from moetrain.model.layers import Linear, apply_rope, cast
+from moetrain.model.moe import AttachAuxLoss
 from moetrain.model.recompute import is_recomputing
 
 
@@ -57,9 +58,8 @@ class IndexerParallel:
     * ``gather_seq`` — this rank's [B, S, ...] → the whole sample's [B, T, ...] in sequence
       order, differentiable (its backward sums every rank's gradient of each key);
     * ``positions`` — [S] the sample positions of this rank's queries; ``cp`` the ranks the
-      sample is split over (T = cp · S);
-    * ``loss_scale`` — the factor on this rank's share of the loss so that the gradient
-      reduction (a mean over cp) gives the one-process gradient: cp;
+      sample is split over (T = cp · S), also the factor on this rank's share of the loss so that
+      the gradient reduction (a mean over cp) gives the one-process gradient;
     * ``sum_heads`` — sums a [B, S, T] head sum of the main attention's probabilities over the
       tp ranks, which hold the other heads (no autograd); None without tp.
 
@@ -70,7 +70,6 @@ class IndexerParallel:
     gather_seq: Callable[[torch.Tensor], torch.Tensor] | None = None
     positions: torch.Tensor | None = None
     cp: int = 1
-    loss_scale: float = 1.0
     sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
@@ -193,11 +192,6 @@ class Indexer(nn.Module):
             valid.append(visible.gather(-1, top))
         return torch.cat(idx, dim=1), torch.cat(valid, dim=1)
 
-    def select(self, scores_BST: torch.Tensor, visible_BST: torch.Tensor) -> torch.Tensor:
-        """[B, S, T] bool: the ``topk`` best-scored visible keys of each query (every visible key
-        when it sees fewer). On the device, no host read."""
-        return select_topk(scores_BST, visible_BST, self.topk)
-
     def loss(self, scores_BST: torch.Tensor, p_BST: torch.Tensor, over_BST: torch.Tensor, tokens: int) -> torch.Tensor:
         """This rank's share of the indexer loss: Σ over its queries of KL(p ‖ softmax(I)) over
         the keys ``over_BST`` (visible, or selected), divided by ``tokens`` (the micro-batch's
@@ -214,6 +208,22 @@ class Indexer(nn.Module):
             return
         value = loss.detach().double()
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+
+    def attach_loss(self, out: torch.Tensor, scores: torch.Tensor, p: torch.Tensor, over: torch.Tensor,
+                    tokens: int) -> torch.Tensor:
+        """The attention output ``out`` carrying this forward's indexer loss in backward: ``p``
+        this rank's heads' probabilities over the keys ``over`` (summed over the tp ranks here,
+        then L1-normalised), ``scores`` the indexer's at the same keys (:meth:`loss`); the share
+        recorded for the step's metric and scaled by ``indexer_loss_coef`` and cp for the
+        gradient (:class:`~moetrain.model.moe.AttachAuxLoss`)."""
+        par = self.parallel
+        if par is not None and par.sum_heads is not None:
+            p = par.sum_heads(p)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)  # L1-normalised over the keys
+        loss = self.loss(scores, p, over, tokens)
+        self.record(loss)
+        scale = self.loss_coef * (par.cp if par is not None else 1)
+        return AttachAuxLoss.apply(out, loss * scale, self.loss_grad_scale)
 
 
 def select_topk(scores_BST: torch.Tensor, visible_BST: torch.Tensor, topk: int) -> torch.Tensor:

@@ -39,9 +39,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.model.attention import DocumentMask, head_max_logits, sdpa_attention
-from moetrain.model.dsa import Indexer, SparseLatentAttention, attention_probabilities, visible_keys
+from moetrain.model.dsa import Indexer, SparseLatentAttention, attention_probabilities, select_topk, visible_keys
 from moetrain.model.layers import AttentionKernel, Linear, RMSNorm, apply_rope, local_cast
-from moetrain.model.moe import AttachAuxLoss
 from moetrain.model.recompute import recompute_context
 
 
@@ -119,7 +118,7 @@ class MLAttention(nn.Module):
             visible = visible_keys(q_pos, k_pos, doc, B)  # [B, S, T]
             scores = idx.scores(x_BSD, c_q, cos, sin)
             if idx.sparse:
-                select = idx.select(scores, visible)
+                select = select_topk(scores, visible, idx.topk)
         # 3. attend
         if self.max_logit is not None:
             torch.maximum(self.max_logit, head_max_logits(q, k, self.scale, doc, self.window), out=self.max_logit)
@@ -138,13 +137,7 @@ class MLAttention(nn.Module):
             with torch.no_grad():
                 k_all = par.gather_seq(k_all.transpose(1, 2)).transpose(1, 2)  # [B, H, T, Dk]
         p = attention_probabilities(q.detach(), k_all, self.scale, over)
-        if par is not None and par.sum_heads is not None:
-            p = par.sum_heads(p)
-        p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)  # L1-normalised over the keys
-        loss = idx.loss(scores, p, over, B * k_pos.numel())
-        idx.record(loss)
-        scale = idx.loss_coef * (par.loss_scale if par is not None else 1.0)
-        return AttachAuxLoss.apply(out, loss * scale, idx.loss_grad_scale)
+        return idx.attach_loss(out, scores, p, over, B * k_pos.numel())
 
     def _gathered_forward(self, x_BSD: torch.Tensor, c_q: torch.Tensor, c_kv: torch.Tensor, k_r: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor, doc: DocumentMask | None) -> torch.Tensor:
@@ -177,14 +170,8 @@ class MLAttention(nn.Module):
         out = self.wo(out.reshape(B, S, -1))
         if not training:
             return out
-        par = idx.parallel  # p [B, S, K]: this rank's heads' probabilities, summed
-        if par is not None and par.sum_heads is not None:
-            p = par.sum_heads(p)
-        p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
-        loss = idx.loss(idx.score_selected(q_i, k_i, w_i, top), p, valid, B * k_pos.numel())
-        idx.record(loss)
-        scale = idx.loss_coef * (par.loss_scale if par is not None else 1.0)
-        return AttachAuxLoss.apply(out, loss * scale, idx.loss_grad_scale)
+        # p [B, S, K]: this rank's heads' probabilities at the selected keys, summed
+        return idx.attach_loss(out, idx.score_selected(q_i, k_i, w_i, top), p, valid, B * k_pos.numel())
 
 
 # Queries per block of the gathered sparse attention: [B, block, K, Ckv + Dr] gathered latents.

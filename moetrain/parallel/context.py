@@ -497,19 +497,6 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, seq
     model.positions = cp_positions(seq_len, cp_rank, cp_size)
 
 
-class _SumOverTP:
-    """Sums a tensor over the tp ranks (all-reduce, no autograd): the main attention's
-    probabilities of the heads each tp rank holds, for DSA's indexer loss."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        dist.all_reduce(x, group=self.group)
-        return x
-
-
 def apply_indexer_parallel(model: torch.nn.Module, ps, seq_len: int) -> None:
     """Give every DSA indexer of ``model`` its :class:`~moetrain.model.dsa.IndexerParallel`:
     under cp its keys (and, without gradient, the attention's keys for its loss) gathered over the
@@ -518,13 +505,14 @@ def apply_indexer_parallel(model: torch.nn.Module, ps, seq_len: int) -> None:
     which hold the other heads. ``ps``: the :class:`~moetrain.parallel.state.ParallelState`."""
     from moetrain.model.dsa import Indexer, IndexerParallel
     from moetrain.parallel.state import CP, TP
+    from moetrain.parallel.tensor import AllReduceSum
 
     cp, tp = ps.size(CP), ps.size(TP)
-    group = ps.group(CP) if cp > 1 else None
+    group, tp_group = ps.group(CP) if cp > 1 else None, ps.group(TP) if tp > 1 else None
     par = IndexerParallel(
         gather_seq=(lambda x: gather_sequence(x, group)) if cp > 1 else None,
         positions=cp_positions(seq_len, dist.get_rank(group), cp) if cp > 1 else None, cp=cp,
-        loss_scale=float(cp), sum_heads=_SumOverTP(ps.group(TP)) if tp > 1 else None)
+        sum_heads=(lambda p: AllReduceSum.apply(p, tp_group)) if tp > 1 else None)
     for module in model.modules():
         if isinstance(module, Indexer):
             module.parallel = par
