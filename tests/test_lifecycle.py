@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -60,6 +61,35 @@ def test_stop_checkpoint_resume_loses_and_repeats_nothing(tiny_shards, tmp_path)
     kinds = [e["event"] for e in read_events(run_dir)]
     assert kinds == ["started", "stopped", "resumed", "started", "finished"], kinds
     assert json.loads((run_dir / "attempt.json").read_text())["seq"] == 1
+
+
+def signalled_while_starting(rank: int, world: int, data: str, run_dir: str) -> str:
+    """A rank started as every launcher starts it (``run_rank``) that gets SLURM's time-limit
+    signal before its trainer exists (while importing torch and building the model, as on a slow
+    filesystem or a loaded host)."""
+    from moetrain.launch import job
+
+    cfg = tiny_config(data, run_dir, parallel={"dp": 2, "ep": 2}, train={"steps": STEPS},
+                      checkpoint={"resume": True, "every": 0})
+    starting = job._elastic_start
+
+    def signal_then_start(*args):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        return starting(*args)
+    job._elastic_start = signal_then_start
+    return job.run_rank(cfg, job.RankEnv(rank, world, rank, world, "test", "", False, "torchrun"), 0)
+
+
+def test_a_stop_signal_during_start_up_stops_at_the_first_step(tiny_shards, tmp_path):
+    """The signal is noted from the rank's first moment and acted on at the first step boundary:
+    a checkpoint, a ``stopped`` event, status ``stopped`` (its default action would end the
+    process with nothing saved, and the run would restart as after a failure)."""
+    run_dir = tmp_path / "run"
+    assert run_distributed(signalled_while_starting, 2, str(tiny_shards), str(run_dir), init=False) == \
+        ["stopped", "stopped"]
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [1]
+    stopped = [e for e in read_events(run_dir) if e["event"] == "stopped"]
+    assert [(e["step"], e["reason"]) for e in stopped] == [(1, "SIGUSR2")], stopped
 
 
 def stale_writer(rank: int, world: int, data: str, run_dir: str) -> dict:

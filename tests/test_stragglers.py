@@ -39,29 +39,49 @@ def test_a_rank_is_named_after_k_slow_windows_in_a_row_and_not_before():
 
 def straggler_run(rank: int, world: int, data: str, run_dir: str, steps: int, every: int, slow: str | None,
                   exclude: bool = False) -> dict:
-    """dp2 × ep2; ``slow``: rank 1 sleeps 40 ms in each forward (``forward``, a forward hook),
-    80 ms in each batch its data loader gives (``data``) or 80 ms before each step (``between``,
-    the trainer's ``before_step`` hook: a slow host between steps), from outside the project."""
+    """dp2 × ep2; ``slow``: rank 1 loses time in its first forward of each step (``forward``, a
+    forward hook), in each batch its data loader gives (``data``) or before each step
+    (``between``, the trainer's ``before_step`` hook: a slow host between steps), from outside
+    the project.
+
+    The time lost is in proportion to the machine's own step, not a fixed sleep: rank 1 sleeps
+    1.5 × its busy time b of a step (estimated from its last step time t: inside the step t ≈ b +
+    sleep, so 0.6 t; between steps t ≈ b, so 1.5 t), which makes its busy time 2.5 b against its
+    peer's b and its factor over the median of the two 2.5 / 1.75 = 1.43, whatever the machine's
+    speed (a fixed 40-80 ms was 1.08-1.18 on a machine 2.5× slower than the one it was chosen on,
+    under the 1.2 threshold)."""
     cfg = tiny_config(data, run_dir, parallel={"dp": 2, "ep": 2},
                       train={"steps": steps, "straggler_every": every, "straggler_windows": 3},
                       launch={"exclude_stragglers": exclude})
     trainer = Trainer(cfg)
+    last_step_s = [0.1]
+    pending = [True]  # the step's first forward has not slept yet
+
+    def lose_time(share: float) -> None:
+        time.sleep(share * last_step_s[0])
+
     if slow == "forward" and rank == 1:
-        trainer.model_parts[0].register_forward_pre_hook(lambda m, args: time.sleep(0.04))
+        def slow_forward(m, args):
+            if pending[0]:
+                pending[0] = False
+                lose_time(0.6)
+        trainer.model_parts[0].register_forward_pre_hook(slow_forward)
     if slow == "data" and rank == 1:
         next_batch = trainer.loader.next_batch
 
         def slow_batch():
-            time.sleep(0.08)
+            lose_time(0.6)
             return next_batch()
         trainer.loader.next_batch = slow_batch
     if slow == "between" and rank == 1:
-        trainer.before_step = lambda step: time.sleep(0.08)
+        trainer.before_step = lambda step: lose_time(1.5)
     factors: list = []
     step = trainer.train_step
 
     def recorded():
+        pending[0] = True
         res = step()
+        last_step_s[0] = res.extra["step_time_s"]
         if "busy_over_median" in res.extra:
             factors.append(res.extra["busy_over_median"])
         return res

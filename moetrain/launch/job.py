@@ -132,6 +132,7 @@ def run_rank(cfg: Config, renv: RankEnv, restart: int) -> str:
         RestartsExhausted: more than ``launch.max_restarts`` restarts, or a stop with none left.
         BaseException: whatever ended the rank, after its failure record is written.
     """
+    catch_stop_signals()  # before the imports and the model build: a signal then must not kill the rank
     os.environ.update(cfg.launch.env)  # under SLURM the job script exported them already
     for name, value in flight_recorder_env(cfg.run_dir).items():  # NCCL reads them at its first communicator
         os.environ.setdefault(name, value)
@@ -309,13 +310,16 @@ def _train(cfg: Config, env: RankEnv, restart: int, asked: Config | None = None)
 
     stop = StopFlag()
 
-    # Signals only set a flag; the loop checkpoints at the next step boundary.
+    # Signals only set a flag; the loop checkpoints at the next step boundary. One that arrived
+    # while the rank was starting (catch_stop_signals) counts as if it arrived now.
     def on_signal(signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM:
             _TERMINATED.set()
         stop.set(signal.Signals(signum).name)
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    for reason in _EARLY_SIGNALS:
+        stop.set(reason)
 
     trainer = Trainer(cfg, job_id=env.job_id, restart=restart, stop_flag=stop,
                       hosts_from_ranks=env.launcher == "torchrun")
@@ -452,6 +456,24 @@ def _recovery_clock(cfg: Config, env: RankEnv, restart: int, trainer: Any) -> An
 
 
 _TERMINATED = threading.Event()  # SLURM's SIGTERM reached this process
+_EARLY_SIGNALS: list[str] = []  # stop signals that arrived before the trainer's flag existed
+
+
+def catch_stop_signals() -> None:
+    """From the rank's first moment, note SIGUSR2 (SLURM's pre-timeout signal, preemption) and
+    SIGTERM instead of dying of them: their default action ends the process, and a rank still
+    importing torch or building its model when the time-limit signal comes (a slow shared
+    filesystem, a loaded host) would otherwise die without a checkpoint and be restarted as a
+    failure instead of stopping and requeueing. :func:`_train` hands what was noted to the
+    trainer's :class:`~moetrain.train.trainer.StopFlag`, which stops at the first step boundary."""
+    def note(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            _TERMINATED.set()
+        _EARLY_SIGNALS.append(signal.Signals(signum).name)
+    for sig in (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, note)
+
+
 EXIT_REQUEUED = 3  # a supervised rank's exit status once its job is requeued (the supervisor leaves too)
 
 
