@@ -37,6 +37,9 @@ PY
 control stragglers-between-steps moetrain/train/stragglers.py \
     "if name == STEP and self._last_end is not None:" "if False:" \
     "tests/test_stragglers.py::test_a_slowed_rank_is_named_within_k_plus_one_windows[between-outside]"
+control stop-signal-during-start-up moetrain/launch/job.py \
+    "    catch_stop_signals()  # before" "    pass  # before" \
+    "tests/test_lifecycle.py::test_a_stop_signal_during_start_up_stops_at_the_first_step"
 control wgrad-flush-order moetrain/parallel/ep_overlap.py \
     "        if self._pending:
             pending, self._pending = self._pending, []" \
