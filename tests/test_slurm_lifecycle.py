@@ -473,8 +473,9 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(reference, tiny_shar
     (every 30 s), i.e. up to 30 s before the time asked for. With signal_delay_s=5 it arrives
     25-55 s after the start, before the first attempt (≥ 60 s of 2-s steps) ends: after the
     ranks' start-up on a fast machine (≈ 12 s), during it on a slow one (a 2-core Zen 3 took
-    longer), where the ranks note it and stop at their first step (``catch_stop_signals``). The resumed attempt is fast and may get a signal of its own; either way the
-    losses are the uninterrupted run's. ≥ 1 minute: the only time-limit test."""
+    longer), where the ranks note it and stop at their first step (``catch_stop_signals``). The
+    resumed attempt is fast and may get a signal of its own; either way the losses are the
+    uninterrupted run's. ≥ 1 minute: the only time-limit test."""
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml", tiny_shards, run_dir, "lifecycle-timelimit", time_min=1,
                           signal_delay_s=5)
