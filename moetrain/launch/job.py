@@ -308,18 +308,10 @@ def _train(cfg: Config, env: RankEnv, restart: int, asked: Config | None = None)
         log.error(msg)
         raise RestartsExhausted(msg)
 
-    stop = StopFlag()
-
     # Signals only set a flag; the loop checkpoints at the next step boundary. One that arrived
-    # while the rank was starting (catch_stop_signals) counts as if it arrived now.
-    def on_signal(signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM:
-            _TERMINATED.set()
-        stop.set(signal.Signals(signum).name)
-    for sig in (signal.SIGUSR2, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    for reason in _EARLY_SIGNALS:
-        stop.set(reason)
+    # while the rank was starting counts as if it arrived now.
+    stop = StopFlag()
+    catch_stop_signals(stop)
 
     trainer = Trainer(cfg, job_id=env.job_id, restart=restart, stop_flag=stop,
                       hosts_from_ranks=env.launcher == "torchrun")
@@ -457,19 +449,30 @@ def _recovery_clock(cfg: Config, env: RankEnv, restart: int, trainer: Any) -> An
 
 _TERMINATED = threading.Event()  # SLURM's SIGTERM reached this process
 _EARLY_SIGNALS: list[str] = []  # stop signals that arrived before the trainer's flag existed
+_STOP_FLAG: list[Any] = [None]  # the trainer's StopFlag, once catch_stop_signals was handed it
 
 
-def catch_stop_signals() -> None:
+def catch_stop_signals(flag: Any = None) -> None:
     """From the rank's first moment, note SIGUSR2 (SLURM's pre-timeout signal, preemption) and
     SIGTERM instead of dying of them: their default action ends the process, and a rank still
     importing torch or building its model when the time-limit signal comes (a slow shared
     filesystem, a loaded host) would otherwise die without a checkpoint and be restarted as a
-    failure instead of stopping and requeueing. :func:`_train` hands what was noted to the
-    trainer's :class:`~moetrain.train.trainer.StopFlag`, which stops at the first step boundary."""
+    failure instead of stopping and requeueing. ``flag``: the trainer's
+    :class:`~moetrain.train.trainer.StopFlag` (:func:`_train`), which gets what was noted so far
+    and every later signal, and stops the loop at its next step boundary."""
+    if flag is not None:
+        _STOP_FLAG[0] = flag
+        for reason in _EARLY_SIGNALS:
+            flag.set(reason)
+
     def note(signum: int, frame: Any) -> None:
         if signum == signal.SIGTERM:
             _TERMINATED.set()
-        _EARLY_SIGNALS.append(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if _STOP_FLAG[0] is None:
+            _EARLY_SIGNALS.append(name)
+        else:
+            _STOP_FLAG[0].set(name)
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, note)
 
