@@ -104,13 +104,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         env, cwd = dict(os.environ), os.getcwd()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, init, env, cwd),
                              daemon=False) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+        finally:
+            # Also when pytest-timeout interrupts the join: ranks left running would take the
+            # cores from every later test of the worker.
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
         results, errors = [], []
         for r in range(world_size):
             f = Path(out_dir) / f"rank{r}.pt"

@@ -34,6 +34,14 @@ from multiproc import run_distributed
 
 pytest.importorskip("transformers")
 
+# The module fixture trains every architecture's layouts (27 runs, then their reloads, in a few
+# spawns) inside the setup of whichever test comes first: 242 s alone on a slow machine of this
+# kind (a 2-core Zen 3), more beside the other pytest worker, where the suite's 600 s per test was
+# once too little. A hang still ends the module; each spawn has its own limit.
+pytestmark = pytest.mark.timeout(1800)
+SPAWN_TIMEOUT_S = 600
+CASES_PER_SPAWN = 4
+
 STEPS = 5
 
 
@@ -97,7 +105,8 @@ def train_cases(rank: int, world: int, cases: list) -> dict:
 
 
 def reload_cases(rank: int, world: int, cases: list, tokens: torch.Tensor, resume_cfg) -> dict:
-    """One process: init_from each trained checkpoint directory → logits; and resume wins."""
+    """One process: init_from each trained checkpoint directory → logits; and, given ``resume_cfg``,
+    resume wins."""
     out = {}
     for case, cfg in cases:
         trainer = Trainer(cfg, write_files=False)
@@ -105,7 +114,8 @@ def reload_cases(rank: int, world: int, cases: list, tokens: torch.Tensor, resum
         assert all(not opt.state for opt in trainer.optimizers), "init_from must leave the optimizer fresh"
         with torch.no_grad():
             out[case] = trainer.model_parts[0].eval()(tokens)
-    out["resumed_step"] = Trainer(resume_cfg, write_files=False).step
+    if resume_cfg is not None:
+        out["resumed_step"] = Trainer(resume_cfg, write_files=False).step
     return out
 
 
@@ -127,15 +137,26 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
             reload.append((case, train_config(str(tiny_shards), root / "reload" / case, sections, {},
                                               init_from=str(run_dir / "checkpoints"))))
             configs[case] = tcfg
-    # One spawn per world size: 2 ranks (dp2×ep2, dp2) and 4 (tp2×pp2, dp2×tp2×ep2).
+    # Spawns of 2 ranks (dp2×ep2, dp2) and of 4 (tp2×pp2, dp2×tp2×ep2, ...), CASES_PER_SPAWN
+    # cases each: every case's Trainer builds its meshes' process groups, which live until the
+    # process ends (torch's DeviceMesh keeps them), and each idle gloo group keeps a thread that
+    # wakes about 100 times a second. All 14 four-rank cases in one spawn left each rank 130
+    # groups, 0.17 of a core in system time and 13,000 context switches a second, and crowded
+    # the other pytest worker's processes off the 2 cores (a SLURM job beside them took over 2
+    # minutes to import torch); a spawn costs about 0.3 s.
     trained = {}
     for world in (2, 4):
         cases = [c for c in train if c[1].world_size == world]
-        trained.update(run_distributed(train_cases, world, cases, timeout=600)[0])
+        for i in range(0, len(cases), CASES_PER_SPAWN):
+            trained.update(run_distributed(train_cases, world, cases[i:i + CASES_PER_SPAWN],
+                                           timeout=SPAWN_TIMEOUT_S)[0])
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     first_case, first_cfg, _ = train[0]
     resume_cfg = first_cfg.replace(parallel={"dp": 1, "ep": 1}, checkpoint={"resume": True})
-    reloaded = run_distributed(reload_cases, 1, reload, tokens, resume_cfg, timeout=600)[0]
+    reloaded = {}
+    for i in range(0, len(reload), 2 * CASES_PER_SPAWN):
+        reloaded.update(run_distributed(reload_cases, 1, reload[i:i + 2 * CASES_PER_SPAWN], tokens,
+                                        resume_cfg if i == 0 else None, timeout=SPAWN_TIMEOUT_S)[0])
     return {"root": root, "trained": trained, "reloaded": reloaded, "tokens": tokens, "configs": configs}
 
 

@@ -66,6 +66,20 @@ def run_layouts(rank: int, world: int, data: str, run_dir: str, cases: list[dict
     return out
 
 
+CASES_PER_SPAWN = 4  # a spawn keeps every case's process groups: at most a few (docs/development.md)
+
+
+def run_layouts_in_spawns(world: int, data: str, run_dir: str, cases: list[dict], **kw) -> list[list[dict]]:
+    """:func:`run_layouts` over ``cases`` in order, CASES_PER_SPAWN to a spawn; per rank, every
+    case's result."""
+    out: list[list[dict]] = [[] for _ in range(world)]
+    for i in range(0, len(cases), CASES_PER_SPAWN):
+        chunk = cases[i:i + CASES_PER_SPAWN]
+        for rank, res in enumerate(run_distributed(run_layouts, world, data, run_dir, chunk, **kw)):
+            out[rank].extend(res)
+    return out
+
+
 def _by_case(results: list[list[dict]]) -> list[dict]:
     """Per case: rank 0's losses and the union of every rank's gradients (stages differ)."""
     return [{**merged([r[i] for r in results]), **{k: results[0][i][k] for k in ("start", "aux", "z", "val")}}
@@ -112,7 +126,7 @@ def two_procs(tiny_shards, tmp_path_factory) -> dict:
              + [{"parallel": PP2_SCHEDULES["1f1b"], "break_scaling": True},
                 SAVE,
                 {"parallel": {"dp": 2}, "steps": STEPS - SAVE_AT, "resume": True}])
-    res = _by_case(run_distributed(run_layouts, 2, str(tiny_shards), run_dir, cases))
+    res = _by_case(run_layouts_in_spawns(2, str(tiny_shards), run_dir, cases))
     n = len(PP2_SCHEDULES)
     return {"schedules": dict(zip(PP2_SCHEDULES, res[:n])), "broken": res[n], "saved": res[n + 1],
             "resumed_dp2": res[n + 2], "run_dir": run_dir}
@@ -125,7 +139,7 @@ def single(two_procs, tiny_shards) -> dict:
     # All in the pp=2 run directory: the references neither save nor resume.
     cases = [{"parallel": {}}, {"parallel": {}, "model": TP_MODEL},
              {"parallel": {}, "steps": STEPS - SAVE_AT, "resume": True}]
-    ref, ref_tp, resumed = _by_case(run_distributed(run_layouts, 1, str(tiny_shards), two_procs["run_dir"], cases))
+    ref, ref_tp, resumed = _by_case(run_layouts_in_spawns(1, str(tiny_shards), two_procs["run_dir"], cases))
     return {"ref": ref, "ref_tp": ref_tp, "resumed_pp1": resumed}
 
 
@@ -188,7 +202,7 @@ RESUME_TP = {"parallel": {"dp": 4}, "model": TP_MODEL, "steps": STEPS - SAVE_AT,
 def four_procs(tiny_shards, tmp_path_factory) -> dict:
     cases = ([{"parallel": p, "model": TP_MODEL if "tp" in p else None} for p in PP2_COMPOSED.values()]
              + [SAVE_EP, RESUME_EP, SAVE_TP, RESUME_TP])
-    res = _by_case(run_distributed(run_layouts, 4, str(tiny_shards), str(tmp_path_factory.mktemp("pp4")), cases))
+    res = _by_case(run_layouts_in_spawns(4, str(tiny_shards), str(tmp_path_factory.mktemp("pp4")), cases))
     return {**dict(zip(PP2_COMPOSED, res)), "saved": res[-4], "resumed": res[-3], "saved_tp": res[-2],
             "resumed_tp": res[-1]}
 
@@ -227,7 +241,7 @@ PP2_EIGHT = {
 @pytest.fixture(scope="module")
 def eight_procs(tiny_shards, tmp_path_factory) -> dict:
     cases = [{"parallel": p, "model": TP_MODEL if "tp" in p else None} for p in PP2_EIGHT.values()]
-    res = _by_case(run_distributed(run_layouts, 8, str(tiny_shards), str(tmp_path_factory.mktemp("pp8")), cases,
+    res = _by_case(run_layouts_in_spawns(8, str(tiny_shards), str(tmp_path_factory.mktemp("pp8")), cases,
                                    timeout=600))
     return dict(zip(PP2_EIGHT, res))
 

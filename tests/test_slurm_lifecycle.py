@@ -6,14 +6,14 @@ Every interrupted run is compared with one uninterrupted run of the same config 
 shared through a module fixture): the same loss at every step (1e-5 relative), every step exactly
 once in ``metrics.jsonl``. The interruptions: ``scancel --signal=USR2``, a preemption by a job in
 the ``high`` partition, a node failure (its slurmd killed and its tasks frozen), a hung rank, the
-restart budget (``launch.max_restarts``), and the pre-timeout signal of a 1-minute time limit.
+restart budget (``launch.max_restarts``), and the pre-timeout signal of a 2-minute time limit.
 
 Fault injection through the jobs' environment (sbatch passes the submitting environment on):
 ``MOETRAIN_TEST_SLOW="<s>:<attempts>"`` idles ``s`` seconds before each step in the first
 ``attempts`` attempts, so that a signal lands mid-run (the steps themselves take ≈0.1 s);
 ``MOETRAIN_TEST_HANG="<rank>:<step>"`` makes a rank hang at a step.
 
-About 5 minutes in all on 2 shared cores; the time-limit test alone ≈ 1 minute.
+About 5 minutes in all on 2 shared cores; the time-limit test alone ≈ 2.5 minutes.
 """
 
 from __future__ import annotations
@@ -469,19 +469,23 @@ def test_max_restarts_respected(tiny_shards, tmp_path, home, jobs):
 
 
 def test_time_limit_signal_checkpoints_requeues_and_resumes(reference, tiny_shards, tmp_path, home, jobs):
-    """``launch.time_min=1``: SLURM sends the --signal=USR2@signal_delay_s at its periodic check
-    (every 30 s), i.e. up to 30 s before the time asked for. With signal_delay_s=5 it arrives
-    25-55 s after the start, before the first attempt (≥ 60 s of 2-s steps) ends: after the
-    ranks' start-up on a fast machine (≈ 12 s), during it on a slow one (a 2-core Zen 3 took
-    longer), where the ranks note it and stop at their first step (``catch_stop_signals``). The
-    resumed attempt is fast and may get a signal of its own; either way the losses are the
-    uninterrupted run's. ≥ 1 minute: the only time-limit test."""
+    """``launch.time_min=2``: SLURM sends the --signal=USR2@signal_delay_s at its periodic check
+    (every 30 s), i.e. up to 30 s before the time asked for, and ends a job that is still running
+    at the first check past its limit. With signal_delay_s=5 the signal arrives 85-115 s after the
+    start and the job ends 120-150 s after it: the ranks have at least 2 minutes to start, take a
+    step and checkpoint, and stop with at least 5 s of the first attempt's 30 × 4-s steps left.
+    The signal lands mid-run after the ranks' start-up (≈ 13 s alone on a 2-core Zen 3), and may
+    land during it on a loaded machine (over 2 minutes there beside a test whose ranks kept 130
+    gloo groups each: docs/development.md), where the ranks note it and stop at their first step
+    (``catch_stop_signals``). The resumed attempt is fast and may get a signal of its own; either
+    way the losses are the uninterrupted run's. The first attempt ends REQUEUED, not TIMEOUT:
+    the requeue was the ranks', before SLURM's limit took the job."""
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "tiny.yaml", tiny_shards, run_dir, "lifecycle-timelimit", time_min=1,
+    config = write_config(tmp_path / "tiny.yaml", tiny_shards, run_dir, "lifecycle-timelimit", time_min=2,
                           signal_delay_s=5)
-    proc = submit(config, home, detach=False, MOETRAIN_TEST_SLOW="2:1")
+    proc = submit(config, home, detach=False, MOETRAIN_TEST_SLOW="4:1")
     job = job_id_of(run_dir, jobs)
-    rc, out = finish(proc, config, 420)
+    rc, out = finish(proc, config, 540)
     assert rc == 0 and "run done" in out, out + logs(run_dir)
 
     ev = read_events(run_dir)
@@ -490,6 +494,5 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(reference, tiny_shar
     assert ev[1]["reason"] == "SIGUSR2" and ev[2]["ok"] is True
     runs = instances(job)
     assert [i["state"] for i in runs[:-1]] == ["REQUEUED"] * (len(runs) - 1) and runs[-1]["state"] == "COMPLETED"
-    assert runs[0]["elapsed"] < "00:01:00", f"requeued before the time limit: {runs}"
     assert_same_losses(run_dir, reference["losses"])
     assert_final_checkpoint(run_dir)
