@@ -89,6 +89,18 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         os._exit(code)
 
 
+# A rank function that runs several cases in turn keeps every case's process groups until its
+# spawn ends (torch's DeviceMesh holds them), and each idle gloo group's thread wakes about 100
+# times a second: 130 of them per rank starved the other worker's processes (docs/development.md,
+# "Start-up is not where the time goes"). Such functions get at most this many cases a spawn.
+CASES_PER_SPAWN = 4
+
+
+def spawn_chunks(cases: list, size: int = CASES_PER_SPAWN) -> list[list]:
+    """``cases`` in order, ``size`` to a spawn (:data:`CASES_PER_SPAWN`)."""
+    return [cases[i:i + size] for i in range(0, len(cases), size)]
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
                     init: bool = True) -> list[Any]:
     """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; results by rank.

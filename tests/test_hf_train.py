@@ -30,7 +30,7 @@ from moetrain.train.trainer import Trainer
 from moetrain.train.weights import model_parameters
 
 from hf_models import ARCHS, VOCAB, build_hf_model
-from multiproc import run_distributed
+from multiproc import CASES_PER_SPAWN, run_distributed, spawn_chunks
 
 pytest.importorskip("transformers")
 
@@ -40,7 +40,6 @@ pytest.importorskip("transformers")
 # once too little. A hang still ends the module; each spawn has its own limit.
 pytestmark = pytest.mark.timeout(1800)
 SPAWN_TIMEOUT_S = 600
-CASES_PER_SPAWN = 4
 
 STEPS = 5
 
@@ -137,26 +136,20 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
             reload.append((case, train_config(str(tiny_shards), root / "reload" / case, sections, {},
                                               init_from=str(run_dir / "checkpoints"))))
             configs[case] = tcfg
-    # Spawns of 2 ranks (dp2×ep2, dp2) and of 4 (tp2×pp2, dp2×tp2×ep2, ...), CASES_PER_SPAWN
-    # cases each: every case's Trainer builds its meshes' process groups, which live until the
-    # process ends (torch's DeviceMesh keeps them), and each idle gloo group keeps a thread that
-    # wakes about 100 times a second. All 14 four-rank cases in one spawn left each rank 130
-    # groups, 0.17 of a core in system time and 13,000 context switches a second, and crowded
-    # the other pytest worker's processes off the 2 cores (a SLURM job beside them took over 2
-    # minutes to import torch); a spawn costs about 0.3 s.
+    # Spawns of 2 ranks (dp2×ep2, dp2) and of 4 (tp2×pp2, dp2×tp2×ep2, ...), a few cases each
+    # (multiproc.CASES_PER_SPAWN: all 14 four-rank cases in one spawn left each rank 130 idle
+    # gloo groups); a spawn costs about 0.3 s.
     trained = {}
     for world in (2, 4):
-        cases = [c for c in train if c[1].world_size == world]
-        for i in range(0, len(cases), CASES_PER_SPAWN):
-            trained.update(run_distributed(train_cases, world, cases[i:i + CASES_PER_SPAWN],
-                                           timeout=SPAWN_TIMEOUT_S)[0])
+        for chunk in spawn_chunks([c for c in train if c[1].world_size == world]):
+            trained.update(run_distributed(train_cases, world, chunk, timeout=SPAWN_TIMEOUT_S)[0])
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     first_case, first_cfg, _ = train[0]
     resume_cfg = first_cfg.replace(parallel={"dp": 1, "ep": 1}, checkpoint={"resume": True})
     reloaded = {}
-    for i in range(0, len(reload), 2 * CASES_PER_SPAWN):
-        reloaded.update(run_distributed(reload_cases, 1, reload[i:i + 2 * CASES_PER_SPAWN], tokens,
-                                        resume_cfg if i == 0 else None, timeout=SPAWN_TIMEOUT_S)[0])
+    for i, chunk in enumerate(spawn_chunks(reload, 2 * CASES_PER_SPAWN)):
+        reloaded.update(run_distributed(reload_cases, 1, chunk, tokens, resume_cfg if i == 0 else None,
+                                        timeout=SPAWN_TIMEOUT_S)[0])
     return {"root": root, "trained": trained, "reloaded": reloaded, "tokens": tokens, "configs": configs}
 
 

@@ -27,7 +27,7 @@ from moetrain.parallel.pipeline import split_model, stage_blocks, stage_ids
 from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
-from multiproc import run_distributed
+from multiproc import run_distributed, spawn_chunks
 from test_equivalence import assert_matches, merged, steps_with_first_grads
 
 STEPS, SAVE_AT = 5, 3
@@ -66,15 +66,11 @@ def run_layouts(rank: int, world: int, data: str, run_dir: str, cases: list[dict
     return out
 
 
-CASES_PER_SPAWN = 4  # a spawn keeps every case's process groups: at most a few (docs/development.md)
-
-
 def run_layouts_in_spawns(world: int, data: str, run_dir: str, cases: list[dict], **kw) -> list[list[dict]]:
-    """:func:`run_layouts` over ``cases`` in order, CASES_PER_SPAWN to a spawn; per rank, every
-    case's result."""
+    """:func:`run_layouts` over ``cases`` in order, a few to a spawn (multiproc.CASES_PER_SPAWN);
+    per rank, every case's result."""
     out: list[list[dict]] = [[] for _ in range(world)]
-    for i in range(0, len(cases), CASES_PER_SPAWN):
-        chunk = cases[i:i + CASES_PER_SPAWN]
+    for chunk in spawn_chunks(cases):
         for rank, res in enumerate(run_distributed(run_layouts, world, data, run_dir, chunk, **kw)):
             out[rank].extend(res)
     return out
