@@ -379,6 +379,30 @@ PATTERN_MIXERS = {"M": "mamba", "*": "full_attention", "G": "linear_attention", 
 
 
 @dataclass(frozen=True)
+class EPLBConfig:
+    """``moe.eplb``: expert placement by measured load during training (DeepSeek-V3 §3.4
+    "redundant experts"; DeepSeek's Expert Parallelism Load Balancer). Each expert-parallel rank
+    holds (num_experts + ``redundant_experts``) / ep expert *slots*; every ``every`` optimizer
+    steps each MoE layer's slots are re-assigned from its tokens per expert summed over the last
+    ``window`` steps — the hottest experts replicated into the spare slots, the replicas packed onto
+    ranks so that the busiest rank's tokens come close to the mean
+    (:func:`moetrain.topology.eplb.place_experts`) — and the moved experts' weights and optimizer
+    states travel to their new ranks (one all-to-all per tensor). A replicated expert's tokens
+    are split among its replicas by token position, and its replicas' gradients are summed before
+    the optimizer: the training is the one without EPLB up to fp32 summation order
+    (:mod:`moetrain.parallel.eplb`). Checkpoints hold the experts in logical order, so a run
+    resumes with or without EPLB. ``every`` 0 (the default) turns it off."""
+
+    redundant_experts: int = 0
+    every: int = 0
+    window: int = 10
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts layers. ``num_experts``: 0 makes a dense model. ``every``: an MoE layer
     replaces the MLP in blocks i with i % every == every - 1 ... unless ``first_dense`` says how
@@ -443,7 +467,9 @@ class MoEConfig:
 
     ``apply_probs_on_input``: the routing weight scales the token going into its expert, p·x,
     instead of the expert's output, p·f(x) (Llama 4's routing: one expert per token, scored by
-    a sigmoid of its logit; Megatron-Core's ``moe_apply_probs_on_input``); needs ``top_k`` 1."""
+    a sigmoid of its logit; Megatron-Core's ``moe_apply_probs_on_input``); needs ``top_k`` 1.
+
+    ``eplb``: redundant experts placed by measured load during training (:class:`EPLBConfig`)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -474,6 +500,12 @@ class MoEConfig:
     dispatch_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     route_padding: bool = False
     apply_probs_on_input: bool = False
+    eplb: EPLBConfig = field(default_factory=EPLBConfig)
+
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots per MoE layer: num_experts, plus the redundant ones under EPLB."""
+        return self.num_experts + (self.eplb.redundant_experts if self.eplb.enabled else 0)
 
     @property
     def shared_hidden(self) -> int:
@@ -2180,6 +2212,7 @@ def _check_model(cfg: Config, device: str | None) -> None:
 def _check_moe(cfg: Config, device: str | None) -> None:
     moe, prec = cfg.moe, cfg.train.precision
     _bounds(cfg, "moe", non_negative="num_experts shared_experts first_dense")
+    _check_eplb(cfg)
     if not moe.num_experts:
         return
     _bounds(cfg, "moe", positive="top_k every ffn_hidden")
@@ -2240,6 +2273,38 @@ def _check_moe(cfg: Config, device: str | None) -> None:
     if moe.expert_backend == "grouped_mm" and device == "cuda" and prec != "bf16":
         raise field_error("moe.expert_backend", "grouped_mm", f"torch's CUDA grouped GEMM takes bf16, train.precision "
                           f"is {prec!r}", "set train.precision=bf16 or use expert_backend loop (auto picks it)")
+
+
+def _check_eplb(cfg: Config) -> None:
+    """moe.eplb (expert placement by measured load), each field named with its fix."""
+    moe, e = cfg.moe, cfg.moe.eplb
+    _bounds(cfg, "moe.eplb", positive="window", non_negative="redundant_experts every")
+    if not e.enabled:
+        if e.redundant_experts:
+            raise field_error("moe.eplb.redundant_experts", e.redundant_experts, "is set while moe.eplb.every is 0 "
+                              "(EPLB off)", "set moe.eplb.every, e.g. 100, or redundant_experts: 0")
+        return
+    if not moe.num_experts:
+        raise field_error("moe.eplb.every", e.every, "places experts but moe.num_experts is 0", "set every: 0")
+    ep = cfg.parallel.ep
+    if moe.num_slots % ep:
+        fit = [r for r in range(e.redundant_experts, e.redundant_experts + ep) if (moe.num_experts + r) % ep == 0]
+        raise field_error("moe.eplb.redundant_experts", e.redundant_experts, f"num_experts + redundant_experts = "
+                          f"{moe.num_slots} slots do not split over parallel.ep={ep} ranks",
+                          f"use redundant_experts {fit[0]}")
+    refused = [("moe.capacity_factor", moe.capacity_factor, moe.capacity_factor is not None,
+                "a capacity counts per expert, a replica sees part of its tokens", "use capacity_factor: null"),
+               ("moe.max_nodes_per_token", moe.max_nodes_per_token, moe.max_nodes_per_token is not None,
+                "node-limited routing groups experts by the node of a fixed rank", "use max_nodes_per_token: null"),
+               ("train.lora.r", cfg.train.lora.r, cfg.train.lora.r > 0,
+                "the adapters' stacks are not placed by EPLB", "set train.lora.r: 0"),
+               ("train.optimizer", cfg.train.optimizer, cfg.train.optimizer != "adamw",
+                "EPLB moves AdamW's states only", "use train.optimizer: adamw"),
+               ("train.compile", cfg.train.compile, cfg.train.compile,
+                "a re-placement changes the MoE layers' slot tables", "set train.compile: false")]
+    for field_name, value, bad, why, fix in refused:
+        if bad:
+            raise field_error(field_name, value, f"is not built beside moe.eplb ({why})", fix)
 
 
 def _check_train(cfg: Config, device: str | None) -> None:

@@ -101,7 +101,9 @@ def init_weights(model: nn.Module, seed: int, std: float, layers: int, prefix: s
                 # dim 0) and, under expert-tensor parallelism, its columns of each.
                 local, offset = _local_and_offset(p)
                 for e in range(local.shape[0]):
-                    one = _normal(p.shape[1:], s, seed, f"{full}.{pname}.{offset[0] + e}")
+                    # Under EPLB row offset[0] + e is a slot: it holds its logical expert's values.
+                    logical = offset[0] + e if module.slot_map is None else module.slot_map.slots[offset[0] + e]
+                    one = _normal(p.shape[1:], s, seed, f"{full}.{pname}.{logical}")
                     if scale is not None:
                         one, scales = quantize_blocks(one, module.base_block)
                         _copy_piece(scale, offset[0] + e, scales)

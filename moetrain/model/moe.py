@@ -162,6 +162,52 @@ class LocalDispatcher:
         return weighted_sum(unpermute(y_ND, handle).view(*weights_TK.shape, -1), weights_TK)
 
 
+class SlotMap:
+    """Where a layer's E logical experts sit among its R physical expert slots (EPLB,
+    ``moe.eplb``; :mod:`moetrain.parallel.eplb` places them): ``slots[s]`` is the logical expert
+    held by slot s, every expert in at least one slot. Under expert parallelism slot s lives on ep
+    rank s // (R / ep), as expert e does without EPLB.
+
+    :meth:`physical` sends each routed assignment to exactly one replica of its expert: token t
+    (its position among this rank's tokens) to replica t mod c_e of the c_e replicas, so the
+    replicas share their expert's tokens evenly; on the device, no host read.
+
+    Raises:
+        ValueError: a slot holds an id outside [0, E), or an expert has no slot.
+    """
+
+    def __init__(self, slots: list[int], num_experts: int, device: torch.device | str = "cpu"):
+        if any(not 0 <= e < num_experts for e in slots) or len(set(slots)) != num_experts:
+            raise ValueError(f"slots {slots} must hold each of the {num_experts} experts at least once")
+        self.slots, self.num_experts = list(slots), num_experts
+        table: list[list[int]] = [[] for _ in range(num_experts)]
+        for s, e in enumerate(slots):
+            table[e].append(s)
+        width = max(len(t) for t in table)
+        self.replicas_E = torch.tensor([len(t) for t in table], dtype=torch.int64, device=device)
+        # [E, C]: the slots of each expert, padded with its first (never chosen: j < c_e).
+        self.table_EC = torch.tensor([t + t[:1] * (width - len(t)) for t in table], dtype=torch.int64, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    def to(self, device: torch.device) -> "SlotMap":
+        """This map with its tables on ``device`` (itself when they are there)."""
+        if self.table_EC.device == device:
+            return self
+        return SlotMap(self.slots, self.num_experts, device)
+
+    def physical(self, expert_idx_TK: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        """Logical expert ids [T, K] (int64; E: padding when ``padded``) → slot ids [T, K] (R:
+        padding)."""
+        E = self.num_experts
+        idx = expert_idx_TK.clamp(max=E - 1) if padded else expert_idx_TK
+        token = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
+        out = self.table_EC[idx, token % self.replicas_E[idx]]
+        return out.masked_fill(expert_idx_TK >= E, self.num_slots) if padded else out
+
+
 @dataclass
 class MoEParallel:
     """How a MoE layer's tokens and experts are spread over ranks: the one object
@@ -253,7 +299,8 @@ def unpermute(y_ND: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored stacked so a grouped GEMM can run them at once.
 
-    w1, w3: [E, D, F]; w2: [E, F, D]. Under expert parallelism they are DTensors placed
+    w1, w3: [E, D, F]; w2: [E, F, D] (under EPLB E counts physical slots, R, each holding the logical
+    expert ``slot_map.slots[s]``). Under expert parallelism they are DTensors placed
     Shard(0) over ep (and, with expert-tensor parallelism, over tp along F): the forward computes
     with the local pieces [El, D, F/etp], on the rows of this rank's experts. ``backend`` (one of
     :data:`EXPERT_BACKENDS`):
@@ -306,6 +353,9 @@ class GroupedExperts(nn.Module):
         self.lora_scaling, self.lora_dropout, self.lora_shared = 1.0, 0.0, False
         self.w1_scale_inv = self.w3_scale_inv = self.w2_scale_inv = None  # a frozen FP8 base's block scales
         self.base_block = 128
+        # EPLB (moetrain.parallel.eplb): which logical expert each of the stacks' rows (slots)
+        # holds, when they are slots; None: row e is expert e.
+        self.slot_map: SlotMap | None = None
 
     def base_matrix(self, i: str) -> torch.Tensor | None:
         """This rank's piece of w1, w3 or w2 (``i``) in the compute dtype, dequantized when it is
@@ -529,6 +579,8 @@ class MoE(nn.Module):
             (:func:`moetrain.model.fp8.round_trip`), whether or not they leave the rank.
         probs_on_input: the routing weight scales the token before its expert, f(p·x), and the
             outputs combine with weight 1 (Llama 4; ``moe.apply_probs_on_input``; top_k 1).
+        num_slots: R >= E rows of the experts' stacks under EPLB (``moe.eplb``): physical slots,
+            each holding one logical expert (``experts.slot_map``); None: E, row e expert e.
 
     ``parallel`` (:class:`MoEParallel`) says how tokens and experts are spread over ranks. A
     training step calls :meth:`begin_step` before its micro-batches and :meth:`take_statistics`
@@ -542,7 +594,7 @@ class MoE(nn.Module):
                  n_group: int | None = None, topk_group: int | None = None, routing_bias: bool = False,
                  router_bias: bool = False, expert_biases: bool = False, activation: str = "swiglu",
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, probs_on_input: bool = False,
-                 dispatch_wire: torch.dtype | None = None):
+                 dispatch_wire: torch.dtype | None = None, num_slots: int | None = None):
         super().__init__()
         if probs_on_input and top_k != 1:
             raise ValueError(f"probs_on_input needs top_k 1 (got {top_k}): one weight per token")
@@ -562,12 +614,12 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
         self.router = Router(dim, num_experts, bias=router_bias)
-        self.experts = GroupedExperts(dim, hidden, num_experts, biases=expert_biases, activation=activation,
+        self.experts = GroupedExperts(dim, hidden, num_slots or num_experts, biases=expert_biases, activation=activation,
                                       alpha=swiglu_alpha, limit=swiglu_limit)
         width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
         self.shared = FeedForward(dim, width, "relu2" if activation == "relu2" else "swiglu") if width else None
         self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None
-        self.parallel = MoEParallel(LocalDispatcher(num_experts))
+        self.parallel = MoEParallel(LocalDispatcher(num_slots or num_experts))
         # The gradient given to the aux losses in backward: 1 / micro-batches (begin_step).
         self.aux_loss_scale = 1.0
         # Sums over the micro-batches of a step, on the device, from begin_step: aux_loss, z_loss,
@@ -735,7 +787,10 @@ class MoE(nn.Module):
         if self.probs_on_input:  # f(p·x): the token scaled before it leaves (fp32 product, x's dtype)
             routed_TD = (x_TD.float() * topk_p_TK).to(x_TD.dtype)
             combine_TK = torch.ones_like(topk_p_TK)
-        pending = dispatcher.start(round_trip(routed_TD, self.dispatch_wire), topk_idx_TK, capacity,
+        # Under EPLB each assignment goes to one replica (slot) of its expert.
+        slot_map = self.experts.slot_map
+        dispatch_TK = topk_idx_TK if slot_map is None else slot_map.physical(topk_idx_TK, real_BS is not None)
+        pending = dispatcher.start(round_trip(routed_TD, self.dispatch_wire), dispatch_TK, capacity,
                                    real_BS is not None)
         # The shared experts need no routed token: they compute while the dispatch all-to-all is
         # in flight (under expert parallelism the rows travel asynchronously until finish()).

@@ -30,7 +30,7 @@ from moetrain.model.gated_deltanet import GatedDeltaNet, delta_rule
 from moetrain.model.kda import KimiDeltaAttention, kda_rule
 from moetrain.model.mamba2 import Mamba2, ssd_scan
 from moetrain.model.mla import MLAttention
-from moetrain.model.moe import MoE, TokenMask
+from moetrain.model.moe import MoE, SlotMap, TokenMask
 from moetrain.model.recompute import recompute_context
 
 
@@ -93,7 +93,10 @@ class Block(nn.Module):
                            topk_group=moe.topk_group, routing_bias=moe.routing_bias, router_bias=moe.router_bias,
                            expert_biases=moe.expert_biases, activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
                            swiglu_limit=moe.swiglu_limit, probs_on_input=moe.apply_probs_on_input,
-                           dispatch_wire=dispatch_wire)
+                           dispatch_wire=dispatch_wire, num_slots=moe.num_slots)
+            if moe.eplb.enabled:  # the first placement: experts in order, then replicas of the first ones
+                E = moe.num_experts
+                self.moe.experts.slot_map = SlotMap([s % E for s in range(moe.num_slots)], E)
         elif ffn == "dense":
             self.feed_forward = FeedForward(m.hidden, m.ffn_hidden, m.mlp_activation)
 

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.internals import foreach_norms, fsdp_replicate
 from moetrain.model.gated_deltanet import GatedRMSNorm
@@ -93,6 +93,15 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
     tp_split = tp and ps.parallel.etp == 1  # the MoE works on 1/tp of the tokens on each tp rank
     wrapped: list[FSDPModule] = []
 
+    # Expert stacks under EPLB (moe.eplb) are sharded along dim 1, so that every rank of their
+    # replica group keeps a piece of each of its ep rank's slots and a re-placement moves whole
+    # slots within the ep group (moetrain.parallel.eplb); FSDP's Shard(0) for everything else.
+    slot_stacks = {id(p) for block in model.blocks().values() if block.moe is not None
+                   and block.moe.experts.slot_map is not None for p in block.moe.experts.parameters()}
+
+    def slots_whole(p: nn.Parameter) -> Shard | None:
+        return Shard(1) if id(p) in slot_stacks else None
+
     def wrap(modules: nn.Module | list[nn.Module], axis: str, mp_policy: MixedPrecisionPolicy = policy,
              reshard_after: bool = reshard) -> FSDPModule:
         """One FSDP group of ``modules`` over ``axis``; returns its first module."""
@@ -100,7 +109,8 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
         if stage == 0:
             out = fsdp_replicate(modules, mesh, mp_policy)
         else:
-            out = fully_shard(modules, mesh=mesh, reshard_after_forward=reshard_after, mp_policy=mp_policy)
+            out = fully_shard(modules, mesh=mesh, reshard_after_forward=reshard_after, mp_policy=mp_policy,
+                              shard_placement_fn=slots_whole)
         group = out if isinstance(out, list) else [out]
         for fsdp in group:
             if stage:
@@ -159,7 +169,8 @@ def apply_data_parallel(model: Transformer, ps: ParallelState, stage: int, preci
 
 
 @torch.no_grad()
-def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
+def global_grad_norm(parts: list[nn.Module], ps: ParallelState,
+                     row_weights: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm of the whole model's gradient, each element counted once: an fp32 scalar on the
     training device (nothing is read to the host).
 
@@ -171,10 +182,16 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
     in float64: CPU's fp32 norm kernels accumulate sequentially and lose 4e-4 relative on an
     8192 × 256 tensor, which made the clip factor, and then the training, depend on the layout.
 
+    ``row_weights``: parameters (by ``id``) whose local gradient's rows count with a weight
+    ([rows] float64 on the device): EPLB's slot stacks, where an expert's replicas count once
+    (:meth:`moetrain.parallel.eplb.ExpertPlacer.norm_weights`).
+
     Raises:
         RuntimeError: a gradient still ``Partial`` (not reduced over its replica group).
     """
+    row_weights = row_weights or {}
     pieces: dict[tuple, tuple[list[torch.Tensor], object, tuple[int, ...]]] = {}
+    weighted: dict[tuple, list[torch.Tensor]] = {}  # per key: the weighted sums of squares
     # The last pipeline stage's copy of the embedding (multi-token prediction) is stage 0's.
     copies = {id(p) for part in parts if not getattr(part, "embeds_input", True)
               and getattr(part, "tok_embeddings", None) is not None for p in part.tok_embeddings.parameters()}
@@ -189,11 +206,20 @@ def global_grad_norm(parts: list[nn.Module], ps: ParallelState) -> torch.Tensor:
             mesh, axes = g.device_mesh, tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
             g = g.to_local()  # (no_grad: the local tensor itself)
         key = (mesh.mesh_dim_names if mesh is not None else (), axes)
-        pieces.setdefault(key, ([], mesh, axes))[0].append(g.detach())
+        entry = pieces.setdefault(key, ([], mesh, axes))
+        if id(p) in row_weights:
+            rows = g.detach().double().pow(2).reshape(g.shape[0], -1).sum(1)
+            weighted.setdefault(key, []).append((rows * row_weights[id(p)]).sum())
+        else:
+            entry[0].append(g.detach())
     total = torch.zeros((), dtype=torch.float64, device=ps.device)
     for key in sorted(pieces):  # the same order on every rank of a stage
         grads, mesh, axes = pieces[key]
-        value = torch.stack(foreach_norms(grads, torch.float64)).pow(2).sum()
+        value = torch.zeros((), dtype=torch.float64, device=ps.device)
+        if grads:
+            value = value + torch.stack(foreach_norms(grads, torch.float64)).pow(2).sum()
+        for part_sum in weighted.get(key, []):
+            value = value + part_sum
         for axis in axes:
             dist.all_reduce(value, group=mesh.get_group(axis))
         total += value

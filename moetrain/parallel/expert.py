@@ -359,7 +359,8 @@ def apply_expert_parallel(moe_layers: dict[str, MoE], ps: ParallelState, cfg: Co
     token_part = (ps.coord(TP), ps.size(TP)) if ps.size(TP) > 1 and not etp else None
     wire = fp8.dispatch_wire(cfg.moe.dispatch_dtype, cfg.train.precision)
     for moe in moe_layers.values():
-        E = moe.num_experts
+        # Under EPLB the dispatch runs over the physical slots (moetrain.parallel.eplb).
+        E = moe.experts.w1.shape[0]
         if ep > 1 or etp:
             mesh = ps.expert_mesh[(TP, EP)] if etp and ep > 1 else ps.expert_mesh[TP if etp else EP]
             for name, p in list(moe.experts.named_parameters()):

@@ -163,6 +163,9 @@ class Checkpointer:
         self.last_stall_s = 0.0  # seconds the last save() kept the caller (staging, or all of it)
         self.last_background_s = 0.0  # seconds from staged to written and hashed (rank 0: committed)
         self.skipped: list[tuple[Path, str]] = []  # corrupt checkpoints the last latest_valid() skipped
+        # EPLB's placer (moetrain.parallel.eplb.ExpertPlacer): expert stacks are saved in logical
+        # order and placed back into this run's slots on load. None: the stacks are logical.
+        self.eplb: Any = None
 
     # -- state dicts ------------------------------------------------------------------------
 
@@ -223,6 +226,8 @@ class Checkpointer:
             (tmp / "parts").mkdir()
         dist.barrier()
         msd, osd, _ = self._state_dicts(parts, optimizers)
+        if self.eplb is not None:
+            self.eplb.to_logical(msd, osd)
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
         meta = {"step": step, "world_size": self.ps.world_size, "layout": layout, "train_state": train_state,
@@ -377,9 +382,12 @@ class Checkpointer:
         msd, osd, keys = self._state_dicts(parts, optimizers)
         manifest = json.loads((path / "manifest.json").read_text())
         train_state = {k: v for k, v in manifest["train_state"].items()}
+        taken = self.eplb.logical_templates(msd, osd) if self.eplb is not None else None
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         dcp.load(state, checkpoint_id=str(path))
         loaded_m, loaded_o = state["model"], state["optim"]
+        if taken:
+            self.eplb.to_physical(loaded_m, loaded_o, taken)
         for part, opt, (mkeys, okeys) in zip(parts, optimizers, keys):
             set_state_dict(part, opt, model_state_dict={k: loaded_m[k] for k in mkeys},
                            optim_state_dict={k: loaded_o[k] for k in okeys},
@@ -398,9 +406,12 @@ class Checkpointer:
         optimizers, train state and RNG are not read or touched (``checkpoint.init_from``)."""
         t0 = time.time()
         msd, _, keys = self._state_dicts(parts, None, base_only=True)
+        taken = self.eplb.logical_templates(msd, {}) if self.eplb is not None else None
         state = {"model": msd}
         dcp.load(state, checkpoint_id=str(path))
         loaded = state["model"]
+        if taken:
+            self.eplb.to_physical(loaded, {}, taken)
         for part, (mkeys, _) in zip(parts, keys):
             # (the low-rank adapters, which a base has not, keep their initial values)
             set_model_state_dict(part, {k: loaded[k] for k in mkeys}, options=StateDictOptions(strict=False))

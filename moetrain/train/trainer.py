@@ -47,6 +47,7 @@ from moetrain.model.transformer import future_tokens
 from moetrain.parallel.apply import build_model_parts
 from moetrain.parallel.context import cp_shard
 from moetrain.parallel.data_parallel import clip_gradients, global_grad_norm
+from moetrain.parallel.eplb import ExpertPlacer
 from moetrain.parallel.precision import compute_dtype
 from moetrain.parallel.peers import waiting_on_peers
 from moetrain.parallel.state import CP, DP, DP_CP, DP_CP_TP, EP, PP, TP, ParallelState, init_distributed
@@ -161,6 +162,8 @@ class Trainer:
         if cfg.train.memory_history and self.device.type == "cuda":
             start_memory_history()
         self.moe_layers = {k: v for part in self.model_parts for k, v in part.moe_layers().items()}
+        # moe.eplb: the experts' slots placed by measured load (moetrain.parallel.eplb)
+        self.eplb = ExpertPlacer(self.model_parts, self.ps, cfg) if cfg.moe.eplb.enabled else None
         # DeepSeek Sparse Attention's indexers held here (model.dsa), by block index.
         self.indexers = {k: b.attention.indexer for part in self.model_parts for k, b in part.blocks().items()
                          if getattr(b.attention, "indexer", None) is not None}
@@ -206,6 +209,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence,
                                          async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s,
                                          trained_only=lora)
+        self.checkpointer.eplb = self.eplb
         # LoRA: the frozen base the adapters apply to; its checkpoints hold the adapters only.
         self.lora_base = base_identity(cfg) if lora else None
         self.step = 0
@@ -507,7 +511,9 @@ class Trainer:
         loss_sums = self.runner.forward_backward(micro_batches)
         moe_stats = {name: moe.take_statistics() for name, moe in self.moe_layers.items()}
 
-        grad_norm = global_grad_norm(self.model_parts, self.ps)
+        if self.eplb is not None:  # an expert's replicas are one parameter: one gradient
+            self.eplb.sum_replica_grads()
+        grad_norm = global_grad_norm(self.model_parts, self.ps, self.eplb.norm_weights() if self.eplb else None)
         scalars, loads = self._reduce_metrics(loss_sums, accum, {n: s for n, (s, _) in moe_stats.items()}, forwards)
         # train.anomaly: a non-finite or spiking loss skips the update, decided on the device from
         # the global loss and gradient norm (the same on every rank).
@@ -541,6 +547,10 @@ class Trainer:
         with waiting_on_peers():  # on GPU the read completes the step's queued collectives
             host = read_to_host(readings)
         rows = {n: host[f"load.{n}"] for n in loads}
+        replaced = []
+        if self.eplb is not None:
+            self.eplb.observe(rows)
+            replaced = self.eplb.maybe_replace(self.step, self.optimizers)
         dt = time.perf_counter() - t0
         extra: dict[str, Any] = {
             "tokens_per_s": self.tokens_per_step / dt,
@@ -563,6 +573,15 @@ class Trainer:
                             "weights", self.step)
         if max_logit is not None:
             extra["max_logit"] = host["max_logit"][0]
+        if replaced:
+            extra["eplb_replaced"] = {r.layer: {"moved": r.moved, "bytes_sent": r.bytes_sent,
+                                                "busiest_over_mean_before": r.busiest_before,
+                                                "busiest_over_mean_after": r.busiest_after} for r in replaced}
+            if self.ps.is_logging_rank:
+                for r in replaced:
+                    log.info("step %d: EPLB re-placed MoE layer %s: experts %s changed rank (%d bytes sent by this "
+                             "rank); busiest rank over the window %.2fx the mean, %.2fx after", self.step, r.layer,
+                             r.moved, r.bytes_sent, r.busiest_before, r.busiest_after)
         if a2a is not None:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
         flags = dict(zip(FLAGS, host["anomaly"]))

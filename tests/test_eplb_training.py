@@ -1,0 +1,132 @@
+"""EPLB in training (``moe.eplb``, moetrain.parallel.eplb): redundant expert slots placed by
+measured load train as the run without them.
+
+Each layout runs 20 steps with gradient clipping, 2 redundant slots and a re-placement every 5
+steps (four, each moving experts between ranks), against one process without EPLB: losses, aux
+losses and gradient norms within 1e-5 relative per step — the tolerance of every layout test
+(test_equivalence): an expert's tokens are split over its replicas and their gradients summed
+over the ep group, which changes fp32 summation order only (measured ≤ 1e-7). The negative
+control leaves the replicas' gradients unsummed: the replicas then drift apart, and so do the
+losses. Checkpoints hold the experts in logical order: an EPLB run's checkpoint resumes in a
+plain run, and a plain run's in an EPLB run, as if never stopped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import ConfigError
+from moetrain.model.moe import SlotMap
+from moetrain.parallel.eplb import move_plan
+from moetrain.train.trainer import Trainer
+
+from conftest import tiny_config
+from multiproc import run_distributed
+
+STEPS = 20
+EPLB = {"redundant_experts": 2, "every": 5, "window": 5}
+
+
+def train(rank: int, world: int, data: str, run_dir: str, parallel: dict, eplb: dict | None, steps: int = STEPS,
+          save: bool = False, unsummed: bool = False) -> dict:
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260}, moe={"eplb": eplb or {}},
+                      train={"steps": STEPS, "grad_clip": 0.5}, checkpoint={"resume": save, "every": 0})
+    trainer = Trainer(cfg, write_files=False)
+    if unsummed:  # the negative control: replicas keep their own share of the gradient
+        trainer.eplb.sum_replica_grads = lambda: None
+    start = trainer.step
+    results = [trainer.train_step() for _ in range(steps)]
+    if save:
+        trainer.save_checkpoint()
+    return {"start": start, "losses": [r.loss for r in results], "aux": [r.aux_loss for r in results],
+            "norms": [r.grad_norm for r in results],
+            "replaced": [r.extra.get("eplb_replaced", {}) for r in results]}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_shards, tmp_path_factory) -> dict:
+    return run_distributed(train, 1, str(tiny_shards), str(tmp_path_factory.mktemp("plain")), {}, None)[0]
+
+
+def assert_same_run(got: dict, ref: dict, first: int = 1) -> None:
+    for key in ("losses", "aux", "norms"):
+        for step, (a, b) in enumerate(zip(got[key], ref[key][first - 1:]), first):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {key} {a} with EPLB vs {b} without"
+
+
+LAYOUTS = {
+    "dp2-ep2-zero3": {"dp": 2, "ep": 2, "zero_stage": 3},
+    "dp2-tp2-sp-ep2": {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
+    "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
+    "dp2-tp2-ep2-etp2-zero2": {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "zero_stage": 2},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eplb_trains_as_the_plain_run(layout, plain, tiny_shards, tmp_path):
+    parallel = LAYOUTS[layout]
+    world = parallel.get("pp", 1) * parallel.get("dp", 1) * parallel.get("tp", 1)
+    results = run_distributed(train, world, str(tiny_shards), str(tmp_path), parallel, EPLB)
+    assert plain["losses"][-1] < plain["losses"][0] - 0.5, "the reference must learn"
+    assert max(plain["norms"]) > 0.5, "the test must clip"
+    assert_same_run(results[0], plain)
+    # Every rank re-placed its layers at steps 5, 10, 15, 20; experts changed rank at two at least.
+    moving = [step for step in range(STEPS)
+              if sum(layer["bytes_sent"] for r in results for layer in r["replaced"][step].values()) > 0]
+    assert len(moving) >= 2, f"experts moved at steps {[s + 1 for s in moving]} only"
+    assert all(step % 5 == 4 for step in moving)
+
+
+def test_unsummed_replica_gradients_change_the_run(plain, tiny_shards, tmp_path):
+    got = run_distributed(train, 1, str(tiny_shards), str(tmp_path), {}, EPLB, STEPS, False, True)[0]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], plain["losses"]))
+    assert worst > 1e-4, f"losses within {worst:.1e} of the plain run with the replicas' gradients left unsummed"
+
+
+@pytest.mark.parametrize("first, then", [(EPLB, None), (None, EPLB)], ids=["eplb-then-plain", "plain-then-eplb"])
+def test_a_checkpoint_moves_between_eplb_and_plain_runs(first, then, plain, tiny_shards, tmp_path):
+    layout = {"dp": 2, "ep": 2, "zero_stage": 2}
+    a = run_distributed(train, 2, str(tiny_shards), str(tmp_path), layout, first, 10, True)[0]
+    b = run_distributed(train, 2, str(tiny_shards), str(tmp_path), layout, then, 10, True)[0]
+    assert (a["start"], b["start"]) == (0, 10)
+    assert_same_run(a, plain)
+    assert_same_run(b, plain, first=11)
+
+
+def test_slot_map_sends_each_assignment_to_one_replica_of_its_expert():
+    slots = [0, 1, 2, 3, 1, 1]  # expert 1 in three slots
+    smap = SlotMap(slots, 4)
+    idx = torch.tensor([[1, 0], [1, 2], [1, 3], [3, 1], [4, 1]])  # 4: padding
+    phys = smap.physical(idx, padded=True)
+    real = idx < 4
+    assert torch.equal(torch.tensor(slots)[phys[real]], idx[real])
+    assert (phys[~real] == len(slots)).all()
+    ones = smap.physical(torch.ones(300, 1, dtype=torch.int64)).flatten()
+    assert torch.bincount(ones, minlength=6)[[1, 4, 5]].tolist() == [100, 100, 100]
+    with pytest.raises(ValueError, match="at least once"):
+        SlotMap([0, 1, 1, 1], 4)
+
+
+def test_move_plan_keeps_what_stays_and_takes_each_slot_once():
+    old, new = [0, 1, 2, 3, 0, 1], [0, 3, 3, 2, 1, 0]  # 2 ranks of 3 slots
+    plan = move_plan(old, new, 2)
+    assert plan[0][0] == [(0, 0)]  # expert 0 stays in rank 0's row 0
+    received = sorted(n for p in range(2) for _, n in plan[p][1])
+    assert received == [0, 1, 2]
+    for p in range(2):
+        for q in range(2):
+            for o, n in plan[p][q]:
+                assert old[p * 3 + o] == new[q * 3 + n]
+
+
+@pytest.mark.parametrize("section, field", [
+    ({"moe": {"eplb": {"every": 5, "redundant_experts": 1}}, "parallel": {"dp": 2, "ep": 2}},
+     "moe.eplb.redundant_experts"),
+    ({"moe": {"eplb": {"redundant_experts": 2}}}, "moe.eplb.redundant_experts"),
+    ({"moe": {"eplb": {"every": 5}, "capacity_factor": 1.25}}, "moe.capacity_factor"),
+    ({"moe": {"eplb": {"every": 5}}, "train": {"optimizer": "muon"}}, "train.optimizer"),
+])
+def test_eplb_config_names_the_field_and_the_fix(section, field, tmp_path):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        tiny_config(tmp_path, tmp_path, **section)
