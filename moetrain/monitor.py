@@ -111,6 +111,7 @@ class Status:
     environment: list[str] = field(default_factory=list)  # its summary (summarize_environment)
     state: str = "unknown"  # running | done | stalled | failing | gave_up | not started
     warnings: list[str] = field(default_factory=list)
+    placement: list[str] = field(default_factory=list)  # moe.eplb: each MoE layer's latest re-placement
 
 
 # The events.jsonl kinds shown as "restarts, rollbacks and causes".
@@ -177,11 +178,41 @@ def collect(run_dir: Path, now: float | None = None) -> Status:
             st.state = "stalled"
             ranks = ", ".join(f"{h['rank']}@{h['host']}" for h in stale[:8])
             st.warnings.append(f"no heartbeat for more than {limit:.0f} s from rank(s) {ranks}")
+    st.placement = placement_lines(events, records[-1] if records else None)
     hangs = [e for e in events if e["event"] == "hang"]
     if hangs:
         st.warnings.append(f"{len(hangs)} hang(s) detected; suspected nodes {hangs[-1].get('nodes')}; "
                            f"stacks in {run_dir / 'stacks'}")
     return st
+
+
+def placement_lines(events: list[dict], last_record: dict | None) -> list[str]:
+    """One line per MoE layer for EPLB (``moe.eplb``): its latest ``replaced`` event — the
+    experts that changed rank and each ep rank's tokens over the window before and after (or why
+    the move was skipped) — and the busiest rank as the latest step measured it."""
+    latest: dict[str, dict] = {}
+    for e in events:
+        if e["event"] == "replaced":
+            latest[str(e["layer"])] = e
+    measured = (last_record or {}).get("expert_load", {})
+
+    def ranks(xs: list[float]) -> str:
+        return "[" + " ".join(f"{x:.0f}" for x in xs) + "]"
+
+    out = []
+    for layer in sorted(latest, key=lambda n: (len(n), n)):
+        e = latest[layer]
+        if e.get("skipped"):
+            line = f"layer {layer}: step {e['step']} skipped ({e['skipped']})"
+        else:
+            line = (f"layer {layer}: step {e['step']} moved experts {e['moved']} ({e['slots_moved']} slots); tokens "
+                    f"per ep rank over the window {ranks(e['rank_tokens_before'])} → {ranks(e['rank_tokens_after'])}, "
+                    f"busiest {e['busiest_over_mean_before']:.2f}× → {e['busiest_over_mean_after']:.2f}× the mean")
+        now = measured.get(layer, {}).get("rank_max_over_mean")
+        if now is not None:
+            line += f"; step {last_record['step']}: busiest {now:.2f}×"
+        out.append(line)
+    return out
 
 
 def registered_runs() -> list[dict]:
@@ -382,6 +413,9 @@ def render(st: Status, now: float | None = None) -> str:
                          f"{h['phase']:<10} {now - h['time']:6.0f} s ago")
         if len(st.heartbeats) > 16:
             lines.append(f"  ... {len(st.heartbeats) - 16} more ranks")
+    if st.placement:
+        lines.append("expert placement (moe.eplb), each MoE layer's latest re-placement:")
+        lines.extend(f"  {line}" for line in st.placement)
     for w in st.warnings:
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)

@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measured tokens per expert: a run's metrics.jsonl (the mean of its steps' expert_load, "
                          "per MoE layer) or a JSON list (one layer) or list of lists; the busiest expert-parallel "
                          "rank's share then comes from them at each ep instead of the assumed 1.1")
-    ap.add_argument("--redundant-experts", type=int, default=0, metavar="N",
-                    help="with --expert-loads: N spare expert slots placed by EPLB (moe.eplb), its effect on the "
-                         "busiest rank")
+    ap.add_argument("--redundant-experts", type=int, default=None, metavar="N",
+                    help="with --expert-loads: N spare expert slots placed by EPLB, its effect on the busiest rank "
+                         "(default: the config's moe.eplb.redundant_experts when moe.eplb is on, else 0)")
     args = ap.parse_args(argv)
     if args.published:
         return _published(args.format)
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         planner = Planner.from_config(cfg, prof, n_nodes, allocation=alloc)
         if args.expert_loads:
             planner.expert_loads = read_expert_loads(Path(args.expert_loads))
-            planner.redundant_experts = args.redundant_experts
+            planner.redundant_experts = (args.redundant_experts if args.redundant_experts is not None
+                                         else planner.shape.redundant_experts)
             if len(planner.expert_loads[0]) != planner.shape.num_experts:
                 raise ValueError(f"--expert-loads {args.expert_loads}: {len(planner.expert_loads[0])} experts, the "
                                  f"model has moe.num_experts = {planner.shape.num_experts}")

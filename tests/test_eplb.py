@@ -95,3 +95,28 @@ def test_the_planner_takes_the_busiest_rank_from_measured_loads(tmp_path):
     planner.expert_loads = None
     assumed = planner.evaluate(dataclasses.replace(lay)).step_s
     assert balanced < skewed and abs(balanced - assumed) < 0.2 * assumed
+
+
+def test_the_planner_counts_eplbs_spare_slots(tmp_path):
+    """With ``moe.eplb`` each ep rank holds (E + redundant) / ep experts: the planner's memory
+    counts them, and ``plan --expert-loads`` places the config's spare slots by default."""
+    from moetrain.config import load_config
+    from moetrain.plan import main
+    from moetrain.planner.layout import Layout
+    from moetrain.planner.search import Planner
+    from moetrain.topology import load_profile
+
+    lay = Layout(tp=2, pp=1, dp=64, ep=8, zero=1, mbs=1, ac="selective")
+    prof = load_profile("h100-superpod")
+    plain = Planner.from_config(load_config("configs/mixtral-8x7b.yaml"), prof, 16).evaluate(lay).memory
+    cfg = load_config("configs/mixtral-8x7b.yaml", ["moe.eplb.every=100", "moe.eplb.redundant_experts=8"])
+    eplb = Planner.from_config(cfg, prof, 16).evaluate(lay).memory
+    # 16 slots for 8 experts at ep 8: twice the expert weights, gradients and optimizer states
+    assert eplb.total > plain.total
+    assert eplb.detail["expert_params"] == pytest.approx(2 * plain.detail["expert_params"])
+    loads = tmp_path / "loads.json"
+    loads.write_text("[40, 20, 10, 10, 5, 5, 5, 5]")
+    args = ["--config", "configs/mixtral-8x7b.yaml", "--profile", "h100-superpod", "--nodes", "16", "--format", "json",
+            "--layout", "tp=2,pp=1,dp=64,ep=8,zero=1,mbs=1,ac=selective", "--expert-loads", str(loads)]
+    assert main(args) == 0
+    assert main(args + ["--set", "moe.eplb.every=100", "--set", "moe.eplb.redundant_experts=8"]) == 0

@@ -13,11 +13,14 @@ plain run, and a plain run's in an EPLB run, as if never stopped.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from moetrain.config import ConfigError
 from moetrain.model.moe import SlotMap
+from moetrain.monitor import collect, render
 from moetrain.parallel.eplb import move_plan
 from moetrain.train.trainer import Trainer
 
@@ -29,19 +32,27 @@ EPLB = {"redundant_experts": 2, "every": 5, "window": 5}
 
 
 def train(rank: int, world: int, data: str, run_dir: str, parallel: dict, eplb: dict | None, steps: int = STEPS,
-          save: bool = False, unsummed: bool = False) -> dict:
+          save: bool = False, unsummed: bool = False, write_files: bool = False, starve: int | None = None,
+          init_from: str | None = None) -> dict:
+    """``unsummed``: the replicas keep their own share of the gradient (the negative control);
+    ``starve``: that rank reports no free memory, so every move is skipped."""
     cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260}, moe={"eplb": eplb or {}},
-                      train={"steps": STEPS, "grad_clip": 0.5}, checkpoint={"resume": save, "every": 0})
-    trainer = Trainer(cfg, write_files=False)
-    if unsummed:  # the negative control: replicas keep their own share of the gradient
+                      train={"steps": STEPS, "grad_clip": 0.5},
+                      checkpoint={"resume": save, "every": 0, "init_from": init_from})
+    if starve == rank:
+        import moetrain.parallel.eplb
+
+        moetrain.parallel.eplb.free_bytes = lambda device: 0
+    trainer = Trainer(cfg, write_files=write_files)
+    if unsummed:
         trainer.eplb.sum_replica_grads = lambda: None
     start = trainer.step
     results = [trainer.train_step() for _ in range(steps)]
     if save:
         trainer.save_checkpoint()
     return {"start": start, "losses": [r.loss for r in results], "aux": [r.aux_loss for r in results],
-            "norms": [r.grad_norm for r in results],
-            "replaced": [r.extra.get("eplb_replaced", {}) for r in results]}
+            "norms": [r.grad_norm for r in results], "loads": [r.extra["expert_load"] for r in results],
+            "replaced": [r.extra.get("eplb_replaced", {}) for r in results], "run_dir": str(cfg.run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +71,8 @@ LAYOUTS = {
     "dp2-tp2-sp-ep2": {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True},
     "pp2-dp2-ep2": {"pp": 2, "dp": 2, "ep": 2},
     "dp2-tp2-ep2-etp2-zero2": {"dp": 2, "tp": 2, "ep": 2, "etp": 2, "zero_stage": 2},
+    # the split micro-batches' dispatches in flight beside each other's compute
+    "dp2-ep2-overlap": {"dp": 2, "ep": 2, "ep_overlap": True},
 }
 
 
@@ -92,6 +105,47 @@ def test_a_checkpoint_moves_between_eplb_and_plain_runs(first, then, plain, tiny
     assert (a["start"], b["start"]) == (0, 10)
     assert_same_run(a, plain)
     assert_same_run(b, plain, first=11)
+
+
+def test_weights_of_a_plain_model_load_into_the_slots(plain, tiny_shards, tmp_path):
+    """A weights directory (a Hugging Face import's form) holds E experts; an EPLB run's slots take
+    their experts' rows, replicas included: from the initial values it trains as the plain run."""
+    from moetrain.model.init import init_weights
+    from moetrain.model.transformer import Transformer
+    from moetrain.train.weights import write_weights_dir
+
+    cfg = tiny_config(tiny_shards, tmp_path / "w", model={"vocab_size": 260})
+    model = Transformer.from_config(cfg)
+    init_weights(model, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
+    state = model.state_dict()
+    write_weights_dir(tmp_path / "w", cfg, state.items(), [(n, t.dtype, tuple(t.shape)) for n, t in state.items()],
+                      progress=False)
+    out = run_distributed(train, 2, str(tiny_shards), str(tmp_path / "run"), {"dp": 2, "ep": 2}, EPLB, 6, False,
+                          False, False, None, str(tmp_path / "w"))[0]
+    assert_same_run(out, plain)
+
+
+def test_replacements_are_events_and_the_monitor_shows_them(tiny_shards, tmp_path):
+    """Each re-placement is an event naming the moved experts and each ep rank's tokens before
+    and after; the metrics carry every ep rank's measured tokens; ``monitor RUN`` shows both."""
+    out = run_distributed(train, 2, str(tiny_shards), str(tmp_path), {"dp": 2, "ep": 2}, EPLB, 10, False, False,
+                          True)[0]
+    for load in out["loads"]:
+        for layer in load.values():  # every assignment counted once, at the rank of its slot
+            assert len(layer["rank_tokens"]) == 2 and sum(layer["rank_tokens"]) == sum(layer["tokens"])
+    text = render(collect(Path(out["run_dir"])))
+    assert "expert placement (moe.eplb)" in text
+    lines = [line for line in text.splitlines() if line.strip().startswith("layer ")]
+    assert [line.split(":")[0].strip() for line in lines] == ["layer 0", "layer 1"]
+    assert all("step 10" in line and "busiest" in line and "→" in line for line in lines), text
+
+
+def test_a_move_short_of_memory_is_skipped_naming_the_rank(plain, tiny_shards, tmp_path):
+    out = run_distributed(train, 2, str(tiny_shards), str(tmp_path), {"dp": 2, "ep": 2}, EPLB, 10, False, False,
+                          False, 1)[0]
+    skipped = [layer for step in out["replaced"] for layer in step.values()]
+    assert skipped and all("rank 1 needs" in r["skipped"] and r["bytes_sent"] == 0 for r in skipped)
+    assert_same_run(out, plain)
 
 
 def test_slot_map_sends_each_assignment_to_one_replica_of_its_expert():

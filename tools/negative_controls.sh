@@ -97,4 +97,14 @@ control kda-decay-per-head-under-tp moetrain/parallel/tensor.py \
 control mtp-norms-zero-centred moetrain/model/transformer.py \
     "zc = m.zero_centered_norm  # Qwen3-Next's" "zc = False  # Qwen3-Next's" \
     "tests/test_hf_convert.py::test_qwen3_next_mtp_logits_equal_its_definition_with_transformers_layer"
+control eplb-replicas-counted-once moetrain/parallel/data_parallel.py \
+    "append((rows * row_weights[id(p)]).sum())" "append(rows.sum())" \
+    "tests/test_eplb_training.py::test_eplb_trains_as_the_plain_run[dp2-ep2-zero3]"
+control eplb-moments-move moetrain/parallel/eplb.py \
+    "for t in [p, *(v for v in states.get(id(p), {}).values()" "for t in [p, *(v for v in {}.values()" \
+    "tests/test_eplb_training.py::test_eplb_trains_as_the_plain_run[dp2-ep2-zero3]"
+control eplb-logical-checkpoint moetrain/parallel/eplb.py \
+    "d[key] = self._convert(d[key], experts.slot_map.slots, self._home())" \
+    "d[key] = self._convert(d[key], [s % self.num_experts for s in range(len(experts.slot_map.slots))], self._home())" \
+    "tests/test_eplb_training.py::test_a_checkpoint_moves_between_eplb_and_plain_runs[eplb-then-plain]"
 exit $bad

@@ -637,16 +637,18 @@ class MoE(nn.Module):
 
     def take_statistics(self) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
         """What this layer measured since :meth:`begin_step`: (sums over the micro-batches on the
-        device — ``aux_loss``, ``z_loss``, ``dropped_fraction`` float64 scalars and
-        ``tokens_per_expert`` [E] float64 —, rows its dispatch sent within / across NVLink
+        device — ``aux_loss``, ``z_loss``, ``dropped_fraction`` float64 scalars,
+        ``tokens_per_expert`` [E] float64 and under EPLB ``tokens_per_slot`` [R] —, rows its
+        dispatch sent within / across NVLink
         domains, host integers); both start again from zero."""
         stats, self.stats_accum = self.stats_accum, {}
         return stats, self.parallel.dispatcher.take_rows_sent()
 
     @torch.no_grad()
     def _record_stats(self, aux: torch.Tensor, z: torch.Tensor, idx_TK: torch.Tensor, kept: torch.Tensor | None,
-                      assignments: torch.Tensor | int) -> None:
-        """``assignments``: the real (not padding) token-expert assignments of ``idx_TK``."""
+                      assignments: torch.Tensor | int, slot_TK: torch.Tensor | None = None) -> None:
+        """``assignments``: the real (not padding) token-expert assignments of ``idx_TK``;
+        ``slot_TK``: their slots under EPLB (counted as ``tokens_per_slot``), else None."""
         if kept is None:
             dropped = torch.zeros((), dtype=torch.float64, device=idx_TK.device)
         else:  # (a micro-batch of padding only has no assignment: nothing dropped)
@@ -655,6 +657,8 @@ class MoE(nn.Module):
         new = {"aux_loss": aux.detach().double(), "z_loss": z.detach().double(),
                "tokens_per_expert": expert_counts(idx_TK, self.num_experts).double(),
                "dropped_fraction": dropped}
+        if slot_TK is not None:
+            new["tokens_per_slot"] = expert_counts(slot_TK, self.experts.slot_map.num_slots).double()
         for k, v in new.items():
             self.stats_accum[k] = self.stats_accum[k] + v if k in self.stats_accum else v
 
@@ -806,7 +810,8 @@ class MoE(nn.Module):
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared_output(x_TD))
 
         if not is_recomputing():  # activation recomputation must not count twice
-            self._record_stats(aux, z, topk_idx_TK, handle.kept, assignments)
+            self._record_stats(aux, z, topk_idx_TK, handle.kept, assignments,
+                               dispatch_TK if slot_map is not None else None)
         total_aux = self.aux_loss_coef * aux + self.z_loss_coef * z
         out = y_TD.view(B, S, D).to(x_BSD.dtype)
         if self.training and total_aux.requires_grad:

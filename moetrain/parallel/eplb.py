@@ -35,6 +35,8 @@ step's global loads), so the ranks agree without a collective; the data moves on
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -120,15 +122,42 @@ def move_slots(local: torch.Tensor, old: list[int], new: list[int], group: dist.
 
 @dataclass
 class Replacement:
-    """One layer's re-placement: the experts that changed rank, the bytes this rank sent, and the
-    busiest rank's share of the window's tokens over the mean, before and after (the tokens of a
-    replicated expert split evenly: :func:`moetrain.topology.eplb.rank_loads`)."""
+    """One layer's re-placement: the experts that changed rank, the slots that moved between
+    ranks, the bytes this rank sent, and each ep rank's share of the window's tokens before and
+    after (a replicated expert's tokens split evenly: :func:`moetrain.topology.eplb.rank_loads`).
+    ``skipped``: why the move did not happen (the placement stays), or None."""
 
     layer: str
     moved: list[int]
+    slots_moved: int
     bytes_sent: int
-    busiest_before: float
-    busiest_after: float
+    ranks_before: list[float]
+    ranks_after: list[float]
+    skipped: str | None = None
+    seconds: float = 0.0  # the moves' host time (on CUDA their launch; the copies finish in the next step)
+
+    @property
+    def busiest_before(self) -> float:
+        return _over_mean(self.ranks_before)
+
+    @property
+    def busiest_after(self) -> float:
+        return _over_mean(self.ranks_after)
+
+    def as_record(self) -> dict:
+        return {"moved": self.moved, "slots_moved": self.slots_moved, "bytes_sent": self.bytes_sent,
+                "seconds": self.seconds,
+                "busiest_over_mean_before": self.busiest_before, "busiest_over_mean_after": self.busiest_after,
+                "rank_tokens_before": self.ranks_before, "rank_tokens_after": self.ranks_after,
+                **({"skipped": self.skipped} if self.skipped else {})}
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes this rank can still allocate on ``device``: the CUDA allocator's free memory, or
+    the host's available physical memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _over_mean(loads: list[float]) -> float:
@@ -251,20 +280,53 @@ class ExpertPlacer:
             new = self._keep_rows(old, placement)
             if new == old:
                 continue
-            sent = 0
-            for _, p in self._stacks(experts):
-                sent += self._move_param(p, old, new)
-                for value in states.get(id(p), {}).values():
-                    if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                        sent += self._move_tensor(value, old, new)
-            experts.slot_map = SlotMap(new, self.num_experts, self.ps.device)
             s = len(old) // self.ranks
             moved = sorted({e for r in range(self.ranks) for e in set(new[r * s:(r + 1) * s])
                             - set(old[r * s:(r + 1) * s])})
+            plan = move_plan(old, new, self.ranks)
             before = Placement(tuple(tuple(old[r * s:(r + 1) * s]) for r in range(self.ranks)))
-            done.append(Replacement(name, moved, sent, _over_mean(rank_loads(loads, before)),
-                                    _over_mean(rank_loads(loads, placement))))
+            record = Replacement(name, moved, sum(len(plan[p][q]) for p in range(self.ranks)
+                                                  for q in range(self.ranks) if p != q), 0,
+                                 rank_loads(loads, before), rank_loads(loads, placement))
+            tensors = [t for _, p in self._stacks(experts)
+                       for t in [p, *(v for v in states.get(id(p), {}).values()
+                                      if isinstance(v, torch.Tensor) and v.shape == p.shape)]]
+            record.skipped = self._short_of_memory(tensors, plan)
+            if record.skipped is None:
+                t0 = time.perf_counter()
+                for t in tensors:
+                    record.bytes_sent += self._move_tensor(t, old, new)
+                record.seconds = time.perf_counter() - t0
+                experts.slot_map = SlotMap(new, self.num_experts, self.ps.device)
+            done.append(record)
         return done
+
+    def _short_of_memory(self, tensors: list[torch.Tensor], plan: list[list[list[tuple[int, int]]]]) -> str | None:
+        """Whether a move of ``tensors`` would not fit some rank of the ep group: each tensor
+        moves in turn, needing a new copy of its rows plus its send and receive buffers; the
+        ranks' needs and free memory are gathered (one small all-gather, at re-placements only),
+        so every rank decides the same. Returns the reason naming the ranks and bytes, or None."""
+        peak = 0
+        for t in tensors:
+            local = t.to_local() if isinstance(t, DTensor) else t
+            row = local[0].numel() * local.element_size() if local.shape[0] else 0
+            sent = sum(len(plan[self.me][q]) for q in range(self.ranks) if q != self.me)
+            received = sum(len(plan[p][self.me]) for p in range(self.ranks) if p != self.me)
+            peak = max(peak, local.numel() * local.element_size() + (sent + received) * row)
+        mine = torch.tensor([float(peak), float(free_bytes(self.ps.device))], dtype=torch.float64,
+                            device=self.ps.device)
+        if self.group is None:
+            table = [mine]
+        else:
+            table = [torch.empty_like(mine) for _ in range(self.ranks)]
+            dist.all_gather(table, mine, group=self.group)
+        needs = [t.tolist() for t in table]  # the re-placement's host read
+        short = [(r, need, free) for r, (need, free) in enumerate(needs) if need > free]
+        if not short:
+            return None
+        ranks = self.ps.group_ranks(EP)
+        return "; ".join(f"rank {ranks[r]} needs {need / 2**20:.1f} MiB for the move and has {free / 2**20:.1f} MiB "
+                         f"free" for r, need, free in short)
 
     def _keep_rows(self, old: list[int], placement: Placement) -> list[int]:
         """``placement``'s slots with each rank's experts in the rows they already hold where
@@ -281,15 +343,13 @@ class ExpertPlacer:
             out += [e if e is not None else left.pop(0) for e in rows]
         return out
 
+    @torch.no_grad()
     def _move_tensor(self, t: torch.Tensor, old: list[int], new: list[int]) -> int:
+        """Move ``t``'s rows (a stack, or an AdamW moment of one) in place; the bytes sent."""
         local = t.to_local() if isinstance(t, DTensor) else t
         moved, sent = move_slots(local, old, new, self.group)
         local.copy_(moved)
         return sent
-
-    def _move_param(self, p: nn.Parameter, old: list[int], new: list[int]) -> int:
-        with torch.no_grad():
-            return self._move_tensor(p.data if not isinstance(p, DTensor) else p, old, new)
 
     # -- checkpoints --------------------------------------------------------------------------
 

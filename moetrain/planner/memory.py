@@ -462,7 +462,8 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, global_batch: int,
     dense_layer, moe_layer = shape.layer_params(False), shape.layer_params(True)
     for r, (n_dense, n_moe) in enumerate(stage_counts(shape, pp, layout.vpp)):
         dense_p = n_dense * dense_layer[0] + n_moe * moe_layer[0]
-        expert_p = n_moe * shape.expert_params
+        # (EPLB's spare slots hold more copies of the experts: E + redundant per layer)
+        expert_p = n_moe * shape.expert_params * (1 + shape.redundant_experts / max(1, shape.num_experts))
         embedding_p = 0.0  # the embedding's and the head's (for a LoRA base's own storage)
         if r == 0:
             dense_p += shape.vocab * shape.hidden

@@ -133,6 +133,9 @@ class ModelShape:
     vocab_assumed: bool = False
     capacity_factor: float | None = None      # moe.capacity_factor: None = dropless
     max_nodes_per_token: int | None = None    # moe.max_nodes_per_token: node-limited routing (DeepSeek-V3 §2.1.2)
+    # moe.eplb's spare expert slots per MoE layer: each ep rank holds (E + them) / ep experts' weights,
+    # gradients and optimizer states (moetrain.parallel.eplb)
+    redundant_experts: int = 0
     # whether the EP dispatch sends a token once per destination node and forwards it over NVLink
     # (DeepSeek-V3 §3.2.2, DeepEP; moe.token_dispatcher: hierarchical), else every routed copy
     dispatch_dedup: bool = False
@@ -234,6 +237,7 @@ class ModelShape:
                    moe_layer_flags=flags, vocab_assumed=assumed,
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
                    max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None,
+                   redundant_experts=moe.num_slots - moe.num_experts,
                    dispatch_dedup=moe.token_dispatcher == "hierarchical",
                    dispatch_fp8=dispatch_wire(moe.dispatch_dtype, cfg.train.precision) == E4M3,
                    fp8_gemms=cfg.train.precision == "fp8",

@@ -268,7 +268,7 @@ class Trainer:
 
     def _init_from(self, path: str) -> None:
         """``checkpoint.init_from``: the weights only; optimizer, step and data position stay fresh."""
-        loaded = load_initial_weights(path, self.model_parts, self.ps)
+        loaded = load_initial_weights(path, self.model_parts, self.ps, self.eplb)
         if self.ps.is_logging_rank:
             log.info("initialised the weights from %s (fresh optimizer, step 0)", loaded)
             if self.write_files:
@@ -471,6 +471,24 @@ class Trainer:
             if excluded:
                 exclude_nodes(self.cfg.run_dir, [s.node])
 
+    def _report_replacements(self, replaced: list) -> None:
+        """A console line and a ``replaced`` event per re-placed MoE layer (moe.eplb), or a
+        warning naming the ranks short of memory when the move was skipped."""
+        if not self.ps.is_logging_rank:
+            return
+        for r in replaced:
+            if r.skipped:
+                log.warning("step %d: EPLB skipped the re-placement of MoE layer %s (the placement stays): %s",
+                            self.step, r.layer, r.skipped)
+            else:
+                log.info("step %d: EPLB re-placed MoE layer %s: experts %s changed rank (%d slots moved, %d bytes "
+                         "sent by this rank in %.3f s); over the last %d steps the busiest ep rank had %.2f× the mean "
+                         "tokens, %.2f× placed anew", self.step, r.layer, r.moved, r.slots_moved, r.bytes_sent,
+                         r.seconds, self.cfg.moe.eplb.window, r.busiest_before, r.busiest_after)
+            if self.write_files:
+                append_event(self.cfg.run_dir, self.fence, "replaced", step=self.step, layer=r.layer,
+                             **r.as_record())
+
     def _compare_memory_with_plan(self) -> None:
         """After the first step on CUDA: the measured peak beside the planner's prediction for this
         layout, with a warning past 20 % (on the CPU the interpreter's own memory makes the
@@ -528,9 +546,10 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         self.step += 1
 
+        E = self.cfg.moe.num_experts
         for name, moe in self.moe_layers.items():  # aux-loss-free balancing: on the device
             if moe.expert_bias is not None:
-                moe.update_expert_bias(loads[name], skip)
+                moe.update_expert_bias(loads[name][:E], skip)
         # The step's one host read, of named values: the step's scalars, the gradient norm, the
         # anomaly flags, the dispatch bytes (with ep) and every MoE layer's tokens per expert.
         readings = {**dict(zip(STEP_SCALARS, scalars)), "grad_norm": grad_norm.double(), "anomaly": anomaly}
@@ -546,7 +565,8 @@ class Trainer:
         readings.update({f"load.{n}": t for n, t in loads.items()})
         with waiting_on_peers():  # on GPU the read completes the step's queued collectives
             host = read_to_host(readings)
-        rows = {n: host[f"load.{n}"] for n in loads}
+        rows = {n: host[f"load.{n}"][:E] for n in loads}
+        rank_tokens = {n: self._rank_tokens(host[f"load.{n}"]) for n in loads}
         replaced = []
         if self.eplb is not None:
             self.eplb.observe(rows)
@@ -561,9 +581,7 @@ class Trainer:
             "consumed_samples_by_source": self.loader.consumed_samples_by_source(),
             **({"mtp_loss": host["mtp"][0]} if self.cfg.model.mtp_depth else {}),
             **({"indexer_loss": host["indexer"][0]} if self.cfg.model.dsa.enabled else {}),
-            "expert_load": {n: {"tokens": [int(x) for x in row],
-                                "max_over_mean": max(row) / (sum(row) / len(row)) if sum(row) > 0 else 0.0}
-                            for n, row in rows.items()},
+            "expert_load": {n: load_record(row, rank_tokens[n]) for n, row in rows.items()},
         }
         if self.cfg.data.loss_mask:
             extra["trained_tokens"] = int(host["trained_tokens"][0])
@@ -574,14 +592,8 @@ class Trainer:
         if max_logit is not None:
             extra["max_logit"] = host["max_logit"][0]
         if replaced:
-            extra["eplb_replaced"] = {r.layer: {"moved": r.moved, "bytes_sent": r.bytes_sent,
-                                                "busiest_over_mean_before": r.busiest_before,
-                                                "busiest_over_mean_after": r.busiest_after} for r in replaced}
-            if self.ps.is_logging_rank:
-                for r in replaced:
-                    log.info("step %d: EPLB re-placed MoE layer %s: experts %s changed rank (%d bytes sent by this "
-                             "rank); busiest rank over the window %.2fx the mean, %.2fx after", self.step, r.layer,
-                             r.moved, r.bytes_sent, r.busiest_before, r.busiest_after)
+            extra["eplb_replaced"] = {r.layer: r.as_record() for r in replaced}
+            self._report_replacements(replaced)
         if a2a is not None:
             extra["dispatch_bytes"] = {"intra_node": int(host["intra_node"][0]), "inter_node": int(host["inter_node"][0])}
         flags = dict(zip(FLAGS, host["anomaly"]))
@@ -644,7 +656,9 @@ class Trainer:
             aux_sum += acc["aux_loss"]
             z_sum += acc["z_loss"]
             dropped += acc["dropped_fraction"]
-            loads[name] = acc["tokens_per_expert"]
+            # Under EPLB the tokens per slot ride along: [E + R], split after the sums.
+            loads[name] = (torch.cat([acc["tokens_per_expert"], acc["tokens_per_slot"]]) if "tokens_per_slot" in acc
+                           else acc["tokens_per_expert"])
         n_moe = torch.full((), float(len(self.moe_layers)), dtype=torch.float64, device=dev)
         lm_mtp = loss_sums.to(dev, torch.float64)
         sums = torch.cat([lm_mtp, torch.stack([aux_sum, z_sum, dropped, n_moe])])
@@ -672,6 +686,17 @@ class Trainer:
                 dist.all_reduce(load_t, group=self.ps.group(TP))
             loads = dict(zip(loads, load_t))
         return scalars, loads
+
+    def _rank_tokens(self, row: list[float]) -> list[float] | None:
+        """Each ep rank's tokens of one MoE layer from its host row of :meth:`_reduce_metrics`
+        (tokens per expert, then under EPLB per slot): the sums of the slots, or of the experts,
+        each rank holds; None without expert parallelism."""
+        ep, E = self.ps.size(EP), self.cfg.moe.num_experts
+        if ep == 1:
+            return None
+        held = row[E:] if len(row) > E else row
+        per = len(held) // ep
+        return [sum(held[r * per:(r + 1) * per]) for r in range(ep)]
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, dict[str, float]] | None:
@@ -857,6 +882,19 @@ class Trainer:
 
 # The step's scalar metrics, in the order of Trainer._reduce_metrics.
 STEP_SCALARS = ("lm", "mtp", "aux", "z", "dropped")
+
+
+def load_record(tokens: list[float], rank_tokens: list[float] | None) -> dict:
+    """A MoE layer's ``expert_load`` metrics: the tokens of each logical expert and the largest
+    over the mean; with expert parallelism also each ep rank's tokens (its slots' under EPLB) and
+    the busiest rank's over the mean."""
+    def over_mean(xs: list[float]) -> float:
+        return max(xs) / (sum(xs) / len(xs)) if sum(xs) > 0 else 0.0
+
+    out = {"tokens": [int(x) for x in tokens], "max_over_mean": over_mean(tokens)}
+    if rank_tokens is not None:
+        out.update(rank_tokens=[int(x) for x in rank_tokens], rank_max_over_mean=over_mean(rank_tokens))
+    return out
 
 
 def read_to_host(readings: dict[str, torch.Tensor]) -> dict[str, list[float]]:

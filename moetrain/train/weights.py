@@ -43,7 +43,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from moetrain.config import Config, ConfigError
 from moetrain.model.fp8 import E4M3, dequantize_blocks, quantize_blocks
 from moetrain.model.init import local_piece
 from moetrain.model.lora import is_adapter
+from moetrain.model.moe import GroupedExperts, SlotMap
 from moetrain.train.checkpoint import CheckpointError, Checkpointer, list_checkpoints, verify_checkpoint
 from moetrain.train.safetensors_stream import ShardedWriter, WeightsError, dtype_name, plan_shards, torch_dtype
 from moetrain.utils import atomic_write, fsync_dir, sha256_file
@@ -287,10 +288,19 @@ def model_parameters(part: nn.Module, buffers: bool = False) -> Iterator[tuple[s
     if buffers:
         persistent = set(part.state_dict(keep_vars=True))
         named += [(n, b) for n, b in part.named_buffers() if n in persistent]
+    slots = slot_stacks(part)
     for name, p in named:
         if id(p) not in seen:
             seen.add(id(p))
-            yield canonical_name(name), p, tuple(p.shape)
+            # An expert stack of EPLB's slots is, in the single-process model, the E experts'.
+            yield canonical_name(name), p, (slots[id(p)].num_experts, *p.shape[1:]) if id(p) in slots else tuple(p.shape)
+
+
+def slot_stacks(part: nn.Module) -> dict[int, SlotMap]:
+    """The expert stacks of ``part`` that hold EPLB's slots (``moe.eplb``), by ``id``: their
+    :class:`~moetrain.model.moe.SlotMap`."""
+    return {id(p): m.slot_map for m in part.modules() if isinstance(m, GroupedExperts) and m.slot_map is not None
+            for p in m.parameters(recurse=False)}
 
 
 def expected_shapes(cfg: Config, buffers: bool = True) -> dict[str, tuple[int, ...]]:
@@ -337,6 +347,7 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
     handles: dict[str, object] = {}
     params = [item for part in parts for item in model_parameters(part, buffers=True)]
     by_name = {name: p for name, p, _ in params}
+    slots = {k: v for part in parts for k, v in slot_stacks(part).items()}
     # A frozen FP8 base (train.lora.base_dtype: fp8) loaded from unquantized weights: each such
     # weight is read whole and quantized here (one tensor at a time), its block scales with it.
     blocks = {canonical_name(n): m.base_block for part in parts for n, m in part.named_modules()
@@ -370,6 +381,10 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
         if rec["file"] not in handles:
             handles[rec["file"]] = safe_open(str(path / rec["file"]), framework="pt")
         local, slices = local_piece(p)
+        if id(p) in slots:  # EPLB's slots: row i holds logical expert slots[i]
+            rows = torch.tensor(slots[id(p)].slots[slices[0].start:slices[0].stop])
+            local.copy_(whole(name, rec)[rows][(slice(None), *slices[1:])].to(local.dtype))
+            continue
         if name in dequantize_here:
             local.copy_(whole(name, rec)[slices].to(local.dtype))
             continue
@@ -383,10 +398,12 @@ def load_weights_dir(path: Path, parts: list[nn.Module], verify: bool = True) ->
         local.copy_(handles[rec["file"]].get_slice(name)[slices].to(local.dtype))
 
 
-def load_initial_weights(path: str | os.PathLike, parts: list[nn.Module], ps) -> Path:
+def load_initial_weights(path: str | os.PathLike, parts: list[nn.Module], ps, eplb: Any = None) -> Path:
     """``checkpoint.init_from``: load the weights at ``path`` (see :func:`resolve_checkpoint`)
     into this rank's model parts, in any layout; returns what was loaded. Collective.
-    ``ps``: the :class:`moetrain.parallel.state.ParallelState`.
+    ``ps``: the :class:`moetrain.parallel.state.ParallelState`; ``eplb``: the run's
+    :class:`moetrain.parallel.eplb.ExpertPlacer` (a checkpoint's logical expert stacks are placed
+    into its slots), or None.
 
     Raises:
         WeightsError: nothing loadable at ``path``, a file fails verification, or the weights
@@ -409,6 +426,7 @@ def load_initial_weights(path: str | os.PathLike, parts: list[nn.Module], ps) ->
         if found is None:
             raise WeightsError(f"{path}: no complete checkpoint verifies")
         where = found[1]
+    checkpointer.eplb = eplb
     checkpointer.load_weights(where, parts)
     return where
 
