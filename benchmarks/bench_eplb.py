@@ -2,14 +2,15 @@
 (the dev cluster: ``slurm/dev-cluster up``), with a skewed router. Prints JSON.
 
 The demo model in dp2 × ep2 over 2 nodes × 1 task (one rank per core of this machine), its
-routers made to favour experts 0 and 1 by a fixed score-correction bias (``moe.routing_bias``,
-``--bias`` added to their choice scores; both experts start on ep rank 0), trained ``--steps``
+routers made to favour experts 6 and 7 by a fixed score-correction bias (``moe.routing_bias``,
+``--bias`` added to their choice scores; both start on ep rank 1, and EPLB's first placement —
+experts in order, then replicas of experts 0 and 1 — holds them once), trained ``--steps``
 steps from the same initial weights (``checkpoint.init_from``) twice: without EPLB (the baseline,
 in the same invocation) and with ``--redundant`` spare slots re-placed every ``--every`` steps
 from the last ``--every`` steps' loads. Reported per run, over the steps after the first
 re-placement: the busiest ep rank's tokens over the mean (measured:
 ``expert_load.<layer>.rank_max_over_mean``, the mean over layers, then the median over steps),
-the step time (median), the share of experts 0 and 1 in the assignments, and the losses; for
+the step time (median), the share of experts 6 and 7 in the assignments, and the losses; for
 EPLB also each re-placement's slots moved, bytes and seconds, and the ratios to the baseline.
 
     slurm/dev-cluster up && python tools/prepare_demo.py
@@ -33,8 +34,8 @@ LAYOUT = ["launch.cluster=slurm", "launch.nodes=2", "launch.tasks_per_node=1", "
 
 
 def skewed_weights(out: Path, bias: float) -> None:
-    """The demo's initial weights with ``bias`` on experts 0 and 1 of every router's choice
-    scores, as a weights directory."""
+    """The demo's initial weights with ``bias`` on the last two experts of every router's
+    choice scores, as a weights directory."""
     sys.path.insert(0, str(ROOT))
     from moetrain.config import load_config
     from moetrain.data.sources import resolve_vocab
@@ -47,7 +48,7 @@ def skewed_weights(out: Path, bias: float) -> None:
     init_weights(model, cfg.run.seed, cfg.model.init_std, cfg.model.layers)
     for moe in model.moe_layers().values():
         moe.expert_bias.zero_()
-        moe.expert_bias[:2] = bias
+        moe.expert_bias[-2:] = bias
     state = model.state_dict()
     write_weights_dir(out, cfg, state.items(), [(n, t.dtype, tuple(t.shape)) for n, t in state.items()],
                       progress=False)
@@ -64,11 +65,11 @@ def run(run_dir: Path, steps: int, weights: Path, eplb: list[str]) -> list[dict]
 def summary(recs: list[dict], first: int) -> dict:
     after = [r for r in recs if r["step"] > first]
     busiest = [statistics.mean(layer["rank_max_over_mean"] for layer in r["expert_load"].values()) for r in after]
-    share = statistics.mean(sum(layer["tokens"][:2]) / sum(layer["tokens"]) for r in after
+    share = statistics.mean(sum(layer["tokens"][-2:]) / sum(layer["tokens"]) for r in after
                             for layer in r["expert_load"].values())
     return {"busiest_rank_over_mean": round(statistics.median(busiest), 3),
             "step_s": round(statistics.median(r["step_time_s"] for r in after), 3),
-            "experts_0_1_share": round(share, 3),
+            "hot_experts_share": round(share, 3),
             "loss_first_last": [round(recs[0]["loss"], 4), round(recs[-1]["loss"], 4)]}
 
 
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--bias", type=float, default=0.1)
     a = ap.parse_args()
     out: dict = {"layout": "2 nodes x 1 task, dp2 x ep2, 8 experts top-2", "steps": a.steps, "every": a.every,
-                 "redundant_experts": a.redundant, "bias_on_experts_0_1": a.bias,
+                 "redundant_experts": a.redundant, "bias_on_experts_6_7": a.bias,
                  "measured_over": f"steps {a.every + 1}-{a.steps}"}
     with tempfile.TemporaryDirectory(dir=ROOT / "runs" if (ROOT / "runs").is_dir() else None) as tmp:
         weights = Path(tmp) / "skewed"

@@ -387,8 +387,9 @@ class EPLBConfig:
     ``window`` steps — the hottest experts replicated into the spare slots, the replicas packed onto
     ranks so that the busiest rank's tokens come close to the mean
     (:func:`moetrain.topology.eplb.place_experts`) — and the moved experts' weights and optimizer
-    states travel to their new ranks (one all-to-all per tensor). A replicated expert's tokens
-    are split among its replicas by token position, and its replicas' gradients are summed before
+    states travel to their new ranks (one all-to-all per tensor). A token of a replicated expert
+    goes to the replica on its own rank when there is one, else to one chosen by its position,
+    and the replicas' gradients are summed before
     the optimizer: the training is the one without EPLB up to fp32 summation order
     (:mod:`moetrain.parallel.eplb`). Checkpoints hold the experts in logical order, so a run
     resumes with or without EPLB. ``every`` 0 (the default) turns it off."""

@@ -92,7 +92,10 @@ def test_eplb_trains_as_the_plain_run(layout, plain, tiny_shards, tmp_path):
 
 
 def test_unsummed_replica_gradients_change_the_run(plain, tiny_shards, tmp_path):
-    got = run_distributed(train, 1, str(tiny_shards), str(tmp_path), {}, EPLB, STEPS, False, True)[0]
+    # Over two ranks: each rank's tokens go to its own replica, so every replica learns from part
+    # of its expert's tokens (in one process the first replica would take them all).
+    got = run_distributed(train, 2, str(tiny_shards), str(tmp_path), {"dp": 2, "ep": 2}, EPLB, STEPS, False,
+                          True)[0]
     worst = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], plain["losses"]))
     assert worst > 1e-4, f"losses within {worst:.1e} of the plain run with the replicas' gradients left unsummed"
 
@@ -158,6 +161,9 @@ def test_slot_map_sends_each_assignment_to_one_replica_of_its_expert():
     assert (phys[~real] == len(slots)).all()
     ones = smap.physical(torch.ones(300, 1, dtype=torch.int64)).flatten()
     assert torch.bincount(ones, minlength=6)[[1, 4, 5]].tolist() == [100, 100, 100]
+    # On ep rank 1 of 2 (slots 3-5: experts 3, 1, 1) expert 1's tokens stay on the rank.
+    local = SlotMap(slots, 4, rank=1, ranks=2).physical(torch.tensor([[1], [1], [0], [3]]))
+    assert local.flatten().tolist() == [4, 4, 0, 3]
     with pytest.raises(ValueError, match="at least once"):
         SlotMap([0, 1, 1, 1], 4)
 

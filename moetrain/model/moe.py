@@ -168,18 +168,21 @@ class SlotMap:
     held by slot s, every expert in at least one slot. Under expert parallelism slot s lives on ep
     rank s // (R / ep), as expert e does without EPLB.
 
-    :meth:`physical` sends each routed assignment to exactly one replica of its expert: token t
-    (its position among this rank's tokens) to replica t mod c_e of the c_e replicas, so the
-    replicas share their expert's tokens evenly; on the device, no host read.
+    :meth:`physical` sends each routed assignment to exactly one replica of its expert: to the
+    replica on this rank when ``rank`` (this rank's index among the ``ranks`` expert-parallel
+    ranks) holds one — the token does not travel —, else token t (its position among this
+    rank's tokens) to replica t mod c_e of the c_e replicas, so the ranks that hold none spread
+    their tokens evenly over the replicas; on the device, no host read.
 
     Raises:
         ValueError: a slot holds an id outside [0, E), or an expert has no slot.
     """
 
-    def __init__(self, slots: list[int], num_experts: int, device: torch.device | str = "cpu"):
+    def __init__(self, slots: list[int], num_experts: int, device: torch.device | str = "cpu",
+                 rank: int | None = None, ranks: int = 1):
         if any(not 0 <= e < num_experts for e in slots) or len(set(slots)) != num_experts:
             raise ValueError(f"slots {slots} must hold each of the {num_experts} experts at least once")
-        self.slots, self.num_experts = list(slots), num_experts
+        self.slots, self.num_experts, self.rank, self.ranks = list(slots), num_experts, rank, ranks
         table: list[list[int]] = [[] for _ in range(num_experts)]
         for s, e in enumerate(slots):
             table[e].append(s)
@@ -187,6 +190,15 @@ class SlotMap:
         self.replicas_E = torch.tensor([len(t) for t in table], dtype=torch.int64, device=device)
         # [E, C]: the slots of each expert, padded with its first (never chosen: j < c_e).
         self.table_EC = torch.tensor([t + t[:1] * (width - len(t)) for t in table], dtype=torch.int64, device=device)
+        # [E]: the first slot of each expert on this rank, −1 where it holds none.
+        self.local_E = None
+        if rank is not None:
+            per = len(slots) // ranks
+            mine = {}
+            for s in range(rank * per, (rank + 1) * per):
+                mine.setdefault(slots[s], s)
+            self.local_E = torch.tensor([mine.get(e, -1) for e in range(num_experts)], dtype=torch.int64,
+                                        device=device)
 
     @property
     def num_slots(self) -> int:
@@ -196,7 +208,7 @@ class SlotMap:
         """This map with its tables on ``device`` (itself when they are there)."""
         if self.table_EC.device == device:
             return self
-        return SlotMap(self.slots, self.num_experts, device)
+        return SlotMap(self.slots, self.num_experts, device, self.rank, self.ranks)
 
     def physical(self, expert_idx_TK: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Logical expert ids [T, K] (int64; E: padding when ``padded``) → slot ids [T, K] (R:
@@ -205,6 +217,9 @@ class SlotMap:
         idx = expert_idx_TK.clamp(max=E - 1) if padded else expert_idx_TK
         token = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1)
         out = self.table_EC[idx, token % self.replicas_E[idx]]
+        if self.local_E is not None:
+            local = self.local_E[idx]
+            out = torch.where(local >= 0, local, out)
         return out.masked_fill(expert_idx_TK >= E, self.num_slots) if padded else out
 
 

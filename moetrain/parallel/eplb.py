@@ -11,9 +11,9 @@ along dim 1 so that every rank keeps a piece of each of its ep rank's slots
 (:func:`moetrain.parallel.data_parallel.apply_data_parallel`). Then:
 
 * **dispatch** — the router chooses logical experts; each assignment goes to one replica of its
-  expert, chosen by token position on the device (:meth:`SlotMap.physical
-  <moetrain.model.moe.SlotMap.physical>`), and the dispatchers run over the R slots as they run
-  over E experts;
+  expert: the one on its own rank when there is one, else one chosen by token position, on the
+  device (:meth:`SlotMap.physical <moetrain.model.moe.SlotMap.physical>`); the dispatchers run
+  over the R slots as they run over E experts;
 * **one parameter** — the replicas of an expert are one parameter: after the backward their
   gradients are summed over the ep group (:meth:`ExpertPlacer.sum_replica_grads`, an all-reduce
   of the replicated experts' rows only), so every replica holds the one-process gradient and
@@ -198,8 +198,25 @@ class ExpertPlacer:
         # Hierarchical placement over the nodes when the ep group spans whole nodes evenly.
         self.nodes = nodes if even and self.num_experts % nodes == 0 and slots % nodes == 0 else 1
         self.history: dict[str, deque[list[float]]] = {n: deque(maxlen=self.window) for n in self.layers}
-        for experts in self.layers.values():
-            experts.slot_map = experts.slot_map.to(ps.device)
+        # Per layer, built at each placement so that a step copies nothing from the host:
+        # (replicated experts, their local slots, the buffer rows of those slots, each local
+        # slot's norm weight).
+        self._rows: dict[str, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for name, experts in self.layers.items():
+            experts.slot_map = SlotMap(experts.slot_map.slots, self.num_experts, ps.device, self.me, self.ranks)
+            self._prepare(name)
+
+    def _prepare(self, name: str) -> None:
+        smap = self.layers[name].slot_map
+        count = self._replicas(smap)
+        row_of = {e: i for i, e in enumerate(e for e, c in enumerate(count) if c > 1)}
+        s = smap.num_slots // self.ranks
+        local = smap.slots[self.me * s:(self.me + 1) * s]
+        pairs = [(slot, row_of[e]) for slot, e in enumerate(local) if e in row_of]
+        dev = self.ps.device
+        self._rows[name] = (len(row_of), torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=dev),
+                            torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dev),
+                            torch.tensor([1.0 / count[e] for e in local], dtype=torch.float64, device=dev))
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -211,23 +228,15 @@ class ExpertPlacer:
         """Sum the gradients of each replicated expert's slots over the ep group and give every
         replica the sum (the expert's gradient as one process has it). One all-reduce per stack
         of the rows of the replicated experts; nothing when no expert has two slots."""
-        for experts in self.layers.values():
-            smap = experts.slot_map
-            replicated = [e for e, c in enumerate(self._replicas(smap)) if c > 1]
+        for name, experts in self.layers.items():
+            replicated, src, dst, _ = self._rows[name]
             if not replicated:
                 continue
-            row_of = {e: i for i, e in enumerate(replicated)}
-            s = smap.num_slots // self.ranks
-            local = smap.slots[self.me * s:(self.me + 1) * s]
-            pairs = [(slot, row_of[e]) for slot, e in enumerate(local) if e in row_of]
-            dev = self.ps.device
-            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=dev)
-            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=dev)
             for _, p in self._stacks(experts):
                 if p.grad is None:
                     continue
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                buf = g.new_zeros((len(replicated), *g.shape[1:]))
+                buf = g.new_zeros((replicated, *g.shape[1:]))
                 buf.index_add_(0, dst, g.index_select(0, src))
                 if self.group is not None:
                     dist.all_reduce(buf, group=self.group)
@@ -244,16 +253,7 @@ class ExpertPlacer:
         """For :func:`moetrain.parallel.data_parallel.global_grad_norm`: each slot stack (by
         ``id``) → the weight of each of this rank's slots' squared gradient, 1 / the replicas of
         its expert ([S] float64 on the device), so each expert counts once."""
-        out: dict[int, torch.Tensor] = {}
-        for experts in self.layers.values():
-            smap = experts.slot_map
-            count = self._replicas(smap)
-            s = smap.num_slots // self.ranks
-            w = torch.tensor([1.0 / count[e] for e in smap.slots[self.me * s:(self.me + 1) * s]],
-                             dtype=torch.float64, device=self.ps.device)
-            for _, p in self._stacks(experts):
-                out[id(p)] = w
-        return out
+        return {id(p): self._rows[name][3] for name, experts in self.layers.items() for _, p in self._stacks(experts)}
 
     def observe(self, loads: dict[str, list[float]]) -> None:
         """Record a step's tokens per logical expert of each local MoE layer (global, host
@@ -297,7 +297,8 @@ class ExpertPlacer:
                 for t in tensors:
                     record.bytes_sent += self._move_tensor(t, old, new)
                 record.seconds = time.perf_counter() - t0
-                experts.slot_map = SlotMap(new, self.num_experts, self.ps.device)
+                experts.slot_map = SlotMap(new, self.num_experts, self.ps.device, self.me, self.ranks)
+                self._prepare(name)
             done.append(record)
         return done
 
