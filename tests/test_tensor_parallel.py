@@ -36,7 +36,7 @@ def capture(rank: int, world: int, data: str, run_dir: str, parallel: dict, n_st
         trainer.save_checkpoint()
     return {"start": start, "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
             "aux": [r.aux_loss for r in results], "z": [r.z_loss for r in results],
-            "load": [r.extra["expert_load"] for r in results], "grads": captured}
+            "load": [{n: v["tokens"] for n, v in r.extra["expert_load"].items()} for r in results], "grads": captured}
 
 
 @pytest.fixture(scope="module")

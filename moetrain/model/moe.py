@@ -629,8 +629,8 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.capacity_factor, self.norm_topk_prob = capacity_factor, norm_topk_prob
         self.router = Router(dim, num_experts, bias=router_bias)
-        self.experts = GroupedExperts(dim, hidden, num_slots or num_experts, biases=expert_biases, activation=activation,
-                                      alpha=swiglu_alpha, limit=swiglu_limit)
+        self.experts = GroupedExperts(dim, hidden, num_slots or num_experts, biases=expert_biases,
+                                      activation=activation, alpha=swiglu_alpha, limit=swiglu_limit)
         width = (shared_hidden if shared_hidden is not None else hidden * shared_experts) if shared_experts else 0
         self.shared = FeedForward(dim, width, "relu2" if activation == "relu2" else "swiglu") if width else None
         self.shared_gate = Linear(dim, 1, bias=False) if shared_gate and width else None

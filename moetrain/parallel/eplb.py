@@ -29,12 +29,13 @@ along dim 1 so that every rank keeps a piece of each of its ep rank's slots
   (:meth:`ExpertPlacer.to_physical`): a checkpoint moves between runs with and without EPLB.
 
 Every decision is made on host integers that are the same on every rank (the placement, from the
-step's global loads), so the ranks agree without a collective; the data moves on the device.
+step's global loads), so the ranks agree without a collective; the data moves on the device. The
+one exception is the memory check before a move (one small all-gather at a re-placement): a move
+that some rank of the ep group has no memory for is skipped by all of them, naming the rank.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections import deque
@@ -50,8 +51,6 @@ from moetrain.internals import local_shape_and_offset
 from moetrain.model.moe import GroupedExperts, SlotMap
 from moetrain.parallel.state import EP, ParallelState
 from moetrain.topology.eplb import Placement, place_experts, rank_loads
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ExpertPlacer", "move_slots", "Replacement"]
 

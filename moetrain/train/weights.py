@@ -293,7 +293,8 @@ def model_parameters(part: nn.Module, buffers: bool = False) -> Iterator[tuple[s
         if id(p) not in seen:
             seen.add(id(p))
             # An expert stack of EPLB's slots is, in the single-process model, the E experts'.
-            yield canonical_name(name), p, (slots[id(p)].num_experts, *p.shape[1:]) if id(p) in slots else tuple(p.shape)
+            shape = (slots[id(p)].num_experts, *p.shape[1:]) if id(p) in slots else tuple(p.shape)
+            yield canonical_name(name), p, shape
 
 
 def slot_stacks(part: nn.Module) -> dict[int, SlotMap]:
