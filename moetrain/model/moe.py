@@ -187,7 +187,8 @@ class SlotMap:
         for s, e in enumerate(slots):
             table[e].append(s)
         width = max(len(t) for t in table)
-        self.replicas_E = torch.tensor([len(t) for t in table], dtype=torch.int64, device=device)
+        self.replicas = [len(t) for t in table]  # per expert, host integers
+        self.replicas_E = torch.tensor(self.replicas, dtype=torch.int64, device=device)
         # [E, C]: the slots of each expert, padded with its first (never chosen: j < c_e).
         self.table_EC = torch.tensor([t + t[:1] * (width - len(t)) for t in table], dtype=torch.int64, device=device)
         # [E]: the first slot of each expert on this rank, −1 where it holds none.
@@ -203,12 +204,6 @@ class SlotMap:
     @property
     def num_slots(self) -> int:
         return len(self.slots)
-
-    def to(self, device: torch.device) -> "SlotMap":
-        """This map with its tables on ``device`` (itself when they are there)."""
-        if self.table_EC.device == device:
-            return self
-        return SlotMap(self.slots, self.num_experts, device, self.rank, self.ranks)
 
     def physical(self, expert_idx_TK: torch.Tensor, padded: bool = False) -> torch.Tensor:
         """Logical expert ids [T, K] (int64; E: padding when ``padded``) → slot ids [T, K] (R:

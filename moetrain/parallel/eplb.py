@@ -207,7 +207,7 @@ class ExpertPlacer:
 
     def _prepare(self, name: str) -> None:
         smap = self.layers[name].slot_map
-        count = self._replicas(smap)
+        count = smap.replicas
         row_of = {e: i for i, e in enumerate(e for e, c in enumerate(count) if c > 1)}
         s = smap.num_slots // self.ranks
         local = smap.slots[self.me * s:(self.me + 1) * s]
@@ -240,13 +240,6 @@ class ExpertPlacer:
                 if self.group is not None:
                     dist.all_reduce(buf, group=self.group)
                 g.index_copy_(0, src, buf.index_select(0, dst))
-
-    @staticmethod
-    def _replicas(smap: SlotMap) -> list[int]:
-        count = [0] * smap.num_experts
-        for e in smap.slots:
-            count[e] += 1
-        return count
 
     def norm_weights(self) -> dict[int, torch.Tensor]:
         """For :func:`moetrain.parallel.data_parallel.global_grad_norm`: each slot stack (by

@@ -147,12 +147,14 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, ps: ParallelState, keep: int, attempt: int = 0, fence: Any = None, *,
-                 async_save: bool = True, timeout_s: float = 1800.0, trained_only: bool = False):
+                 async_save: bool = True, timeout_s: float = 1800.0, trained_only: bool = False, eplb: Any = None):
         """``fence``: a :class:`moetrain.train.records.Fence`; checked before the commit
         (rename) and before deleting anything, so a stale attempt never does either.
         ``trained_only`` (``train.lora``): checkpoints hold the parameters that train (the
         adapters) and the buffers, not the frozen base, which the run loads from
-        ``checkpoint.init_from`` (or draws from ``run.seed``) before it resumes."""
+        ``checkpoint.init_from`` (or draws from ``run.seed``) before it resumes. ``eplb``: the
+        run's :class:`moetrain.parallel.eplb.ExpertPlacer` under ``moe.eplb`` (its expert slots are
+        saved in logical order and placed back on load), else None."""
         self.root, self.ps, self.keep, self.attempt, self.fence = Path(root), ps, keep, attempt, fence
         self.trained_only = trained_only
         self.async_save, self.timeout_s = async_save, timeout_s
@@ -165,7 +167,7 @@ class Checkpointer:
         self.skipped: list[tuple[Path, str]] = []  # corrupt checkpoints the last latest_valid() skipped
         # EPLB's placer (moetrain.parallel.eplb.ExpertPlacer): expert stacks are saved in logical
         # order and placed back into this run's slots on load. None: the stacks are logical.
-        self.eplb: Any = None
+        self.eplb = eplb
 
     # -- state dicts ------------------------------------------------------------------------
 

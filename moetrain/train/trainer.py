@@ -208,8 +208,7 @@ class Trainer:
         lora = cfg.train.lora.r > 0
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, self.ps, cfg.checkpoint.keep, self.attempt, self.fence,
                                          async_save=cfg.checkpoint.async_, timeout_s=cfg.checkpoint.timeout_s,
-                                         trained_only=lora)
-        self.checkpointer.eplb = self.eplb
+                                         trained_only=lora, eplb=self.eplb)
         # LoRA: the frozen base the adapters apply to; its checkpoints hold the adapters only.
         self.lora_base = base_identity(cfg) if lora else None
         self.step = 0

@@ -419,15 +419,14 @@ def load_initial_weights(path: str | os.PathLike, parts: list[nn.Module], ps, ep
                            f"quantized from a weights directory. Fix: export the checkpoint (python -m moetrain.hf "
                            f"export) and import it (python -m moetrain.hf import), then give that directory")
     if where == Path(path):  # one training checkpoint: verify it (rank 0) like a resume does
-        checkpointer = Checkpointer(where.parent, ps, keep=1)
+        checkpointer = Checkpointer(where.parent, ps, keep=1, eplb=eplb)
         _verify_on_rank0(lambda: verify_checkpoint(where, progress=True))
     else:  # a directory of them: its newest one that verifies, as a resume would take
-        checkpointer = Checkpointer(Path(path), ps, keep=1)
+        checkpointer = Checkpointer(Path(path), ps, keep=1, eplb=eplb)
         found = checkpointer.latest_valid()
         if found is None:
             raise WeightsError(f"{path}: no complete checkpoint verifies")
         where = found[1]
-    checkpointer.eplb = eplb
     checkpointer.load_weights(where, parts)
     return where
 
