@@ -332,8 +332,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot(run_dir: Path, out: Path) -> Path:
-    """Draw loss and validation loss, tokens/s and max/mean expert load per MoE layer against
-    step into ``out`` (PNG, or any format matplotlib infers from the suffix).
+    """Draw loss and validation loss, tokens/s and max/mean expert load per MoE layer (with
+    ep > 1 the busiest ep rank's tokens over the mean beside it, dashed; ``moe.eplb``'s
+    re-placements as dotted vertical lines) against step into ``out`` (PNG, or any format
+    matplotlib infers from the suffix).
 
     Raises:
         ModuleNotFoundError: matplotlib is not installed (the ``plot`` extra).
@@ -358,10 +360,16 @@ def plot(run_dir: Path, out: Path) -> Path:
     ax_tok.plot(steps, [r.get("tokens_per_s", float("nan")) for r in records])
     ax_tok.set_ylabel("tokens/s")
     for layer in records[-1].get("expert_load", {}):
-        ax_load.plot(steps, [r.get("expert_load", {}).get(layer, {}).get("max_over_mean", float("nan"))
-                             for r in records], label=f"layer {layer}")
+        def series(key: str) -> list[float]:
+            return [r.get("expert_load", {}).get(layer, {}).get(key, float("nan")) for r in records]
+
+        line, = ax_load.plot(steps, series("max_over_mean"), label=f"layer {layer}")
+        if "rank_max_over_mean" in records[-1]["expert_load"][layer]:  # ep > 1: the busiest ep rank, dashed
+            ax_load.plot(steps, series("rank_max_over_mean"), "--", color=line.get_color())
+    for step in sorted({r["step"] for r in records if r.get("eplb_replaced")}):  # moe.eplb's re-placements
+        ax_load.axvline(step, color="grey", lw=0.5, ls=":")
     ax_load.axhline(1.0, color="grey", lw=0.5)
-    ax_load.set_ylabel("expert load max/mean")
+    ax_load.set_ylabel("expert load max/mean\n(dashed: busiest ep rank)")
     ax_load.set_xlabel("step")
     if records[-1].get("expert_load"):
         ax_load.legend(fontsize="small", ncol=4)

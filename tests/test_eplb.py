@@ -120,3 +120,40 @@ def test_the_planner_counts_eplbs_spare_slots(tmp_path):
             "--layout", "tp=2,pp=1,dp=64,ep=8,zero=1,mbs=1,ac=selective", "--expert-loads", str(loads)]
     assert main(args) == 0
     assert main(args + ["--set", "moe.eplb.every=100", "--set", "moe.eplb.redundant_experts=8"]) == 0
+
+
+def test_the_planner_times_the_replicas_gradient_sum_and_the_moves():
+    """A step with EPLB adds the replicated experts' gradient all-reduce over ep (at most
+    ``redundant_experts`` experts' rows, fp32, each rank's ZeRO shard of them) and the
+    re-placements' moves, amortised over ``every`` steps; the spare slots' share of the
+    data-parallel traffic and the optimizer grows with (E + r) / E."""
+    import dataclasses
+
+    from moetrain.config import load_config
+    from moetrain.planner.layout import Layout
+    from moetrain.planner.search import Planner
+    from moetrain.planner.timing import step_time
+    from moetrain.topology import load_profile
+    from moetrain.planner.traffic import comm_time
+
+    lay = Layout(tp=2, pp=1, dp=64, ep=8, zero=1, mbs=1, ac="selective")
+    prof = load_profile("h100-superpod")
+
+    def planner(*sets):
+        return Planner.from_config(load_config("configs/mixtral-8x7b.yaml", list(sets)), prof, 16)
+
+    plain = planner().evaluate(lay).time
+    rare = planner("moe.eplb.every=100", "moe.eplb.redundant_experts=8")
+    often = planner("moe.eplb.every=10", "moe.eplb.redundant_experts=8").evaluate(lay).time
+    places, _ = rare.places(lay)
+    no_moves = step_time(dataclasses.replace(rare.shape, eplb_every=0), lay, rare.global_batch, prof, places,
+                         rare.mem, rare.timing)
+    # 8 replicated experts of 3 × 4096 × 14336 per layer, 32 layers, one rank's ZeRO shard of them
+    rows = 32 * 8 * 3 * 4096 * 14336 / lay.expert_shard
+    assert no_moves.breakdown["eplb"] == pytest.approx(comm_time("all_reduce", rows * 4.0, places["ep"], prof)[0])
+    moves_100 = rare.evaluate(lay).time.breakdown["eplb"] - no_moves.breakdown["eplb"]
+    moves_10 = often.breakdown["eplb"] - no_moves.breakdown["eplb"]
+    assert moves_100 > 0 and moves_10 == pytest.approx(10 * moves_100)
+    assert plain.breakdown["eplb"] == 0.0
+    assert no_moves.breakdown["optimizer"] > plain.breakdown["optimizer"]
+    assert sum(often.breakdown.values()) == pytest.approx(often.step)

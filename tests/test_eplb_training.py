@@ -8,11 +8,14 @@ losses and gradient norms within 1e-5 relative per step — the tolerance of eve
 over the ep group, which changes fp32 summation order only (measured ≤ 1e-7). The negative
 control leaves the replicas' gradients unsummed: the replicas then drift apart, and so do the
 losses. Checkpoints hold the experts in logical order: an EPLB run's checkpoint resumes in a
-plain run, and a plain run's in an EPLB run, as if never stopped.
+plain run, and a plain run's in an EPLB run, as if never stopped; an EPLB run resumes with the
+placement and the window of loads it saved.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,8 +23,9 @@ import torch
 
 from moetrain.config import ConfigError
 from moetrain.model.moe import SlotMap
-from moetrain.monitor import collect, render
+from moetrain.monitor import collect, plot, render
 from moetrain.parallel.eplb import move_plan
+from moetrain.topology.eplb import place_experts
 from moetrain.train.trainer import Trainer
 
 from conftest import tiny_config
@@ -33,24 +37,34 @@ EPLB = {"redundant_experts": 2, "every": 5, "window": 5}
 
 def train(rank: int, world: int, data: str, run_dir: str, parallel: dict, eplb: dict | None, steps: int = STEPS,
           save: bool = False, unsummed: bool = False, write_files: bool = False, starve: int | None = None,
-          init_from: str | None = None) -> dict:
+          init_from: str | None = None, two_nodes: bool = False) -> dict:
     """``unsummed``: the replicas keep their own share of the gradient (the negative control);
-    ``starve``: that rank reports no free memory, so every move is skipped."""
-    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260}, moe={"eplb": eplb or {}},
+    ``starve``: that rank reports no free memory, so every move is skipped; ``two_nodes``: the
+    ranks split over two nodes (NVSwitch domains) and the hierarchical dispatcher."""
+    moe = {"eplb": eplb or {}, **({"token_dispatcher": "hierarchical"} if two_nodes else {})}
+    cfg = tiny_config(data, run_dir, parallel=parallel, model={"vocab_size": 260}, moe=moe,
                       train={"steps": STEPS, "grad_clip": 0.5},
                       checkpoint={"resume": save, "every": 0, "init_from": init_from})
     if starve == rank:
         import moetrain.parallel.eplb
 
         moetrain.parallel.eplb.free_bytes = lambda device: 0
-    trainer = Trainer(cfg, write_files=write_files)
+    nodes = {"mesh_ranks": torch.arange(world).reshape(1, world, 1, 1).tolist(),
+             "rank_domains": [r * 2 // world for r in range(world)]} if two_nodes else {}
+    trainer = Trainer(cfg, write_files=write_files, **nodes)
     if unsummed:
         trainer.eplb.sum_replica_grads = lambda: None
     start = trainer.step
-    results = [trainer.train_step() for _ in range(steps)]
+    placer = trainer.eplb
+    placements = [placer.state_dict() if placer is not None else None]  # after the load, then after each step
+    results = []
+    for _ in range(steps):
+        results.append(trainer.train_step())
+        placements.append(placer.state_dict() if placer is not None else None)
     if save:
         trainer.save_checkpoint()
-    return {"start": start, "losses": [r.loss for r in results], "aux": [r.aux_loss for r in results],
+    return {"start": start, "placements": placements, "losses": [r.loss for r in results],
+            "aux": [r.aux_loss for r in results],
             "norms": [r.grad_norm for r in results], "loads": [r.extra["expert_load"] for r in results],
             "replaced": [r.extra.get("eplb_replaced", {}) for r in results], "run_dir": str(cfg.run_dir)}
 
@@ -91,6 +105,22 @@ def test_eplb_trains_as_the_plain_run(layout, plain, tiny_shards, tmp_path):
     assert all(step % 5 == 4 for step in moving)
 
 
+def test_eplb_over_two_nodes_with_the_hierarchical_dispatcher(plain, tiny_shards, tmp_path):
+    """dp4 × ep4 over two nodes of two ranks: the placement packs experts onto nodes, then ranks
+    (each node holds half of the experts), and the hierarchical dispatcher sends each token once
+    per node over the slots."""
+    eplb = {**EPLB, "redundant_experts": 4}  # 8 slots: 2 per rank, 4 per node
+    results = run_distributed(train, 4, str(tiny_shards), str(tmp_path), {"dp": 4, "ep": 4}, eplb, STEPS, False,
+                              False, False, None, None, True)
+    assert_same_run(results[0], plain)
+    placements = results[0]["placements"]
+    for step in placements[5:]:  # from the first re-placement (the initial slots are 0-3, 0-3)
+        for layer in step.values():
+            halves = layer["slots"][:4], layer["slots"][4:]
+            assert sorted(set(halves[0]) | set(halves[1])) == [0, 1, 2, 3] and not set(halves[0]) & set(halves[1])
+    assert any(p != placements[0] for p in placements), "the placement never changed"
+
+
 def test_unsummed_replica_gradients_change_the_run(plain, tiny_shards, tmp_path):
     # Over two ranks: each rank's tokens go to its own replica, so every replica learns from part
     # of its expert's tokens (in one process the first replica would take them all).
@@ -108,6 +138,37 @@ def test_a_checkpoint_moves_between_eplb_and_plain_runs(first, then, plain, tiny
     assert (a["start"], b["start"]) == (0, 10)
     assert_same_run(a, plain)
     assert_same_run(b, plain, first=11)
+
+
+def test_a_resumed_eplb_run_places_its_slots_as_the_saved_run(tiny_shards, tmp_path):
+    """The placement and the window of loads are the checkpoint's: resumed at step 10, the run
+    holds each expert on the rank it was on, measures the same tokens per ep rank, and re-places
+    at step 15 from steps 6-15 (window 10, every 5) as the uninterrupted run does."""
+    layout, eplb = {"dp": 2, "ep": 2, "zero_stage": 2}, {**EPLB, "window": 10}
+    whole = run_distributed(train, 2, str(tiny_shards), str(tmp_path / "whole"), layout, eplb)[0]
+    run_distributed(train, 2, str(tiny_shards), str(tmp_path / "cut"), layout, eplb, 10, True)
+    shutil.copytree(tmp_path / "cut", tmp_path / "one")
+    resumed = run_distributed(train, 2, str(tiny_shards), str(tmp_path / "cut"), layout, eplb, 10, True)[0]
+    assert resumed["start"] == 10
+    initial = whole["placements"][0]
+    assert any(whole["placements"][10][n]["slots"] != initial[n]["slots"] for n in initial), \
+        "the test needs a placement at step 10 that is not the initial one"
+    assert resumed["placements"] == whole["placements"][10:]
+    def moves(steps):  # the seconds aside
+        return [{n: (r["moved"], r["bytes_sent"], r["rank_tokens_after"]) for n, r in step.items()} for step in steps]
+
+    assert moves(resumed["replaced"]) == moves(whole["replaced"][10:])
+    for a, b in zip(whole["loads"][10:], resumed["loads"]):
+        assert {n: x["rank_tokens"] for n, x in a.items()} == {n: x["rank_tokens"] for n, x in b.items()}
+    assert_same_run(resumed, whole, first=11)
+    # In one process (ep 1, a re-planned layout) the saved placement does not apply: each layer is
+    # placed from the saved window at the load, and the run goes on as the uninterrupted one.
+    one = run_distributed(train, 1, str(tiny_shards), str(tmp_path / "one"), {}, eplb, 10, True)[0]
+    assert one["start"] == 10
+    for name, layer in one["placements"][0].items():
+        loads = [sum(col) for col in zip(*whole["placements"][10][name]["window"])]
+        assert sorted(layer["slots"]) == sorted(place_experts(loads, 6, 1).slots[0])
+    assert_same_run(one, whole, first=11)
 
 
 def test_weights_of_a_plain_model_load_into_the_slots(plain, tiny_shards, tmp_path):
@@ -141,6 +202,12 @@ def test_replacements_are_events_and_the_monitor_shows_them(tiny_shards, tmp_pat
     lines = [line for line in text.splitlines() if line.strip().startswith("layer ")]
     assert [line.split(":")[0].strip() for line in lines] == ["layer 0", "layer 1"]
     assert all("step 10" in line and "busiest" in line and "→" in line for line in lines), text
+    # the figure from these steps' records (train_step leaves writing them to the loop)
+    records = [{"step": i + 1, "loss": loss, "expert_load": load, "eplb_replaced": replaced}
+               for i, (loss, load, replaced) in enumerate(zip(out["losses"], out["loads"], out["replaced"]))]
+    (Path(out["run_dir"]) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figure = plot(Path(out["run_dir"]), tmp_path / "load.png")  # the busiest rank's series, re-placements marked
+    assert figure.stat().st_size > 0
 
 
 def test_a_move_short_of_memory_is_skipped_naming_the_rank(plain, tiny_shards, tmp_path):

@@ -26,7 +26,9 @@ along dim 1 so that every rank keeps a piece of each of its ep rank's slots
   (:func:`move_slots`), whose bytes are counted;
 * **checkpoints** — the stacks are saved in logical order, [E, ...] Shard(0) over ep as a run
   without EPLB saves them (:meth:`ExpertPlacer.to_logical`), and a load places them back
-  (:meth:`ExpertPlacer.to_physical`): a checkpoint moves between runs with and without EPLB.
+  (:meth:`ExpertPlacer.to_physical`): a checkpoint moves between runs with and without EPLB. The
+  placement and the window of loads are the checkpoint's train state
+  (:meth:`ExpertPlacer.state_dict`), so a resumed run places its slots as the saved run held them.
 
 Every decision is made on host integers that are the same on every rank (the placement, from the
 step's global loads), so the ranks agree without a collective; the data moves on the device. The
@@ -345,6 +347,51 @@ class ExpertPlacer:
         return sent
 
     # -- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, dict]:
+        """What a resumed run needs to go on as this one would (the train state of a checkpoint):
+        each MoE layer's placement and its window of loads, by block index, ``{"ranks": P,
+        "slots": [R] logical expert of each slot, "window": [[E] tokens per step]}`` — host
+        lists, JSON-safe. Collective over the world: under pipeline parallelism each stage holds
+        its own layers, so the layers of every rank are gathered (one small object all-gather, at
+        checkpoints only)."""
+        mine = {name: {"ranks": self.ranks, "slots": list(experts.slot_map.slots),
+                       "window": [list(row) for row in self.history[name]]}
+                for name, experts in self.layers.items()}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        every: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return {name: layer for part in every for name, layer in (part or {}).items()}
+
+    def load_state_dict(self, state: dict[str, dict] | None) -> list[str]:
+        """Restore :meth:`state_dict` before a checkpoint's stacks are placed
+        (:meth:`to_physical`, which places them as the slot maps then say): each layer's window,
+        and its placement when the checkpoint's run had this run's ep size and slots; a layer
+        whose run had another ep size (a re-planned layout) or other slots is placed from its
+        window, or keeps the initial placement when the window is empty. ``None`` (a checkpoint
+        of a run without EPLB, or of an older version) changes nothing. Returns the layers placed
+        from their window."""
+        replanned = []
+        for name, experts in self.layers.items():
+            saved = (state or {}).get(name)
+            if saved is None:
+                continue
+            rows = [list(map(float, row)) for row in saved.get("window", []) if len(row) == self.num_experts]
+            self.history[name] = deque(rows, maxlen=self.window)
+            R = experts.slot_map.num_slots
+            slots = [int(e) for e in saved.get("slots", [])]
+            if saved.get("ranks") == self.ranks and len(slots) == R and set(slots) == set(range(self.num_experts)):
+                new = slots
+            elif rows:
+                loads = [sum(col) for col in zip(*rows)]
+                new = self._keep_rows(experts.slot_map.slots, place_experts(loads, R, self.ranks, self.nodes))
+                replanned.append(name)
+            else:
+                continue
+            experts.slot_map = SlotMap(new, self.num_experts, self.ps.device, self.me, self.ranks)
+            self._prepare(name)
+        return replanned
 
     def _home(self) -> list[int]:
         return list(range(self.num_experts))

@@ -136,6 +136,8 @@ class ModelShape:
     # moe.eplb's spare expert slots per MoE layer: each ep rank holds (E + them) / ep experts' weights,
     # gradients and optimizer states (moetrain.parallel.eplb)
     redundant_experts: int = 0
+    # moe.eplb.every: steps between re-placements, whose moves the step time amortises (0: none)
+    eplb_every: int = 0
     # whether the EP dispatch sends a token once per destination node and forwards it over NVLink
     # (DeepSeek-V3 §3.2.2, DeepEP; moe.token_dispatcher: hierarchical), else every routed copy
     dispatch_dedup: bool = False
@@ -238,6 +240,7 @@ class ModelShape:
                    capacity_factor=moe.capacity_factor if moe.num_experts else None,
                    max_nodes_per_token=moe.max_nodes_per_token if moe.num_experts else None,
                    redundant_experts=moe.num_slots - moe.num_experts,
+                   eplb_every=moe.eplb.every if moe.num_experts else 0,
                    dispatch_dedup=moe.token_dispatcher == "hierarchical",
                    dispatch_fp8=dispatch_wire(moe.dispatch_dtype, cfg.train.precision) == E4M3,
                    fp8_gemms=cfg.train.precision == "fp8",

@@ -632,6 +632,9 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
     #    parameters of all of it
     dense_p, expert_p = _rank_params(shape, lay)
     trained_d, trained_e = _rank_params(shape, lay, trained=True)
+    t_eplb = eplb_time(shape, lay, places, prof, expert_p)
+    slots = 1 + shape.redundant_experts / max(1, shape.num_experts)  # moe.eplb's spare slots
+    expert_p, trained_e = expert_p * slots, trained_e * slots
     z = lay.zero
     dp_exposed = 0.0
     rs = ag = 0.0
@@ -684,7 +687,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
 
     t_muon = muon_time(shape, lay, prof, places, c.rate, dense_p, expert_p) if ta.optimizer == "muon" else 0.0
 
-    step = t_pipe + dp_exposed + overlap_cost + t_opt + t_grad + t_muon
+    step = t_pipe + dp_exposed + overlap_cost + t_opt + t_grad + t_muon + t_eplb
     useful = m * (t_f + t_b)
     scale = useful / (t_f + t_b) if t_f + t_b else 0.0  # = m
     bd = {
@@ -702,6 +705,7 @@ def step_time(shape: ModelShape, layout: Layout, global_batch: int, profile: "Cl
         "optimizer": t_opt,
         "grad_buffer": t_grad,
         "muon": t_muon,
+        "eplb": t_eplb,
     }
     tokens = global_batch * shape.seq_len
     model_flops = tokens * shape.model_flops_per_token()
@@ -731,6 +735,28 @@ def muon_time(shape: ModelShape, lay: Layout, prof: "ClusterProfile", places: di
         sent = (dense_p * (k - 1) / k + expert_p * (ke - 1) / ke) * wire_bytes
     place = places.get("dp_cp_shard", places["dp_cp"])
     return t_ns + comm_time("all_to_all", sent, place, prof)[0]
+
+
+def eplb_time(shape: ModelShape, lay: Layout, places: dict[str, AxisPlace], prof: "ClusterProfile",
+              expert_p: float, state_bytes: float = 12.0) -> float:
+    """Seconds ``moe.eplb`` adds to a step besides its spare slots' share of the data-parallel
+    traffic and the optimizer (which scale with (E + r) / E): the replicated experts' gradient
+    all-reduce over ep after the backward (exposed: the optimizer waits for it), at most
+    ``redundant_experts`` experts' rows per MoE layer, each rank's FSDP shard of them in fp32; and
+    the re-placements' moves amortised over ``eplb_every`` steps, bounded by every slot of a rank
+    sent and received once (an ``all_to_all`` of the weights and AdamW's two moments,
+    ``state_bytes`` per parameter: 3 fp32 tensors). ``expert_p``: routed-expert parameters on the
+    fullest rank without spare slots (:func:`_rank_params`). 0 without spare slots or ep."""
+    r, E = shape.redundant_experts, shape.num_experts
+    if not r or not E or lay.ep <= 1:
+        return 0.0
+    shard = lay.expert_shard if lay.zero >= 1 else 1
+    per_expert = expert_p * lay.ep / E / shard  # one expert's rows on a rank (its etp and FSDP shard)
+    t = comm_time("all_reduce", r * per_expert * 4.0, places["ep"], prof)[0]
+    if shape.eplb_every:
+        slots = (E + r) / lay.ep
+        t += comm_time("all_to_all", slots * per_expert * state_bytes, places["ep"], prof)[0] / shape.eplb_every
+    return t
 
 
 def _rank_params(shape: ModelShape, lay: Layout, trained: bool = False) -> tuple[float, float]:

@@ -384,7 +384,13 @@ class Checkpointer:
         msd, osd, keys = self._state_dicts(parts, optimizers)
         manifest = json.loads((path / "manifest.json").read_text())
         train_state = {k: v for k, v in manifest["train_state"].items()}
-        taken = self.eplb.logical_templates(msd, osd) if self.eplb is not None else None
+        taken = None
+        if self.eplb is not None:  # the saved placement first: the stacks are placed as it says
+            replanned = self.eplb.load_state_dict(train_state.get("eplb"))
+            if replanned and self.ps.rank == 0:
+                log.info("EPLB: the checkpoint's placement of layers %s was for another ep size: placed from its "
+                         "window of loads", ", ".join(replanned))
+            taken = self.eplb.logical_templates(msd, osd)
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         dcp.load(state, checkpoint_id=str(path))
         loaded_m, loaded_o = state["model"], state["optim"]
