@@ -133,8 +133,8 @@ def test_the_planner_times_the_replicas_gradient_sum_and_the_moves():
     from moetrain.planner.layout import Layout
     from moetrain.planner.search import Planner
     from moetrain.planner.timing import step_time
-    from moetrain.topology import load_profile
     from moetrain.planner.traffic import comm_time
+    from moetrain.topology import load_profile
 
     lay = Layout(tp=2, pp=1, dp=64, ep=8, zero=1, mbs=1, ac="selective")
     prof = load_profile("h100-superpod")

@@ -154,6 +154,7 @@ def test_a_resumed_eplb_run_places_its_slots_as_the_saved_run(tiny_shards, tmp_p
     assert any(whole["placements"][10][n]["slots"] != initial[n]["slots"] for n in initial), \
         "the test needs a placement at step 10 that is not the initial one"
     assert resumed["placements"] == whole["placements"][10:]
+
     def moves(steps):  # the seconds aside
         return [{n: (r["moved"], r["bytes_sent"], r["rank_tokens_after"]) for n, r in step.items()} for step in steps]
 
