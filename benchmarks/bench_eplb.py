@@ -95,11 +95,11 @@ def main() -> None:
                          "late in training, where the routers' loads move slowly; default: the demo's schedule")
     a = ap.parse_args()
     window = a.window or a.every
-    lr = [] if a.lr is None else [f"train.lr={a.lr}", f"train.min_lr={a.lr}", "train.warmup_steps=0"]
+    both = [] if a.lr is None else [f"train.lr={a.lr}", f"train.min_lr={a.lr}", "train.warmup_steps=0"]
     if a.aux_loss_coef is not None:
-        lr.append(f"moe.aux_loss_coef={a.aux_loss_coef}")
+        both.append(f"moe.aux_loss_coef={a.aux_loss_coef}")
     if a.global_batch is not None:
-        lr.append(f"train.global_batch_size={a.global_batch}")
+        both.append(f"train.global_batch_size={a.global_batch}")
     out: dict = {"layout": "2 nodes x 1 task, dp2 x ep2, 8 experts top-2", "steps": a.steps, "every": a.every,
                  "window": window, "redundant_experts": a.redundant, "bias_on_experts_6_7": a.bias,
                  "lr": a.lr if a.lr is not None else "the demo's schedule", "global_batch": a.global_batch or 16,
@@ -113,9 +113,9 @@ def main() -> None:
     with where as tmp:
         weights = Path(tmp) / "skewed"
         skewed_weights(weights, a.bias)
-        plain = run(Path(tmp) / "plain", a.steps, weights, lr)
+        plain = run(Path(tmp) / "plain", a.steps, weights, both)
         eplb = run(Path(tmp) / "eplb", a.steps, weights,
-                   [*lr, f"moe.eplb.every={a.every}", f"moe.eplb.window={window}",
+                   [*both, f"moe.eplb.every={a.every}", f"moe.eplb.window={window}",
                     f"moe.eplb.redundant_experts={a.redundant}"])
     out["plain"], out["eplb"] = summary(plain, a.every), summary(eplb, a.every)
     out["eplb"]["replacements"] = [{"step": r["step"], "layer": layer, "slots_moved": rec["slots_moved"],

@@ -107,8 +107,9 @@ control eplb-logical-checkpoint moetrain/parallel/eplb.py \
     "d[key] = self._convert(d[key], experts.slot_map.slots, self._home())" \
     "d[key] = self._convert(d[key], [s % self.num_experts for s in range(len(experts.slot_map.slots))], self._home())" \
     "tests/test_eplb_training.py::test_a_checkpoint_moves_between_eplb_and_plain_runs[eplb-then-plain]"
-control eplb-resumed-placement moetrain/train/trainer.py \
-    'train_state["eplb"] = self.eplb.state_dict()' 'train_state["eplb_off"] = self.eplb.state_dict()' \
+control eplb-resumed-placement moetrain/train/checkpoint.py \
+    'train_state = {**train_state, "eplb": self.eplb.state_dict()}' \
+    'train_state = {**train_state, "eplb_off": self.eplb.state_dict()}' \
     "tests/test_eplb_training.py::test_a_resumed_eplb_run_places_its_slots_as_the_saved_run"
 control eplb-nodes-respected moetrain/parallel/eplb.py \
     "self.nodes = nodes if even and" "self.nodes = 1 if even and" \

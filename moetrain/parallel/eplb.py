@@ -170,8 +170,8 @@ class ExpertPlacer:
     """EPLB for the MoE layers of this rank's model parts (module docstring). Build after
     :func:`moetrain.parallel.apply.build_model_parts`; the trainer calls
     :meth:`sum_replica_grads` after each backward, :meth:`observe` with each step's loads,
-    :meth:`maybe_replace` after each optimizer step, and the checkpointer :meth:`to_logical` /
-    :meth:`to_physical`.
+    :meth:`maybe_replace` after each optimizer step, and the checkpointer :meth:`to_logical` and
+    :meth:`state_dict` at a save, :meth:`load_state_dict` and :meth:`to_physical` at a load.
     """
 
     def __init__(self, parts: list[nn.Module], ps: ParallelState, cfg: Config):
@@ -204,11 +204,13 @@ class ExpertPlacer:
         # slot's norm weight).
         self._rows: dict[str, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for name, experts in self.layers.items():
-            experts.slot_map = SlotMap(experts.slot_map.slots, self.num_experts, ps.device, self.me, self.ranks)
-            self._prepare(name)
+            self._place(name, experts.slot_map.slots)
 
-    def _prepare(self, name: str) -> None:
-        smap = self.layers[name].slot_map
+    def _place(self, name: str, slots: list[int]) -> None:
+        """Layer ``name``'s slots hold ``slots`` from now on: its slot map (this rank's view) and
+        the step's index tensors, built once per placement."""
+        smap = SlotMap(slots, self.num_experts, self.ps.device, self.me, self.ranks)
+        self.layers[name].slot_map = smap
         count = smap.replicas
         row_of = {e: i for i, e in enumerate(e for e, c in enumerate(count) if c > 1)}
         s = smap.num_slots // self.ranks
@@ -265,13 +267,10 @@ class ExpertPlacer:
         states = {id(p): st for opt in optimizers for p, st in opt.state.items()}
         done = []
         for name, experts in self.layers.items():
-            window = self.history[name]
-            if not window:
+            if not self.history[name]:
                 continue
-            loads = [sum(col) for col in zip(*window)]
             old = experts.slot_map.slots
-            placement = place_experts(loads, len(old), self.ranks, self.nodes)
-            new = self._keep_rows(old, placement)
+            loads, placement, new = self._from_window(name)
             if new == old:
                 continue
             s = len(old) // self.ranks
@@ -291,10 +290,17 @@ class ExpertPlacer:
                 for t in tensors:
                     record.bytes_sent += self._move_tensor(t, old, new)
                 record.seconds = time.perf_counter() - t0
-                experts.slot_map = SlotMap(new, self.num_experts, self.ps.device, self.me, self.ranks)
-                self._prepare(name)
+                self._place(name, new)
             done.append(record)
         return done
+
+    def _from_window(self, name: str) -> tuple[list[float], Placement, list[int]]:
+        """Layer ``name``'s tokens per expert summed over its window, the placement they give,
+        and that placement as slots (:meth:`_keep_rows`)."""
+        loads = [sum(col) for col in zip(*self.history[name])]
+        old = self.layers[name].slot_map.slots
+        placement = place_experts(loads, len(old), self.ranks, self.nodes)
+        return loads, placement, self._keep_rows(old, placement)
 
     def _short_of_memory(self, tensors: list[torch.Tensor], plan: list[list[list[tuple[int, int]]]]) -> str | None:
         """Whether a move of ``tensors`` would not fit some rank of the ep group: each tensor
@@ -384,13 +390,11 @@ class ExpertPlacer:
             if saved.get("ranks") == self.ranks and len(slots) == R and set(slots) == set(range(self.num_experts)):
                 new = slots
             elif rows:
-                loads = [sum(col) for col in zip(*rows)]
-                new = self._keep_rows(experts.slot_map.slots, place_experts(loads, R, self.ranks, self.nodes))
+                new = self._from_window(name)[2]
                 replanned.append(name)
             else:
                 continue
-            experts.slot_map = SlotMap(new, self.num_experts, self.ps.device, self.me, self.ranks)
-            self._prepare(name)
+            self._place(name, new)
         return replanned
 
     def _home(self) -> list[int]:

@@ -228,8 +228,9 @@ class Checkpointer:
             (tmp / "parts").mkdir()
         dist.barrier()
         msd, osd, _ = self._state_dicts(parts, optimizers)
-        if self.eplb is not None:
+        if self.eplb is not None:  # logical stacks; each MoE layer's placement and window of loads
             self.eplb.to_logical(msd, osd)
+            train_state = {**train_state, "eplb": self.eplb.state_dict()}
         state = {"model": msd, "optim": osd, "train": dict(train_state)}
         rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
         meta = {"step": step, "world_size": self.ps.world_size, "layout": layout, "train_state": train_state,

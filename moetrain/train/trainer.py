@@ -349,8 +349,6 @@ class Trainer:
             train_state["lora_base"] = self.lora_base
         if self.cfg.model.dsa.enabled:
             train_state["dsa_stage"] = self.cfg.model.dsa.stage
-        if self.eplb is not None:  # each MoE layer's placement and window of loads
-            train_state["eplb"] = self.eplb.state_dict()
         return self.checkpointer.save(self.step, self.model_parts, self.optimizers, train_state, layout,
                                       wait=wait or not self.cfg.checkpoint.async_)
 
