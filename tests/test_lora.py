@@ -417,7 +417,8 @@ def _adapted_run(rank: int, world: int, cfg) -> None:
 # DeepSeek-V3's dense first block and shared experts call their matrices gate_proj / up_proj /
 # down_proj, as its routed experts do: PEFT loads every target of those names into the experts,
 # so the export refuses adapters there (below); the fine-tune adapts attention and experts.
-PEFT_TARGETS = {"mixtral": ["all-linear"], "qwen3_moe": ["all-linear"],
+PEFT_TARGETS = {"mixtral": ["all-linear"], "qwen3_moe": ["all-linear"], "llama4_text": ["all-linear"],
+                "gpt_oss": ["all-linear"],
                 "deepseek_v3": ["wq_a", "wq_b", "wkv_a", "wk_rope", "wkv_b", "wo", "experts.w1", "experts.w2",
                                 "experts.w3"]}
 
@@ -427,7 +428,9 @@ def test_peft_loads_the_exported_adapters_with_moetrains_logits(arch, tiny_shard
     """Import an HF model, fine-tune adapters on its projections and every expert in dp2 × ep2,
     export them with ``--lora``: ``peft.PeftModel.from_pretrained`` on transformers' model gives
     the logits of moetrain's adapted model (fp32, within 1e-5; measured 1.7e-6 of logits up to
-    3.5). DeepSeek-V3's adapters on its dense MLP are refused, naming the fix."""
+    3.5). Llama 4's and GPT-OSS's fused expert parameters take PEFT's LoRA on parameters (w1 and
+    w3 at rank 2·r in ``gate_up_proj``, concatenated and interleaved). DeepSeek-V3's adapters on
+    its dense MLP are refused, naming the fix."""
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM

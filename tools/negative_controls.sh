@@ -114,4 +114,15 @@ control eplb-resumed-placement moetrain/train/checkpoint.py \
 control eplb-nodes-respected moetrain/parallel/eplb.py \
     "self.nodes = nodes if even and" "self.nodes = 1 if even and" \
     "tests/test_eplb_training.py::test_eplb_over_two_nodes_with_the_hierarchical_dispatcher"
+control peft-fused-orientation moetrain/hf/peft.py \
+    "swapped=arch.moe_names.experts == \"fused_cat\")" "swapped=arch.moe_names.experts != \"fused_cat\")" \
+    "tests/test_lora.py::test_peft_loads_the_exported_adapters_with_moetrains_logits[llama4_text]" \
+    "tests/test_lora.py::test_peft_loads_the_exported_adapters_with_moetrains_logits[gpt_oss]"
+control peft-fused-rank-columns moetrain/hf/peft.py \
+    "b_e.permute(1, 2, 0).flatten(1)" "b_e.permute(1, 0, 2).flatten(1)" \
+    "tests/test_lora.py::test_peft_loads_the_exported_adapters_with_moetrains_logits[llama4_text]"
+control peft-fused-interleave moetrain/hf/peft.py \
+    "right = m.part.assemble(rights) if m.part is not None else rights[0]" \
+    "right = torch.cat(rights, dim=2) if m.part is not None else rights[0]" \
+    "tests/test_lora.py::test_peft_loads_the_exported_adapters_with_moetrains_logits[gpt_oss]"
 exit $bad

@@ -16,9 +16,12 @@ a weight split into several HF modules splits B's rows; several moetrain weights
 into one HF module (MLA's ``kv_a_proj_with_mqa``) give it A = [A_1; A_2] and B = diag(B_1, B_2),
 rank n·r, declared in ``rank_pattern`` with ``alpha_pattern`` keeping its scale alpha / r (a
 member without an adapter contributes zero blocks). So PEFT's B A · alpha / r is exactly the
-delta moetrain computes. What an adapter cannot carry is refused, naming ``--merge``: routers
-trained whole, routing biases moved by training, columns or interleaved parts (GPT-OSS's fused
-experts), and adapters on a dense MLP or shared expert whose HF name is the experts' own
+delta moetrain computes. Fused expert parameters (Llama 4's and GPT-OSS's ``gate_up_proj`` and
+``down_proj``, [E, in, out]) take PEFT's LoRA on parameters (``target_parameters``, one
+``ParamWrapper`` per parameter; :func:`_fused_adapter`), w1 and w3 together at rank 2·r in
+``gate_up_proj``. What an adapter cannot carry is refused, naming ``--merge``: routers
+trained whole, routing biases moved by training, a 2-D weight stored as columns or interleaved
+parts of one tensor, and adapters on a dense MLP or shared expert whose HF name is the experts' own
 (DeepSeek-V3's ``gate_proj``): PEFT 0.21 with transformers 5 moves every target of that name to the
 fused expert parameters and would drop them.
 """
@@ -55,6 +58,44 @@ def _b_rows_to_hf(m: TensorMap, b: torch.Tensor) -> list[torch.Tensor]:
 
 def _module(hf_name: str) -> str:
     return hf_name.removesuffix(".weight")
+
+
+def _fused_adapter(m: TensorMap, maps: dict[str, TensorMap], pairs: dict[str, tuple[str, str]],
+                   reader: CheckpointReader, r: int, swapped: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """PEFT's ``lora_A`` and ``lora_B`` weights of the LoRA ``ParamWrapper`` on a fused expert
+    parameter (``m.hf``: [E, in, out] with x @ W[e], Llama 4's and GPT-OSS's ``gate_up_proj``
+    [E, D, 2F] and ``down_proj`` [E, F, D]), holding the adapters of the moetrain weights it is
+    made of (w1 and w3 as parts of ``gate_up_proj``, w2 alone).
+
+    Per expert the delta is L_e R_e · alpha / r' with L_e [in, r'] = [A_1 … A_n] (moetrain's A
+    [in, r] of each member) and R_e [r', out] the members' B [r, out] on the block diagonal,
+    their columns concatenated or interleaved as the parameter holds the members: rank
+    r' = n·r, exact (a member without an adapter contributes zero blocks). PEFT 0.21
+    (``ParamWrapper``, checked with transformers 5.24) stores E · r' rows of ``lora_A`` (expert
+    e's rank rows at e·r') and E · r' columns of ``lora_B`` (column j·E + e), and reads the delta
+    of expert e as A_eᵀ B_eᵀ, or as B_e A_e where the module does not mark its stacks
+    ``is_transposed`` (Llama 4's; ``swapped``): then B_e = L_e and A_e = R_e, else A_e = L_eᵀ
+    and B_e = R_eᵀ.
+    Returns (lora_A [E·r', cols], lora_B [rows, E·r'], r')."""
+    members = m.part.members if m.part is not None else (m.ours,)
+    E, n = m.shape[0], len(members)
+    lefts, rights = [], []
+    for i, member in enumerate(members):
+        mm = maps[member]
+        if member in pairs:
+            t = reader.read(list(pairs[member]))
+            a, b = (x.float() for x in t.values())  # [E or 1, in, r], [E or 1, r, out]
+            a, b = a.expand(E, *a.shape[1:]), b.expand(E, *b.shape[1:])
+        else:
+            a, b = torch.zeros(E, mm.shape[1], r), torch.zeros(E, r, mm.shape[2])
+        lefts.append(a)
+        right = torch.zeros(E, n * r, mm.shape[2])
+        right[:, i * r:(i + 1) * r] = b
+        rights.append(right)
+    left = torch.cat(lefts, dim=2)                                       # [E, in, r']
+    right = m.part.assemble(rights) if m.part is not None else rights[0]  # [E, r', out]
+    a_e, b_e = (right, left) if swapped else (left.transpose(1, 2), right.transpose(1, 2))
+    return a_e.flatten(0, 1), b_e.permute(1, 2, 0).flatten(1), n * r
 
 
 def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str | None = None,
@@ -107,10 +148,18 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str 
         if a.shape[0] != lo.r:
             ranks[module] = a.shape[0]
 
+    fused: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = {}  # module → param → (A, B, rank)
     done: set[str] = set()
     for weight, (a_name, b_name) in sorted(pairs.items()):
         m = maps[weight]
-        if m.layout == "experts":
+        if m.layout == "copy" and ".moe.experts." in m.ours and len(m.shape) == 3:  # fused [E, in, out]
+            if m.hf in done:
+                continue
+            done.add(m.hf)
+            module, param = m.hf.rsplit(".", 1)
+            fused.setdefault(module, {})[param] = _fused_adapter(
+                m, maps, pairs, reader, lo.r, swapped=arch.moe_names.experts == "fused_cat")
+        elif m.layout == "experts":
             t = reader.read([a_name, b_name])
             a, b = t[a_name].float(), t[b_name].float()
             for e, hf_name in enumerate(m.hf_names()):
@@ -142,6 +191,23 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str 
             for hf_name, b_hf in zip(m.hf_names(), _b_rows_to_hf(m, b)):
                 put(hf_name, a, b_hf)
 
+    params: set[str] = set()
+    for module, by_param in fused.items():
+        # PEFT wraps a module's targeted parameters in the order the module defines them, each
+        # wrapper the ``base_layer`` of the next: transformers defines gate_up_proj first
+        order = [p for p in ("gate_up_proj", "down_proj") if p in by_param]
+        for i, param in enumerate(order):
+            a, b, rank = by_param[param]
+            at = module + ".base_layer" * (len(order) - 1 - i)
+            tensors[f"base_model.model.{at}.lora_A.weight"] = a.contiguous()
+            tensors[f"base_model.model.{at}.lora_B.weight"] = b.contiguous()
+            params.add(f"experts.{param}")
+            if rank != lo.r:
+                # PEFT 0.21 sets a parameter's rank from the pattern key matching module.param, and
+                # then warns that the key "did not match any targeted module and [was] ignored"
+                # (its check reads module names only; its own conversion of the per-expert format
+                # warns the same): the logits PEFT gives show the rank applied
+                ranks[f"{module}.{param}"] = rank
     expert_leaves = {_module(n).rsplit(".", 1)[-1] for m in maps.values() if m.layout == "experts"
                      for n in m.hf_names()[:1]}
     clash = sorted({k.split(".lora_")[0].removeprefix("base_model.model.") for k in tensors
@@ -156,7 +222,8 @@ def export_lora(ckpt: str | os.PathLike, out: str | os.PathLike, arch_name: str 
         # lora_dropout 0: the directory is for inference, where dropout does nothing, and PEFT's LoRA
         # on the fused expert parameters refuses any other value
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.r, "lora_alpha": lo.lora_alpha,
-        "lora_dropout": 0.0, "target_modules": sorted(leaves), "bias": "none",
+        "lora_dropout": 0.0, "target_modules": sorted(leaves), "target_parameters": sorted(params) or None,
+        "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None,
         "rank_pattern": ranks, "alpha_pattern": {k: lo.lora_alpha * v / lo.r for k, v in ranks.items()},
