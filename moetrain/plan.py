@@ -11,8 +11,9 @@ stages, dp, cp, ep, ZeRO stage, micro-batch, activation checkpointing, schedule)
 ``--layout`` fixes some or all of those keys (``tp, pp, dp, cp, ep, etp, vpp, zero, mbs, ac,
 schedule, sp``); with all of them it evaluates that one layout, fitting or not.
 ``--expert-loads FILE`` (a run's ``metrics.jsonl``, or a JSON list of tokens per expert) takes
-the busiest expert-parallel rank's share of the tokens from measured loads at each ep, instead of
-the assumed imbalance; ``--redundant-experts N`` shows what N spare slots placed by EPLB
+the busiest expert-parallel rank's share of the tokens from measured loads at each ep (each
+step's, averaged over the steps: a step waits for its own busiest rank), instead of the assumed
+imbalance; ``--redundant-experts N`` shows what N spare slots placed by EPLB
 (:mod:`moetrain.topology.eplb`) make of it.
 ``--published`` prints the comparison with published training results, dense and MoE: run,
 hardware, GPUs, precision, metric, published value, prediction, error, layout, and the median /
@@ -114,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a config value (repeatable), as for submit")
     ap.add_argument("--published", action="store_true", help="compare with published training results")
     ap.add_argument("--expert-loads", metavar="FILE",
-                    help="measured tokens per expert: a run's metrics.jsonl (the mean of its steps' expert_load, "
-                         "per MoE layer) or a JSON list (one layer) or list of lists; the busiest expert-parallel "
-                         "rank's share then comes from them at each ep instead of the assumed 1.1")
+                    help="measured tokens per expert: a run's metrics.jsonl (each step's expert_load, per MoE "
+                         "layer) or a JSON list (one layer) or list of lists; the busiest expert-parallel rank's "
+                         "share of each step, averaged over the steps, then comes from them at each ep instead of "
+                         "the assumed 1.1")
     ap.add_argument("--redundant-experts", type=int, default=None, metavar="N",
                     help="with --expert-loads: N spare expert slots placed by EPLB, its effect on the busiest rank "
                          "(default: the config's moe.eplb.redundant_experts when moe.eplb is on, else 0)")
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed: dict[str, Any] = parse_layout_spec(args.layout) if args.layout else {}
         planner = Planner.from_config(cfg, prof, n_nodes, allocation=alloc)
         if args.expert_loads:
+            planner.expert_load_steps = read_expert_load_steps(Path(args.expert_loads))
             planner.expert_loads = read_expert_loads(Path(args.expert_loads))
             planner.redundant_experts = (args.redundant_experts if args.redundant_experts is not None
                                          else planner.shape.redundant_experts)
@@ -215,33 +218,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def read_expert_loads(path: Path) -> list[list[float]]:
-    """Tokens per expert per MoE layer ([layers][E]) from ``path``: a run's ``metrics.jsonl``
-    (the mean over its records of each layer's ``expert_load`` tokens) or a JSON list (one
-    layer) or list of lists.
+def read_expert_load_steps(path: Path) -> list[list[list[float]]]:
+    """Tokens per expert per MoE layer of each record ([records][layers][E]) from ``path``: a
+    run's ``metrics.jsonl`` (one record per step that logged ``expert_load``, every layer in
+    each) or a JSON list (one layer) or list of lists (one record).
 
     Raises:
-        ValueError: no loads in the file, or layers of different expert counts.
+        ValueError: no loads in the file, layers of different expert counts, or a record
+            without some layer.
     """
     text = path.read_text()
     if path.suffix == ".jsonl":
-        sums: dict[str, list[float]] = {}
-        count: dict[str, int] = {}
+        records = []
         for line in text.splitlines():
             rec = json.loads(line) if line.strip() else {}
-            for layer, v in (rec.get("expert_load") or {}).items():
-                row = sums.setdefault(layer, [0.0] * len(v["tokens"]))
-                sums[layer] = [a + b for a, b in zip(row, v["tokens"])]
-                count[layer] = count.get(layer, 0) + 1
-        loads = [[x / count[k] for x in sums[k]] for k in sorted(sums, key=lambda k: (len(k), k))]
+            if rec.get("expert_load"):
+                records.append({k: v["tokens"] for k, v in rec["expert_load"].items()})
+        layers = sorted({k for r in records for k in r}, key=lambda k: (len(k), k))
+        if any(set(r) != set(layers) for r in records):
+            raise ValueError(f"{path}: some records' expert_load lack some of the layers {layers}")
+        steps = [[r[k] for k in layers] for r in records]
     else:
         data = json.loads(text)
-        loads = [data] if data and not isinstance(data[0], list) else data
-    if not loads or not loads[0]:
+        steps = [[data] if data and not isinstance(data[0], list) else data]
+    if not steps or not steps[0] or not steps[0][0]:
         raise ValueError(f"{path}: no expert loads (a metrics.jsonl with expert_load, or a JSON list)")
-    if len({len(row) for row in loads}) != 1:
+    if len({len(row) for rec in steps for row in rec}) != 1:
         raise ValueError(f"{path}: the layers have different numbers of experts")
-    return [[float(x) for x in row] for row in loads]
+    return [[[float(x) for x in row] for row in rec] for rec in steps]
+
+
+def read_expert_loads(path: Path) -> list[list[float]]:
+    """Tokens per expert per MoE layer ([layers][E]) from ``path``: the mean over the records
+    of :func:`read_expert_load_steps`.
+
+    Raises:
+        ValueError: as :func:`read_expert_load_steps`.
+    """
+    steps = read_expert_load_steps(path)
+    return [[sum(rec[li][e] for rec in steps) / len(steps) for e in range(len(steps[0][li]))]
+            for li in range(len(steps[0]))]
 
 
 if __name__ == "__main__":

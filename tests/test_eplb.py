@@ -62,12 +62,13 @@ def test_bad_shapes_are_refused(args, match):
 
 def test_the_planner_takes_the_busiest_rank_from_measured_loads(tmp_path):
     """``moetrain.plan --expert-loads``: the busiest ep rank's share at each ep from a run's
-    metrics (contiguous placement), and what ``--redundant-experts`` spare slots make of it."""
+    metrics (contiguous placement), what ``--redundant-experts`` spare slots make of it, and the
+    busiest rank of each step where the loads move between ranks from step to step."""
     import dataclasses
     import json
 
     from moetrain.config import load_config
-    from moetrain.plan import read_expert_loads
+    from moetrain.plan import read_expert_load_steps, read_expert_loads
     from moetrain.planner.layout import Layout
     from moetrain.planner.search import Planner
     from moetrain.topology import load_profile
@@ -95,6 +96,20 @@ def test_the_planner_takes_the_busiest_rank_from_measured_loads(tmp_path):
     planner.expert_loads = None
     assumed = planner.evaluate(dataclasses.replace(lay)).step_s
     assert balanced < skewed and abs(balanced - assumed) < 0.2 * assumed
+
+    # Loads that move between ranks from step to step: even on the mean, but each step waits for
+    # that step's busiest rank (all of layer 0's tokens on one of 2 ranks: 2.0)
+    rows = [{"step": s, "expert_load": {"0": {"tokens": [20, 20, 0, 0] if s % 2 else [0, 0, 20, 20]}}}
+            for s in (1, 2, 3, 4)]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    planner.redundant_experts = 0
+    planner.expert_loads = read_expert_loads(metrics)
+    assert planner.expert_loads == [[10.0] * 4]
+    assert planner.measured_imbalance(2) == pytest.approx(1.0)
+    planner.expert_load_steps = read_expert_load_steps(metrics)
+    assert len(planner.expert_load_steps) == 4
+    assert planner.measured_imbalance(2) == pytest.approx(2.0)
+    assert planner.measured_imbalance(4) == pytest.approx(2.0)  # one expert per rank: 20 of a mean 10
 
 
 def test_the_planner_counts_eplbs_spare_slots(tmp_path):

@@ -125,4 +125,7 @@ control peft-fused-interleave moetrain/hf/peft.py \
     "right = m.part.assemble(rights) if m.part is not None else rights[0]" \
     "right = torch.cat(rights, dim=2) if m.part is not None else rights[0]" \
     "tests/test_lora.py::test_peft_loads_the_exported_adapters_with_moetrains_logits[gpt_oss]"
+control planner-per-step-imbalance moetrain/planner/search.py \
+    "steps = self.expert_load_steps or [self.expert_loads]" "steps = [self.expert_loads]" \
+    "tests/test_eplb.py::test_the_planner_takes_the_busiest_rank_from_measured_loads"
 exit $bad

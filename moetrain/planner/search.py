@@ -152,6 +152,9 @@ class Planner:
         # expert-parallel rank's share then comes from them at each ep (measured_imbalance),
         # with ``redundant_experts`` spare slots placed by EPLB; None: timing.moe_imbalance.
         self.expert_loads: list[list[float]] | None = None
+        # The same per record ([steps][layers][E]): each step waits for that step's busiest rank
+        # (measured_imbalance); None: the mean loads alone.
+        self.expert_load_steps: list[list[list[float]]] | None = None
         self.redundant_experts = 0
         # What the layout rules (moetrain.config.layout_refusal) read besides the layout: the
         # config's for a planner made from one, else the model shape's with the stage split left
@@ -192,14 +195,18 @@ class Planner:
         return dataclasses.replace(self.timing, moe_imbalance=self.measured_imbalance(lay.ep))
 
     def measured_imbalance(self, ep: int) -> float:
-        """Tokens on the busiest of ``ep`` expert-parallel ranks over the mean, from
-        :attr:`expert_loads`, averaged over the layers (each layer waits for its own busiest
-        rank): the experts placed contiguously (E / ep per rank, moetrain's placement), or with
-        :attr:`redundant_experts` spare slots by EPLB (:func:`moetrain.topology.eplb.place_experts`;
-        where the slots do not split over ``ep``, contiguously). An ep the experts do not split
-        over keeps ``timing.moe_imbalance``."""
+        """Tokens on the busiest of ``ep`` expert-parallel ranks over the mean, from the measured
+        loads, averaged over the layers (each layer waits for its own busiest rank): the experts
+        placed contiguously (E / ep per rank, moetrain's placement), or with
+        :attr:`redundant_experts` spare slots by EPLB from the mean loads
+        (:func:`moetrain.topology.eplb.place_experts`; where the slots do not split over ``ep``,
+        contiguously). With :attr:`expert_load_steps` the ratio is each step's, averaged over the
+        steps: a step waits for its own busiest rank, and the mean loads hide how that rank moves
+        from step to step (the demo config's first 16 steps at dp2 × ep2: 1.41 per step, 1.06 from
+        the mean loads). An ep the experts do not split over keeps ``timing.moe_imbalance``."""
+        steps = self.expert_load_steps or [self.expert_loads]
         ratios = []
-        for loads in self.expert_loads:
+        for li, loads in enumerate(self.expert_loads):
             E = len(loads)
             if self.redundant_experts and (E + self.redundant_experts) % ep == 0:
                 pl = place_experts(loads, E + self.redundant_experts, ep)
@@ -208,9 +215,12 @@ class Planner:
                     return self.timing.moe_imbalance
                 n = E // ep
                 pl = Placement(tuple(tuple(range(p * n, (p + 1) * n)) for p in range(ep)))
-            per_rank = rank_loads(loads, pl)
-            mean = sum(per_rank) / ep
-            ratios.append(max(per_rank) / mean if mean > 0 else 1.0)
+            per_step = []
+            for rec in steps:
+                per_rank = rank_loads(rec[li], pl)
+                mean = sum(per_rank) / ep
+                per_step.append(max(per_rank) / mean if mean > 0 else 1.0)
+            ratios.append(sum(per_step) / len(per_step))
         return sum(ratios) / len(ratios)
 
     # -- placement ---------------------------------------------------------------------------
