@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         planner = Planner.from_config(cfg, prof, n_nodes, allocation=alloc)
         if args.expert_loads:
             planner.expert_load_steps = read_expert_load_steps(Path(args.expert_loads))
-            planner.expert_loads = read_expert_loads(Path(args.expert_loads))
+            planner.expert_loads = mean_loads(planner.expert_load_steps)
             planner.redundant_experts = (args.redundant_experts if args.redundant_experts is not None
                                          else planner.shape.redundant_experts)
             if len(planner.expert_loads[0]) != planner.shape.num_experts:
@@ -248,6 +248,12 @@ def read_expert_load_steps(path: Path) -> list[list[list[float]]]:
     return [[[float(x) for x in row] for row in rec] for rec in steps]
 
 
+def mean_loads(steps: list[list[list[float]]]) -> list[list[float]]:
+    """Tokens per expert per MoE layer ([layers][E]): the mean over the records of ``steps``
+    ([records][layers][E], :func:`read_expert_load_steps`)."""
+    return [[sum(col) / len(steps) for col in zip(*layer)] for layer in zip(*steps)]
+
+
 def read_expert_loads(path: Path) -> list[list[float]]:
     """Tokens per expert per MoE layer ([layers][E]) from ``path``: the mean over the records
     of :func:`read_expert_load_steps`.
@@ -255,9 +261,7 @@ def read_expert_loads(path: Path) -> list[list[float]]:
     Raises:
         ValueError: as :func:`read_expert_load_steps`.
     """
-    steps = read_expert_load_steps(path)
-    return [[sum(rec[li][e] for rec in steps) / len(steps) for e in range(len(steps[0][li]))]
-            for li in range(len(steps[0]))]
+    return mean_loads(read_expert_load_steps(path))
 
 
 if __name__ == "__main__":
